@@ -1,0 +1,232 @@
+//! Runs a [`Plan`] on the CPU: one arena per executable, kernels dispatched step by step.
+
+use std::sync::Arc;
+
+use kiln_ir::DType;
+use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KvCache, Plan, Rows, RuntimeError, Slot, StepInputs};
+
+use crate::kernels::{self, AttentionShape};
+use crate::kv::CpuKvCache;
+use crate::pool::ThreadPool;
+use crate::simd::Isa;
+use crate::weights::CpuWeights;
+
+/// A plan bound to the CPU's weights, with its own activation arena.
+pub struct CpuExecutable {
+    plan: Arc<Plan>,
+    weights: Arc<CpuWeights>,
+    pool: Arc<ThreadPool>,
+    isa: Isa,
+    arena: Vec<f32>,
+}
+
+impl CpuExecutable {
+    /// Binds `plan` to `weights`, checking every weight it uses.
+    pub fn new(plan: Arc<Plan>, weights: Arc<CpuWeights>, pool: Arc<ThreadPool>, isa: Isa) -> Result<Self, RuntimeError> {
+        for step in &plan.steps {
+            match &step.kernel {
+                Kernel::Embed { table: w, .. } | Kernel::MatMul { w, .. } | Kernel::MatMulArgmax { w, .. } => {
+                    weights.matrix(*w)?;
+                }
+                Kernel::RmsNorm { weight, .. } => {
+                    weights.vector(*weight)?;
+                }
+                _ => {}
+            }
+        }
+        let arena = vec![0f32; plan.arena_words];
+        Ok(CpuExecutable { plan, weights, pool, isa, arena })
+    }
+}
+
+/// Views into the arena. The compiler guarantees that a step's output slot never overlaps the
+/// slots it reads, so handing out one `&mut` and several `&` per step is sound.
+struct Arena(*mut f32);
+
+impl Arena {
+    /// SAFETY: `s` lies inside the arena and no `&mut` to it is alive.
+    unsafe fn f32<'a>(&self, s: Slot, len: usize) -> &'a [f32] {
+        std::slice::from_raw_parts(self.0.add(s.offset), len.min(s.len))
+    }
+
+    /// SAFETY: `s` lies inside the arena and nothing else views it during the step.
+    unsafe fn f32_mut<'a>(&self, s: Slot, len: usize) -> &'a mut [f32] {
+        std::slice::from_raw_parts_mut(self.0.add(s.offset), len.min(s.len))
+    }
+
+    /// SAFETY: as `f32`.
+    unsafe fn i32<'a>(&self, s: Slot, len: usize) -> &'a [i32] {
+        std::slice::from_raw_parts(self.0.add(s.offset) as *const i32, len.min(s.len))
+    }
+
+    /// SAFETY: as `f32_mut`.
+    unsafe fn i32_mut<'a>(&self, s: Slot, len: usize) -> &'a mut [i32] {
+        std::slice::from_raw_parts_mut(self.0.add(s.offset) as *mut i32, len.min(s.len))
+    }
+}
+
+impl Executable for CpuExecutable {
+    fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    fn run(&mut self, inputs: StepInputs<'_>, kv: &mut dyn KvCache) -> Result<Vec<HostTensor>, RuntimeError> {
+        let n = inputs.tokens.len();
+        if n == 0 || n > self.plan.rows() {
+            return Err(RuntimeError::StepShape(format!("{n} tokens for a plan of {} rows", self.plan.rows())));
+        }
+        let kv = kv
+            .as_any_mut()
+            .downcast_mut::<CpuKvCache>()
+            .ok_or_else(|| RuntimeError::StepShape("the KV cache does not belong to the CPU backend".into()))?;
+        if kv.len() != inputs.start_pos {
+            return Err(RuntimeError::StepShape(format!("step starts at {} but the KV cache holds {}", inputs.start_pos, kv.len())));
+        }
+        if inputs.start_pos + n > kv.context() {
+            return Err(RuntimeError::KvFull { capacity: kv.context(), needed: inputs.start_pos + n });
+        }
+        let arena = Arena(self.arena.as_mut_ptr());
+        for input in &self.plan.inputs {
+            // SAFETY: input slots are inside the arena; nothing else is borrowed yet.
+            let dst = unsafe { arena.i32_mut(input.slot, n) };
+            match input.name.as_str() {
+                "tokens" => dst.iter_mut().zip(inputs.tokens).for_each(|(d, t)| *d = *t as i32),
+                "positions" => dst.iter_mut().enumerate().for_each(|(i, d)| *d = (inputs.start_pos + i) as i32),
+                other => return Err(RuntimeError::StepShape(format!("unknown plan input '{other}'"))),
+            }
+        }
+        for step in &self.plan.steps {
+            let rows = match step.rows {
+                Rows::Active => n,
+                Rows::One => 1,
+            };
+            // SAFETY: see `Arena`.
+            unsafe { self.step(&arena, &step.kernel, rows, n, inputs.start_pos, kv)? };
+        }
+        let mut outs = Vec::with_capacity(self.plan.outputs.len());
+        for o in &self.plan.outputs {
+            let rows = if o.rows == Rows::One { 1 } else { n };
+            let len = rows * o.width;
+            // SAFETY: output slots are inside the arena; no step is running.
+            let data = unsafe {
+                match o.dtype {
+                    DType::F32 => HostData::F32(arena.f32(o.slot, len).to_vec()),
+                    DType::I32 => HostData::I32(arena.i32(o.slot, len).to_vec()),
+                }
+            };
+            outs.push(HostTensor { name: o.name.clone(), shape: [rows, o.width], data });
+        }
+        Ok(outs)
+    }
+}
+
+impl CpuExecutable {
+    /// Runs one kernel over `rows` rows (`active` is the step's active row count).
+    ///
+    /// SAFETY: the slots of `kernel` come from the compiler's arena plan for this executable.
+    unsafe fn step(&self, a: &Arena, kernel: &Kernel, rows: usize, active: usize, start: usize, kv: &mut CpuKvCache) -> Result<(), RuntimeError> {
+        let (pool, isa, w) = (&*self.pool, self.isa, &*self.weights);
+        match *kernel {
+            Kernel::Embed { table, ids, out, width, scale } => {
+                let table = w.matrix(table)?;
+                let ids = a.i32(ids, rows);
+                if let Some(&bad) = ids.iter().find(|&&id| id < 0 || id as usize >= table.n) {
+                    return Err(RuntimeError::TokenOutOfRange { id: bad as u32, vocab: table.n });
+                }
+                kernels::embed(&table, ids, scale, a.f32_mut(out, rows * width));
+            }
+            Kernel::RmsNorm { x, weight, out, width, eps, residual } => {
+                let wv = w.vector(weight)?;
+                let len = rows * width;
+                let res = residual.map(|r| a.f32(r, len));
+                let x = a.f32(x, len);
+                let out = kernels::SharedMut(a.f32_mut(out, len).as_mut_ptr());
+                pool.for_chunks(rows, 8, &|range| {
+                    let out = out;
+                    let (lo, hi) = (range.start * width, range.end * width);
+                    // SAFETY: each chunk writes its own rows.
+                    let o = std::slice::from_raw_parts_mut(out.0.add(lo), hi - lo);
+                    kernels::rms_norm(&x[lo..hi], wv, eps, res.map(|r| &r[lo..hi]), o);
+                });
+            }
+            Kernel::MatMul { x, w: wid, out, k, n } => {
+                let m = w.matrix(wid)?;
+                kernels::matmul(pool, isa, a.f32(x, rows * k), rows, &m, a.f32_mut(out, rows * n));
+            }
+            Kernel::MatMulArgmax { x, w: wid, out, k, .. } => {
+                let m = w.matrix(wid)?;
+                kernels::matmul_argmax(pool, isa, a.f32(x, rows * k), rows, &m, a.i32_mut(out, rows));
+            }
+            Kernel::Rope { x, positions, out, heads, head_dim, theta } => {
+                let len = rows * heads * head_dim;
+                kernels::rope(a.f32(x, len), a.i32(positions, rows), heads, head_dim, theta, a.f32_mut(out, len));
+            }
+            Kernel::Attention { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale, .. } => {
+                let store = kv.layer_mut(layer).ok_or_else(|| RuntimeError::StepShape(format!("the KV cache has no layer {layer}")))?;
+                if store.len() != start || store.spec().k_width() != kv_heads * head_dim {
+                    return Err(RuntimeError::StepShape(format!("KV cache layer {layer} does not match the plan")));
+                }
+                let shape = AttentionShape { q_heads, kv_heads, head_dim, window, scale };
+                let (kw, qw) = (kv_heads * head_dim, q_heads * head_dim);
+                kernels::attention(
+                    pool,
+                    isa,
+                    a.f32(q, active * qw),
+                    a.f32(k, active * kw),
+                    a.f32(v, active * kw),
+                    active,
+                    start,
+                    store,
+                    shape,
+                    a.f32_mut(out, active * qw),
+                );
+            }
+            Kernel::Add { a: l, b: r, out, width } => {
+                let len = rows * width;
+                let (l, r, o) = (a.f32(l, len), a.f32(r, len), a.f32_mut(out, len));
+                o.iter_mut().zip(l.iter().zip(r)).for_each(|(o, (l, r))| *o = l + r);
+            }
+            Kernel::Mul { a: l, b: r, out, width } => {
+                let len = rows * width;
+                let (l, r, o) = (a.f32(l, len), a.f32(r, len), a.f32_mut(out, len));
+                o.iter_mut().zip(l.iter().zip(r)).for_each(|(o, (l, r))| *o = l * r);
+            }
+            Kernel::Gelu { x, out, width } => {
+                let len = rows * width;
+                let (x, o) = (a.f32(x, len), a.f32_mut(out, len));
+                o.iter_mut().zip(x).for_each(|(o, x)| *o = kernels::gelu_tanh(*x));
+            }
+            Kernel::GeluMul { gate, up, out, width } => {
+                let len = rows * width;
+                let (g, u, o) = (a.f32(gate, len), a.f32(up, len), a.f32_mut(out, len));
+                let op = kernels::SharedMut(o.as_mut_ptr());
+                pool.for_chunks(len, 4096, &|range| {
+                    let op = op;
+                    for i in range {
+                        // SAFETY: each chunk writes its own elements.
+                        *op.0.add(i) = kernels::gelu_tanh(g[i]) * u[i];
+                    }
+                });
+            }
+            Kernel::LastRow { x, out, width } => {
+                let src = &a.f32(x, active * width)[(active - 1) * width..];
+                a.f32_mut(out, width).copy_from_slice(src);
+            }
+            Kernel::Argmax { x, out, width } => {
+                let x = a.f32(x, rows * width);
+                let o = a.i32_mut(out, rows);
+                for (r, o) in o.iter_mut().enumerate() {
+                    let row = &x[r * width..(r + 1) * width];
+                    let mut best = 0;
+                    for (j, v) in row.iter().enumerate() {
+                        if *v > row[best] {
+                            best = j;
+                        }
+                    }
+                    *o = best as i32;
+                }
+            }
+        }
+        Ok(())
+    }
+}

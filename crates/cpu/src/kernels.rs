@@ -1,0 +1,281 @@
+//! The exact CPU kernels: weights dequantized exactly to f32, products accumulated in f32.
+
+use std::cell::RefCell;
+
+use crate::kv::LayerStore;
+use crate::pool::ThreadPool;
+use crate::simd::{axpy, dot, dot4, Isa};
+use crate::weights::PackedMatrix;
+
+thread_local! {
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A pointer that may be shared across the pool's threads; each task writes a disjoint part.
+#[derive(Clone, Copy)]
+pub struct SharedMut<T>(pub *mut T);
+// SAFETY: users guarantee tasks write disjoint elements.
+unsafe impl<T> Sync for SharedMut<T> {}
+// SAFETY: as above.
+unsafe impl<T> Send for SharedMut<T> {}
+
+/// Rows of weights dequantized per tile.
+const TILE: usize = 4;
+
+/// Runs `f(tile_start, tile_rows, dequantized_tile)` over 4-row tiles of `w` rows in `range`.
+fn for_tiles(w: &PackedMatrix<'_>, range: std::ops::Range<usize>, mut f: impl FnMut(usize, usize, [&[f32]; TILE])) {
+    let k = w.k;
+    SCRATCH.with(|s| {
+        let mut s = s.borrow_mut();
+        if s.len() < TILE * k {
+            s.resize(TILE * k, 0.0);
+        }
+        let mut r0 = range.start;
+        while r0 < range.end {
+            let cnt = TILE.min(range.end - r0);
+            for j in 0..cnt {
+                w.row_into(r0 + j, &mut s[j * k..(j + 1) * k]);
+            }
+            let rows: [&[f32]; TILE] = std::array::from_fn(|j| {
+                let j = if j < cnt { j } else { 0 };
+                &s[j * k..(j + 1) * k]
+            });
+            f(r0, cnt, rows);
+            r0 += cnt;
+        }
+    });
+}
+
+/// `out[r, j] = x[r, :] · w[j, :]` for `rows` rows.
+pub fn matmul(pool: &ThreadPool, isa: Isa, x: &[f32], rows: usize, w: &PackedMatrix<'_>, out: &mut [f32]) {
+    let (k, n) = (w.k, w.n);
+    let x = &x[..rows * k];
+    let out = SharedMut(out[..rows * n].as_mut_ptr());
+    pool.for_chunks(n, 16, &|range| {
+        let out = out;
+        for_tiles(w, range, |r0, cnt, tile| {
+            for r in 0..rows {
+                let d = dot4(isa, tile, &x[r * k..(r + 1) * k]);
+                for (j, v) in d.iter().take(cnt).enumerate() {
+                    // SAFETY: column r0 + j < n belongs to this task's range only.
+                    unsafe { *out.0.add(r * n + r0 + j) = *v };
+                }
+            }
+        });
+    });
+}
+
+/// `out[r] = argmax_j x[r, :] · w[j, :]` (lowest index among equal maxima), without storing the
+/// products; `-1` when any product is NaN or infinite (the caller reports it).
+pub fn matmul_argmax(pool: &ThreadPool, isa: Isa, x: &[f32], rows: usize, w: &PackedMatrix<'_>, out: &mut [i32]) {
+    let (k, n) = (w.k, w.n);
+    let tasks = (pool.threads() * 4).min(n.div_ceil(16)).max(1);
+    let chunk = n.div_ceil(tasks);
+    // Per task and row: (best value, its index, whether a non-finite value was seen).
+    let mut best = vec![(f32::NEG_INFINITY, usize::MAX, false); tasks * rows];
+    let best_ptr = SharedMut(best.as_mut_ptr());
+    pool.run(tasks, &|t| {
+        let best_ptr = best_ptr;
+        let range = t * chunk..((t + 1) * chunk).min(n);
+        for_tiles(w, range, |r0, cnt, tile| {
+            for r in 0..rows {
+                let d = dot4(isa, tile, &x[r * k..(r + 1) * k]);
+                // SAFETY: entry t * rows + r is written by task t only.
+                let b = unsafe { &mut *best_ptr.0.add(t * rows + r) };
+                for (j, v) in d.iter().take(cnt).enumerate() {
+                    if !v.is_finite() {
+                        b.2 = true;
+                    } else if *v > b.0 || b.1 == usize::MAX {
+                        *b = (*v, r0 + j, b.2);
+                    }
+                }
+            }
+        });
+    });
+    for (r, o) in out.iter_mut().take(rows).enumerate() {
+        let mut b = (f32::NEG_INFINITY, usize::MAX);
+        let mut bad = false;
+        for t in 0..tasks {
+            let c = best[t * rows + r];
+            bad |= c.2;
+            if c.1 != usize::MAX && (b.1 == usize::MAX || c.0 > b.0 || (c.0 == b.0 && c.1 < b.1)) {
+                b = (c.0, c.1);
+            }
+        }
+        *o = if bad || b.1 == usize::MAX { -1 } else { b.1 as i32 };
+    }
+}
+
+/// `out[r] = table[ids[r]] * scale`.
+pub fn embed(table: &PackedMatrix<'_>, ids: &[i32], scale: f32, out: &mut [f32]) {
+    let k = table.k;
+    for (r, &id) in ids.iter().enumerate() {
+        let row = &mut out[r * k..(r + 1) * k];
+        table.row_into(id as usize, row);
+        row.iter_mut().for_each(|v| *v *= scale);
+    }
+}
+
+/// RMS norm over groups of `width` elements: `out = x / rms(x) * w (+ residual)`.
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, residual: Option<&[f32]>, out: &mut [f32]) {
+    let width = w.len();
+    for (g, (xg, og)) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)).enumerate() {
+        let ms = xg.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>() / width as f64;
+        let inv = 1.0 / ((ms as f32) + eps).sqrt();
+        match residual {
+            Some(res) => {
+                let rg = &res[g * width..(g + 1) * width];
+                for i in 0..width {
+                    og[i] = rg[i] + xg[i] * inv * w[i];
+                }
+            }
+            None => {
+                for i in 0..width {
+                    og[i] = xg[i] * inv * w[i];
+                }
+            }
+        }
+    }
+}
+
+/// NeoX rotary embedding of `rows` rows of `heads` heads of `head_dim` elements.
+pub fn rope(x: &[f32], positions: &[i32], heads: usize, head_dim: usize, theta: f32, out: &mut [f32]) {
+    let half = head_dim / 2;
+    let inv_freq: Vec<f64> = (0..half).map(|i| 1.0 / (theta as f64).powf((2 * i) as f64 / head_dim as f64)).collect();
+    let mut cs = vec![(0f32, 0f32); half];
+    for (r, &pos) in positions.iter().enumerate() {
+        for (c, f) in cs.iter_mut().zip(&inv_freq) {
+            let a = pos as f64 * f;
+            *c = (a.cos() as f32, a.sin() as f32);
+        }
+        for h in 0..heads {
+            let base = (r * heads + h) * head_dim;
+            let (xs, os) = (&x[base..base + head_dim], &mut out[base..base + head_dim]);
+            for (i, &(c, s)) in cs.iter().enumerate() {
+                let (x0, x1) = (xs[i], xs[i + half]);
+                os[i] = x0 * c - x1 * s;
+                os[i + half] = x1 * c + x0 * s;
+            }
+        }
+    }
+}
+
+/// GELU with the tanh approximation, as PyTorch computes it in f32.
+#[inline]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh())
+}
+
+/// Shape of an attention call.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    /// Query heads.
+    pub q_heads: usize,
+    /// Key/value heads (divides `q_heads`).
+    pub kv_heads: usize,
+    /// Head size.
+    pub head_dim: usize,
+    /// Sliding window, if any.
+    pub window: Option<usize>,
+    /// Score scale.
+    pub scale: f32,
+}
+
+/// Causal attention of `rows` new rows at positions `start..start + rows` over the cached
+/// positions of `layer` and the new rows themselves; then appends the new keys and values.
+#[allow(clippy::too_many_arguments)]
+pub fn attention(
+    pool: &ThreadPool,
+    isa: Isa,
+    q: &[f32],
+    k_new: &[f32],
+    v_new: &[f32],
+    rows: usize,
+    start: usize,
+    layer: &mut LayerStore,
+    shape: AttentionShape,
+    out: &mut [f32],
+) {
+    let AttentionShape { q_heads, kv_heads, head_dim: d, window, scale } = shape;
+    let group = q_heads / kv_heads;
+    let kvw = kv_heads * d;
+    let out_ptr = SharedMut(out.as_mut_ptr());
+    let layer_ref: &LayerStore = layer;
+    pool.run(rows * q_heads, &|t| {
+        let out_ptr = out_ptr;
+        let (i, h) = (t / q_heads, t % q_heads);
+        let g = h / group;
+        let p = start + i;
+        let lo = window.map_or(0, |w| (p + 1).saturating_sub(w));
+        let qh = &q[(i * q_heads + h) * d..(i * q_heads + h + 1) * d];
+        let key = |pos: usize| -> &[f32] {
+            if pos < start {
+                &layer_ref.k_row(pos)[g * d..(g + 1) * d]
+            } else {
+                &k_new[(pos - start) * kvw + g * d..(pos - start) * kvw + (g + 1) * d]
+            }
+        };
+        let value = |pos: usize| -> &[f32] {
+            if pos < start {
+                &layer_ref.v_row(pos)[g * d..(g + 1) * d]
+            } else {
+                &v_new[(pos - start) * kvw + g * d..(pos - start) * kvw + (g + 1) * d]
+            }
+        };
+        SCRATCH.with(|s| {
+            let mut scores = s.borrow_mut();
+            scores.clear();
+            scores.extend((lo..=p).map(|pos| dot(isa, qh, key(pos)) * scale));
+            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for v in scores.iter_mut() {
+                *v = (*v - max).exp();
+                sum += *v;
+            }
+            // SAFETY: row i, head h of the output is written by this task only.
+            let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.0.add((i * q_heads + h) * d), d) };
+            o.fill(0.0);
+            for (pos, &w) in (lo..=p).zip(scores.iter()) {
+                axpy(isa, o, w, value(pos));
+            }
+            let inv = 1.0 / sum;
+            o.iter_mut().for_each(|v| *v *= inv);
+        });
+    });
+    layer.append(&k_new[..rows * kvw], &v_new[..rows * kvw], rows);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gelu_matches_known_values() {
+        assert_eq!(gelu_tanh(0.0), 0.0);
+        assert!((gelu_tanh(1.0) - 0.841_192).abs() < 1e-5);
+        assert!((gelu_tanh(-1.0) + 0.158_808).abs() < 1e-5);
+    }
+
+    #[test]
+    fn rope_rotates_pairs() {
+        let x = [1.0, 0.0, 0.0, 1.0]; // head_dim 4, pairs (0,2) and (1,3)
+        let mut out = [0.0; 4];
+        rope(&x, &[1], 1, 4, 10000.0, &mut out);
+        // pair (0,2): freq 1 -> angle 1 rad
+        assert!((out[0] - 1f32.cos()).abs() < 1e-6 && (out[2] - 1f32.sin()).abs() < 1e-6);
+        // pair (1,3): freq 1e-2 -> angle 0.01 rad
+        assert!((out[1] + 0.01f32.sin()).abs() < 1e-6 && (out[3] - 0.01f32.cos()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rms_norm_with_residual() {
+        let x = [3.0, 4.0];
+        let w = [1.0, 2.0];
+        let mut out = [0.0; 2];
+        rms_norm(&x, &w, 0.0, Some(&[10.0, 10.0]), &mut out);
+        let rms = (12.5f32).sqrt();
+        assert!((out[0] - (10.0 + 3.0 / rms)).abs() < 1e-5);
+        assert!((out[1] - (10.0 + 8.0 / rms)).abs() < 1e-5);
+    }
+}

@@ -1,0 +1,108 @@
+//! Shape buckets: which static shape a request of a given length runs in.
+
+/// The static shape a plan is compiled for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Bucket {
+    /// Prompt processing of up to `rows` new tokens in one step.
+    Prefill {
+        /// Row capacity of the plan (active rows may be fewer).
+        rows: usize,
+    },
+    /// One new token per sequence, attending to at most `past` earlier positions.
+    Decode {
+        /// Upper bound on the past length (a power of two, or the context size).
+        past: usize,
+    },
+}
+
+impl Bucket {
+    /// Row capacity of a plan compiled for this bucket.
+    pub fn rows(&self) -> usize {
+        match *self {
+            Bucket::Prefill { rows } => rows,
+            Bucket::Decode { .. } => 1,
+        }
+    }
+
+    /// Upper bound on the number of positions already in the KV cache when this plan runs.
+    pub fn max_past(&self, context: usize) -> usize {
+        match *self {
+            Bucket::Prefill { rows } => context.saturating_sub(rows),
+            Bucket::Decode { past } => past,
+        }
+    }
+}
+
+/// The one bucket policy: maps real lengths to buckets.
+///
+/// Prefill: the next power of two when it wastes at most 1/8 of the rows, else the exact length,
+/// capped at the context size. Decode: a power-of-two ladder over the past length (starting at
+/// `min_decode_past`), capped at the context size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BucketPolicy {
+    /// Context size (the cap of every bucket).
+    pub context: usize,
+    /// Smallest decode bucket.
+    pub min_decode_past: usize,
+}
+
+impl BucketPolicy {
+    /// A policy for a context of `context` positions.
+    pub fn new(context: usize) -> Self {
+        BucketPolicy { context, min_decode_past: 64 }
+    }
+
+    /// The prefill bucket for `n` new tokens (`n >= 1`).
+    pub fn prefill(&self, n: usize) -> Bucket {
+        let n = n.max(1);
+        let pow2 = n.next_power_of_two();
+        // waste (pow2 - n) / pow2 <= 1/8  <=>  8 * (pow2 - n) <= pow2
+        let rows = if 8 * (pow2 - n) <= pow2 { pow2 } else { n };
+        Bucket::Prefill { rows: rows.min(self.context.max(n)) }
+    }
+
+    /// The decode bucket for a step whose KV cache already holds `past` positions.
+    pub fn decode(&self, past: usize) -> Bucket {
+        let need = (past + 1).max(self.min_decode_past);
+        Bucket::Decode { past: need.next_power_of_two().min(self.context.max(need)) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_rounds_up_only_when_cheap() {
+        let p = BucketPolicy::new(4096);
+        assert_eq!(p.prefill(1), Bucket::Prefill { rows: 1 });
+        assert_eq!(p.prefill(6), Bucket::Prefill { rows: 6 }); // 8 would waste 2/8
+        assert_eq!(p.prefill(7), Bucket::Prefill { rows: 8 }); // wastes 1/8
+        assert_eq!(p.prefill(8), Bucket::Prefill { rows: 8 });
+        assert_eq!(p.prefill(9), Bucket::Prefill { rows: 9 });
+        assert_eq!(p.prefill(120), Bucket::Prefill { rows: 128 });
+        assert_eq!(p.prefill(111), Bucket::Prefill { rows: 111 });
+        assert_eq!(p.prefill(112), Bucket::Prefill { rows: 128 });
+        assert_eq!(p.prefill(700), Bucket::Prefill { rows: 700 });
+    }
+
+    #[test]
+    fn prefill_capped_at_context() {
+        let p = BucketPolicy::new(60);
+        assert_eq!(p.prefill(57), Bucket::Prefill { rows: 60 });
+        assert_eq!(p.prefill(60), Bucket::Prefill { rows: 60 });
+    }
+
+    #[test]
+    fn decode_ladder() {
+        let p = BucketPolicy::new(1000);
+        assert_eq!(p.decode(0), Bucket::Decode { past: 64 });
+        assert_eq!(p.decode(63), Bucket::Decode { past: 64 });
+        assert_eq!(p.decode(64), Bucket::Decode { past: 128 });
+        assert_eq!(p.decode(600), Bucket::Decode { past: 1000 });
+        for past in 0..999 {
+            let Bucket::Decode { past: upper } = p.decode(past) else { unreachable!() };
+            assert!(upper > past && upper <= 1000);
+        }
+    }
+}

@@ -1,0 +1,442 @@
+//! Nodes, ops and the checked graph builder.
+
+use crate::Bucket;
+
+/// Element type of a value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// 32-bit float.
+    F32,
+    /// 32-bit signed integer (token ids, positions).
+    I32,
+}
+
+/// Index of a node in its graph (operands always precede their users).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(pub usize);
+
+/// What a graph should hand back: one decode/prefill path, parameterised by its output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OutputMode {
+    /// Logits of the last active row (`logits`: [1, vocab]) — for sampling.
+    Logits,
+    /// Logits of every active row (`logits`: [rows, vocab]) — for perplexity.
+    AllLogits,
+    /// Greedy next token of the last active row (`next_token`: [1] i32), computed in the graph.
+    NextToken,
+    /// Final-norm hidden state of the last active row (`hidden`: [1, hidden]).
+    Hidden,
+}
+
+impl OutputMode {
+    /// The name of the graph output this mode produces.
+    pub fn output_name(self) -> &'static str {
+        match self {
+            OutputMode::Logits | OutputMode::AllLogits => "logits",
+            OutputMode::NextToken => "next_token",
+            OutputMode::Hidden => "hidden",
+        }
+    }
+}
+
+/// One operation. Shapes are row-major; the first dimension of every activation is the row count.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    /// A named input fed at run time (`tokens`, `positions`: [rows] i32).
+    Input {
+        /// Input name.
+        name: String,
+    },
+    /// A named model parameter: [n, k] for a matrix (rows of length k), [k] for a vector.
+    Weight {
+        /// Tensor name in the weight store.
+        name: String,
+    },
+    /// Gathers rows of `table` ([vocab, width]) by `ids` and multiplies them by `scale`.
+    Embed {
+        /// Embedding table (a weight).
+        table: NodeId,
+        /// Token ids ([rows] i32).
+        ids: NodeId,
+        /// Scale applied to every gathered value.
+        scale: f32,
+    },
+    /// RMS normalisation over the last dimension, times `weight` (length = last dimension).
+    RmsNorm {
+        /// Input.
+        x: NodeId,
+        /// Per-element weight vector.
+        weight: NodeId,
+        /// Epsilon added to the mean square.
+        eps: f32,
+    },
+    /// `x` [rows, k] times the transpose of weight `w` [n, k]: [rows, n].
+    MatMul {
+        /// Activations.
+        x: NodeId,
+        /// Weight matrix.
+        w: NodeId,
+    },
+    /// Rotary position embedding (NeoX half-split) on `x` [rows, heads, head_dim].
+    Rope {
+        /// Input.
+        x: NodeId,
+        /// Absolute positions ([rows] i32).
+        positions: NodeId,
+        /// RoPE frequency base.
+        theta: f32,
+    },
+    /// Causal attention of `q` [rows, q_heads, d] over the layer's KV cache plus `k`, `v`
+    /// [rows, kv_heads, d]; appends `k`, `v` to the cache. Output [rows, q_heads * d].
+    Attention {
+        /// Queries.
+        q: NodeId,
+        /// New keys.
+        k: NodeId,
+        /// New values.
+        v: NodeId,
+        /// Layer index (selects the KV cache layer).
+        layer: usize,
+        /// Sliding window (a query sees the last `window` positions including itself), or none.
+        window: Option<usize>,
+        /// Score scale (usually 1/sqrt(d)).
+        scale: f32,
+    },
+    /// Element-wise sum of two values of the same shape.
+    Add {
+        /// Left operand.
+        a: NodeId,
+        /// Right operand.
+        b: NodeId,
+    },
+    /// Element-wise product of two values of the same shape.
+    Mul {
+        /// Left operand.
+        a: NodeId,
+        /// Right operand.
+        b: NodeId,
+    },
+    /// GELU, tanh approximation.
+    Gelu {
+        /// Input.
+        x: NodeId,
+    },
+    /// Same data, new shape (same row count, same element count).
+    Reshape {
+        /// Input.
+        x: NodeId,
+    },
+    /// The last active row of `x` [rows, d]: [1, d].
+    LastRow {
+        /// Input.
+        x: NodeId,
+    },
+    /// Index of the largest value of each row of `x` [rows, n]: [rows] i32.
+    Argmax {
+        /// Input.
+        x: NodeId,
+    },
+}
+
+impl Op {
+    /// The operands of this op, in order.
+    pub fn operands(&self) -> Vec<NodeId> {
+        match *self {
+            Op::Input { .. } | Op::Weight { .. } => vec![],
+            Op::Embed { table, ids, .. } => vec![table, ids],
+            Op::RmsNorm { x, weight, .. } => vec![x, weight],
+            Op::MatMul { x, w } => vec![x, w],
+            Op::Rope { x, positions, .. } => vec![x, positions],
+            Op::Attention { q, k, v, .. } => vec![q, k, v],
+            Op::Add { a, b } | Op::Mul { a, b } => vec![a, b],
+            Op::Gelu { x } | Op::Reshape { x } | Op::LastRow { x } | Op::Argmax { x } => vec![x],
+        }
+    }
+}
+
+/// A node: an op and the static shape and type of its value.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Node {
+    /// The operation.
+    pub op: Op,
+    /// Static shape of the value.
+    pub shape: Vec<usize>,
+    /// Element type of the value.
+    pub dtype: DType,
+}
+
+impl Node {
+    /// Number of elements of the value.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// Errors found while building a graph.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum IrError {
+    /// An op received operands of incompatible shapes or types.
+    #[error("graph op {op}: {msg}")]
+    Shape {
+        /// The op being added.
+        op: &'static str,
+        /// What was wrong.
+        msg: String,
+    },
+    /// A named output was never set.
+    #[error("graph has no output named '{0}'")]
+    MissingOutput(String),
+}
+
+/// A static-shape graph for one bucket.
+#[derive(Clone, Debug)]
+pub struct Graph {
+    nodes: Vec<Node>,
+    outputs: Vec<(String, NodeId)>,
+    bucket: Bucket,
+}
+
+impl Graph {
+    /// All nodes, operands before users.
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    /// One node.
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.nodes[id.0]
+    }
+
+    /// Named outputs.
+    pub fn outputs(&self) -> &[(String, NodeId)] {
+        &self.outputs
+    }
+
+    /// The bucket this graph was built for.
+    pub fn bucket(&self) -> Bucket {
+        self.bucket
+    }
+
+    /// Row capacity of every activation.
+    pub fn rows(&self) -> usize {
+        self.bucket.rows()
+    }
+}
+
+/// Builds a [`Graph`], checking every op's operands as it is added.
+///
+/// Methods return the new node's id; the first error is kept and reported by [`GraphBuilder::finish`].
+pub struct GraphBuilder {
+    nodes: Vec<Node>,
+    outputs: Vec<(String, NodeId)>,
+    bucket: Bucket,
+    error: Option<IrError>,
+}
+
+impl GraphBuilder {
+    /// Starts a graph for `bucket`.
+    pub fn new(bucket: Bucket) -> Self {
+        GraphBuilder { nodes: Vec::new(), outputs: Vec::new(), bucket, error: None }
+    }
+
+    /// Row capacity of the graph.
+    pub fn rows(&self) -> usize {
+        self.bucket.rows()
+    }
+
+    /// Shape of a node already added.
+    pub fn shape(&self, id: NodeId) -> &[usize] {
+        &self.nodes[id.0].shape
+    }
+
+    fn push(&mut self, op: Op, shape: Vec<usize>, dtype: DType) -> NodeId {
+        self.nodes.push(Node { op, shape, dtype });
+        NodeId(self.nodes.len() - 1)
+    }
+
+    fn fail(&mut self, op: &'static str, msg: String) {
+        if self.error.is_none() {
+            self.error = Some(IrError::Shape { op, msg });
+        }
+    }
+
+    fn check(&mut self, op: &'static str, ok: bool, msg: impl FnOnce() -> String) -> bool {
+        if !ok {
+            self.fail(op, msg());
+        }
+        ok
+    }
+
+    fn node(&self, id: NodeId) -> &Node {
+        &self.nodes[id.0]
+    }
+
+    /// A run-time input of `width` values per row (width 1: shape [rows]).
+    pub fn input(&mut self, name: &str, dtype: DType) -> NodeId {
+        let rows = self.rows();
+        self.push(Op::Input { name: name.to_string() }, vec![rows], dtype)
+    }
+
+    /// A named weight of the given shape ([n, k] or [k]).
+    pub fn weight(&mut self, name: &str, shape: &[usize]) -> NodeId {
+        self.check("weight", !shape.is_empty() && shape.len() <= 2, || {
+            format!("weight '{name}' must be 1-D or 2-D, got {shape:?}")
+        });
+        self.push(Op::Weight { name: name.to_string() }, shape.to_vec(), DType::F32)
+    }
+
+    /// Gathers `table` rows by `ids`, times `scale`.
+    pub fn embed(&mut self, table: NodeId, ids: NodeId, scale: f32) -> NodeId {
+        let (t, i) = (self.node(table).clone(), self.node(ids).clone());
+        let ok = matches!(t.op, Op::Weight { .. }) && t.shape.len() == 2 && i.dtype == DType::I32;
+        self.check("embed", ok, || format!("needs a 2-D weight table and i32 ids, got {:?} and {:?}", t.shape, i.dtype));
+        let width = t.shape.get(1).copied().unwrap_or(0);
+        self.push(Op::Embed { table, ids, scale }, vec![i.shape[0], width], DType::F32)
+    }
+
+    /// RMS norm over the last dimension with `weight`.
+    pub fn rms_norm(&mut self, x: NodeId, weight: NodeId, eps: f32) -> NodeId {
+        let (xs, ws) = (self.node(x).shape.clone(), self.node(weight).shape.clone());
+        self.check("rms_norm", ws.len() == 1 && xs.last() == ws.first(), || {
+            format!("weight {ws:?} does not match the last dimension of {xs:?}")
+        });
+        self.push(Op::RmsNorm { x, weight, eps }, xs, DType::F32)
+    }
+
+    /// `x` [rows, k] times `w` [n, k] transposed.
+    pub fn matmul(&mut self, x: NodeId, w: NodeId) -> NodeId {
+        let (xs, ws) = (self.node(x).shape.clone(), self.node(w).shape.clone());
+        let ok = xs.len() == 2 && ws.len() == 2 && xs[1] == ws[1] && matches!(self.node(w).op, Op::Weight { .. });
+        self.check("matmul", ok, || format!("x {xs:?} and weight {ws:?} do not multiply"));
+        let n = ws.first().copied().unwrap_or(0);
+        self.push(Op::MatMul { x, w }, vec![xs[0], n], DType::F32)
+    }
+
+    /// Rotary embedding of `x` [rows, heads, head_dim] at `positions`.
+    pub fn rope(&mut self, x: NodeId, positions: NodeId, theta: f32) -> NodeId {
+        let xs = self.node(x).shape.clone();
+        let ok = xs.len() == 3 && xs[2] % 2 == 0 && self.node(positions).dtype == DType::I32;
+        self.check("rope", ok, || format!("needs [rows, heads, even head_dim] and i32 positions, got {xs:?}"));
+        self.push(Op::Rope { x, positions, theta }, xs, DType::F32)
+    }
+
+    /// Causal attention over the cache of `layer` plus the new rows.
+    pub fn attention(&mut self, q: NodeId, k: NodeId, v: NodeId, layer: usize, window: Option<usize>, scale: f32) -> NodeId {
+        let (qs, ks, vs) = (self.node(q).shape.clone(), self.node(k).shape.clone(), self.node(v).shape.clone());
+        let ok = qs.len() == 3
+            && ks.len() == 3
+            && ks == vs
+            && qs[0] == ks[0]
+            && qs[2] == ks[2]
+            && ks[1] > 0
+            && qs[1] % ks[1] == 0;
+        self.check("attention", ok, || format!("q {qs:?}, k {ks:?}, v {vs:?} are not compatible"));
+        let out = vec![qs[0], qs.get(1).copied().unwrap_or(0) * qs.get(2).copied().unwrap_or(0)];
+        self.push(Op::Attention { q, k, v, layer, window, scale }, out, DType::F32)
+    }
+
+    fn binary(&mut self, name: &'static str, a: NodeId, b: NodeId, op: Op) -> NodeId {
+        let (as_, bs) = (self.node(a).shape.clone(), self.node(b).shape.clone());
+        self.check(name, as_ == bs, || format!("operand shapes differ: {as_:?} vs {bs:?}"));
+        self.push(op, as_, DType::F32)
+    }
+
+    /// `a + b`.
+    pub fn add(&mut self, a: NodeId, b: NodeId) -> NodeId {
+        self.binary("add", a, b, Op::Add { a, b })
+    }
+
+    /// `a * b`.
+    pub fn mul(&mut self, a: NodeId, b: NodeId) -> NodeId {
+        self.binary("mul", a, b, Op::Mul { a, b })
+    }
+
+    /// GELU (tanh approximation).
+    pub fn gelu(&mut self, x: NodeId) -> NodeId {
+        let s = self.node(x).shape.clone();
+        self.push(Op::Gelu { x }, s, DType::F32)
+    }
+
+    /// Reinterprets `x` with `shape` (same rows, same element count).
+    pub fn reshape(&mut self, x: NodeId, shape: &[usize]) -> NodeId {
+        let xs = self.node(x).shape.clone();
+        let ok = shape.first() == xs.first() && shape.iter().product::<usize>() == xs.iter().product::<usize>();
+        self.check("reshape", ok, || format!("cannot reshape {xs:?} to {shape:?}"));
+        self.push(Op::Reshape { x }, shape.to_vec(), DType::F32)
+    }
+
+    /// Last active row of `x` [rows, d].
+    pub fn last_row(&mut self, x: NodeId) -> NodeId {
+        let xs = self.node(x).shape.clone();
+        self.check("last_row", xs.len() == 2, || format!("needs [rows, d], got {xs:?}"));
+        self.push(Op::LastRow { x }, vec![1, xs.get(1).copied().unwrap_or(0)], DType::F32)
+    }
+
+    /// Row-wise argmax of `x` [rows, n].
+    pub fn argmax(&mut self, x: NodeId) -> NodeId {
+        let xs = self.node(x).shape.clone();
+        self.check("argmax", xs.len() == 2, || format!("needs [rows, n], got {xs:?}"));
+        self.push(Op::Argmax { x }, vec![xs[0]], DType::I32)
+    }
+
+    /// Marks `id` as the graph output `name`.
+    pub fn output(&mut self, name: &str, id: NodeId) {
+        self.outputs.push((name.to_string(), id));
+    }
+
+    /// Finishes the graph, reporting the first error met while building.
+    pub fn finish(self) -> Result<Graph, IrError> {
+        if let Some(e) = self.error {
+            return Err(e);
+        }
+        Ok(Graph { nodes: self.nodes, outputs: self.outputs, bucket: self.bucket })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builds_and_infers_shapes() {
+        let mut b = GraphBuilder::new(Bucket::Prefill { rows: 4 });
+        let ids = b.input("tokens", DType::I32);
+        let table = b.weight("emb", &[10, 8]);
+        let x = b.embed(table, ids, 2.0);
+        let w = b.weight("w", &[6, 8]);
+        let y = b.matmul(x, w);
+        let last = b.last_row(y);
+        let am = b.argmax(last);
+        b.output("next_token", am);
+        let g = b.finish().unwrap();
+        assert_eq!(g.node(y).shape, vec![4, 6]);
+        assert_eq!(g.node(last).shape, vec![1, 6]);
+        assert_eq!(g.node(am).dtype, DType::I32);
+        assert_eq!(g.outputs().len(), 1);
+    }
+
+    #[test]
+    fn reports_shape_errors() {
+        let mut b = GraphBuilder::new(Bucket::Prefill { rows: 2 });
+        let ids = b.input("tokens", DType::I32);
+        let table = b.weight("emb", &[10, 8]);
+        let x = b.embed(table, ids, 1.0);
+        let w = b.weight("w", &[6, 7]);
+        b.matmul(x, w);
+        let err = b.finish().unwrap_err();
+        assert!(err.to_string().contains("matmul"), "{err}");
+        assert!(err.to_string().contains("[6, 7]"), "{err}");
+    }
+
+    #[test]
+    fn attention_checks_heads() {
+        let mut b = GraphBuilder::new(Bucket::Decode { past: 64 });
+        let w = b.weight("x", &[1, 12]);
+        let ids = b.input("tokens", DType::I32);
+        let x = b.embed(w, ids, 1.0);
+        let q = b.reshape(x, &[1, 3, 4]);
+        let k = b.reshape(x, &[1, 2, 6]);
+        b.attention(q, k, k, 0, None, 1.0);
+        assert!(b.finish().is_err());
+    }
+}

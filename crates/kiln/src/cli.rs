@@ -1,0 +1,133 @@
+//! Command-line flags. Every engine setting comes from here into one [`EngineConfig`].
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use kiln_runtime::EngineConfig;
+
+/// kiln: run quantized language models from GGUF files.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+pub struct Cli {
+    /// More log output on stderr (-v info, -vv debug).
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    pub verbose: u8,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Generate a continuation of a prompt, streamed to stdout (timings go to stderr).
+    Run(RunArgs),
+    /// Print the token ids of a text as a JSON array.
+    Tokenize(TokenizeArgs),
+    /// Perplexity of a text file (llama-perplexity style).
+    Perplexity(PerplexityArgs),
+    /// Print a GGUF file's metadata and a tensor summary.
+    Info(InfoArgs),
+    /// Download the default model into the cache and print its path.
+    Pull,
+}
+
+/// Which model and how to run it.
+#[derive(Args, Debug)]
+pub struct ModelArgs {
+    /// GGUF model file (default: Gemma 3 270M Q4_K_M, downloaded on first use).
+    #[arg(short, long)]
+    pub model: Option<PathBuf>,
+    /// CPU threads (0: one per core).
+    #[arg(short, long, default_value_t = 0)]
+    pub threads: usize,
+    /// Context size in tokens (0: the model's trained context).
+    #[arg(short = 'c', long, default_value_t = EngineConfig::default().context)]
+    pub context: usize,
+    /// Most tokens per prefill step (longer prompts run in chunks).
+    #[arg(long, default_value_t = EngineConfig::default().max_prefill_rows)]
+    pub batch_size: usize,
+}
+
+impl ModelArgs {
+    /// The engine configuration these flags describe.
+    pub fn config(&self) -> EngineConfig {
+        EngineConfig {
+            threads: self.threads,
+            context: self.context,
+            max_prefill_rows: self.batch_size.max(1),
+            ..EngineConfig::default()
+        }
+    }
+}
+
+/// `kiln run`.
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// The model.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Most tokens to generate.
+    #[arg(short = 'n', long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Top-k sampling (0: off).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Top-p (nucleus) sampling (1: off).
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Min-p sampling (0: off).
+    #[arg(long, default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Repetition penalty (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Random seed (default: from the clock; printed on stderr).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Stop when the text contains this string (may be repeated).
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Wrap the prompt in the model's chat turn format.
+    #[arg(long)]
+    pub chat: bool,
+    /// The prompt.
+    pub prompt: String,
+}
+
+/// `kiln tokenize`.
+#[derive(Args, Debug)]
+pub struct TokenizeArgs {
+    /// GGUF model file (default: the default model).
+    #[arg(short, long)]
+    pub model: Option<PathBuf>,
+    /// The text.
+    pub text: String,
+}
+
+/// `kiln perplexity`.
+#[derive(Args, Debug)]
+pub struct PerplexityArgs {
+    /// The model.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Text file to score.
+    #[arg(short, long)]
+    pub file: PathBuf,
+    /// Print JSON with every token's log-likelihood.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `kiln info`.
+#[derive(Args, Debug)]
+pub struct InfoArgs {
+    /// GGUF file (default: the default model).
+    pub file: Option<PathBuf>,
+    /// Array elements shown per metadata array.
+    #[arg(long, default_value_t = 8)]
+    pub array_items: usize,
+}

@@ -1,0 +1,191 @@
+//! What each subcommand does.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use kiln_cpu::CpuBackend;
+use kiln_gguf::GgufFile;
+use kiln_models::{generate, GenerateParams, Model, OutputMode, SamplingParams, StepOutput, TextControl};
+use kiln_tokenizer::{gemma_chat_prompt, ChatMessage, Tokenizer};
+use serde_json::json;
+
+use crate::cli::{Command, InfoArgs, ModelArgs, PerplexityArgs, RunArgs, TokenizeArgs};
+
+/// Runs one subcommand.
+pub fn dispatch(cmd: Command) -> Result<()> {
+    match cmd {
+        Command::Run(a) => run(a),
+        Command::Tokenize(a) => tokenize(a),
+        Command::Perplexity(a) => perplexity(a),
+        Command::Info(a) => info(a),
+        Command::Pull => {
+            println!("{}", default_model()?.display());
+            Ok(())
+        }
+    }
+}
+
+fn default_model() -> Result<PathBuf> {
+    kiln_hub::ensure_default_model().context("fetching the default model (pass --model FILE to use a local one)")
+}
+
+fn model_path(p: &Option<PathBuf>) -> Result<PathBuf> {
+    match p {
+        Some(p) => Ok(p.clone()),
+        None => default_model(),
+    }
+}
+
+fn load(args: &ModelArgs) -> Result<Model> {
+    let path = model_path(&args.model)?;
+    let config = args.config();
+    let backend = Arc::new(CpuBackend::new(config.threads));
+    Model::load(&path, backend, config).with_context(|| format!("loading {}", path.display()))
+}
+
+fn run(a: RunArgs) -> Result<()> {
+    let model = load(&a.model)?;
+    let tok = model.tokenizer();
+    let text = if a.chat { gemma_chat_prompt(&[ChatMessage::new("user", a.prompt.as_str())], true) } else { a.prompt.clone() };
+    let prompt = tok.encode(&text);
+    let seed = a.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+    });
+    let params = GenerateParams {
+        max_tokens: a.max_tokens,
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            min_p: a.min_p,
+            repetition_penalty: a.repeat_penalty,
+            seed,
+            ..SamplingParams::default()
+        },
+        stop: a.stop.clone(),
+    };
+    let mut session = model.new_session()?;
+    let mut stdout = std::io::stdout().lock();
+    let mut broken_pipe = false;
+    let result = generate(&mut session, &prompt, &params, &mut |piece| {
+        if stdout.write_all(piece.as_bytes()).and_then(|_| stdout.flush()).is_err() {
+            broken_pipe = true;
+            return TextControl::Stop;
+        }
+        TextControl::Continue
+    })?;
+    if !broken_pipe {
+        let _ = writeln!(stdout);
+    }
+    let n = result.tokens.len();
+    eprintln!(
+        "prompt: {} tokens, {:.1} tok/s | generation: {} tokens, {:.1} tok/s | finish: {:?} | seed {} | {}",
+        result.prompt_tokens,
+        result.prompt_tokens as f64 / result.prefill_secs.max(1e-9),
+        n,
+        n.saturating_sub(1) as f64 / result.decode_secs.max(1e-9),
+        result.finish,
+        seed,
+        model.backend_name(),
+    );
+    Ok(())
+}
+
+fn tokenize(a: TokenizeArgs) -> Result<()> {
+    let path = model_path(&a.model)?;
+    let file = GgufFile::open(&path).with_context(|| format!("opening {}", path.display()))?;
+    let tok = Tokenizer::from_gguf(&file)?;
+    println!("{}", serde_json::to_string(&tok.encode(&a.text))?);
+    Ok(())
+}
+
+/// Log-probability of `target` under `logits`, in f64.
+fn log_prob(logits: &[f32], target: u32) -> f64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max + logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+    logits[target as usize] as f64 - lse
+}
+
+fn perplexity(a: PerplexityArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
+    let model = load(&a.model)?;
+    let tok = model.tokenizer();
+    let ids = tok.encode(&text);
+    if ids.len() < 2 {
+        bail!("{} has fewer than 2 tokens; nothing to score", a.file.display());
+    }
+    let ctx = model.context();
+    let vocab = model.architecture().vocab_size();
+    // One window when the text fits; otherwise llama-perplexity's scheme: windows of the context
+    // size, each scoring its second half.
+    let windows: Vec<(usize, usize, usize)> = if ids.len() <= ctx {
+        vec![(0, ids.len(), 1)]
+    } else {
+        (0..ids.len() / ctx).map(|w| (w * ctx, (w + 1) * ctx, ctx / 2)).collect()
+    };
+    let mut scored = Vec::new();
+    let mut session = model.new_session()?;
+    let t0 = std::time::Instant::now();
+    for (start, end, first) in windows {
+        session.reset();
+        let StepOutput::AllLogits { data, .. } = session.forward(&ids[start..end], OutputMode::AllLogits)? else {
+            bail!("the model returned no logits");
+        };
+        for i in first..end - start {
+            let target = ids[start + i];
+            let lp = log_prob(&data[(i - 1) * vocab..i * vocab], target);
+            scored.push((start + i, target, lp));
+        }
+    }
+    let nll_mean = -scored.iter().map(|s| s.2).sum::<f64>() / scored.len() as f64;
+    let ppl = nll_mean.exp();
+    if a.json {
+        let tokens: Vec<_> = scored
+            .iter()
+            .map(|&(pos, id, lp)| json!({"pos": pos, "id": id, "piece": tok.piece(id), "logprob": lp}))
+            .collect();
+        let out = json!({"perplexity": ppl, "nll_mean": nll_mean, "n_tokens": ids.len(), "n_scored": scored.len(), "tokens": tokens});
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!("perplexity: {ppl:.4} ({} tokens scored, mean NLL {nll_mean:.4})", scored.len());
+    }
+    eprintln!("{:.1} tokens/s", ids.len() as f64 / t0.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn info(a: InfoArgs) -> Result<()> {
+    let path = match &a.file {
+        Some(p) => p.clone(),
+        None => default_model()?,
+    };
+    print_info(&path, a.array_items)
+}
+
+fn print_info(path: &Path, items: usize) -> Result<()> {
+    let f = GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?;
+    println!("file: {}", path.display());
+    println!("gguf version {}, alignment {}, {} metadata keys, {} tensors", f.version(), f.alignment(), f.metadata().len(), f.tensors().len());
+    println!("\nmetadata:");
+    for (k, v) in f.metadata() {
+        println!("  {k} = {}", v.summary(items));
+    }
+    let mut by_type: BTreeMap<&str, (usize, u64, u64)> = BTreeMap::new();
+    for t in f.tensors() {
+        let e = by_type.entry(t.ty.name()).or_default();
+        e.0 += 1;
+        e.1 += t.n_elements();
+        e.2 += t.n_bytes;
+    }
+    println!("\ntensors by type:");
+    println!("  {:<8} {:>7} {:>16} {:>12}", "type", "count", "elements", "MiB");
+    let (mut n, mut el, mut by) = (0, 0, 0);
+    for (ty, (c, e, b)) in &by_type {
+        println!("  {ty:<8} {c:>7} {e:>16} {:>12.2}", *b as f64 / (1 << 20) as f64);
+        (n, el, by) = (n + c, el + e, by + b);
+    }
+    println!("  {:<8} {n:>7} {el:>16} {:>12.2}", "total", by as f64 / (1 << 20) as f64);
+    Ok(())
+}

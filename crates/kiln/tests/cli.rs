@@ -1,0 +1,121 @@
+//! End-to-end tests of the `kiln` binary on the default model.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn model() -> PathBuf {
+    kiln_hub::ensure_default_model().expect("default model")
+}
+
+fn refs() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/refs"))
+}
+
+fn kiln(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).output().expect("run kiln")
+}
+
+fn reference(name: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(refs().join(format!("{name}.json"))).unwrap()).unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    assert!(o.status.success(), "kiln failed: {}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout.clone()).expect("utf-8 stdout")
+}
+
+#[test]
+fn tokenize_prints_reference_ids() {
+    let m = model();
+    let r = reference("p0");
+    let out = stdout(&kiln(&["tokenize", "--model", m.to_str().unwrap(), r["prompt"].as_str().unwrap()]));
+    let ids: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(ids, r["input_ids"]);
+}
+
+#[test]
+fn greedy_run_streams_the_reference_continuation() {
+    let m = model();
+    let r = reference("p0");
+    // p0's first near-tie is at step 11: the first 11 greedy tokens are exact.
+    let out = kiln(&["run", "--model", m.to_str().unwrap(), "--temperature", "0", "-n", "11", r["prompt"].as_str().unwrap()]);
+    let text = stdout(&out);
+    let pieces: Vec<&str> = r["greedy"]["pieces"].as_array().unwrap().iter().map(|p| p.as_str().unwrap()).collect();
+    let want: String = pieces[..11].concat().replace('\u{2581}', " ");
+    assert_eq!(text.trim_end_matches('\n'), want);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("tok/s"), "timings go to stderr: {err}");
+}
+
+#[test]
+fn seeded_sampling_is_reproducible() {
+    let m = model();
+    let args = ["run", "--model", m.to_str().unwrap(), "--temperature", "1.0", "--seed", "42", "-n", "12", "Once upon a time"];
+    let (a, b) = (stdout(&kiln(&args)), stdout(&kiln(&args)));
+    assert_eq!(a, b);
+    assert!(!a.trim().is_empty());
+}
+
+#[test]
+fn prompt_longer_than_context_is_a_clear_error() {
+    let m = model();
+    let long = "word ".repeat(100);
+    let out = kiln(&["run", "--model", m.to_str().unwrap(), "-c", "32", &long]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("context"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn info_summarises_metadata_and_tensors() {
+    let m = model();
+    let out = stdout(&kiln(&["info", m.to_str().unwrap()]));
+    assert!(out.contains("general.architecture = "), "{out}");
+    assert!(out.contains("gemma3"));
+    assert!(out.contains("tokenizer.ggml.tokens = "));
+    for ty in ["F32", "Q4_K", "Q5_0", "Q6_K", "Q8_0"] {
+        assert!(out.lines().any(|l| l.trim_start().starts_with(ty)), "no {ty} row in {out}");
+    }
+    assert!(out.contains("236"), "tensor count");
+}
+
+#[test]
+fn malformed_file_is_a_clear_error() {
+    let dir = std::env::temp_dir().join(format!("kiln-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.gguf");
+    std::fs::write(&bad, b"GGUF\x03\x00\x00\x00\xff").unwrap();
+    for args in [vec!["info", bad.to_str().unwrap()], vec!["run", "--model", bad.to_str().unwrap(), "hi"]] {
+        let out = kiln(&args);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.starts_with("error:"), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn perplexity_matches_the_reference() {
+    let m = model();
+    let r = reference("p1");
+    let dir = std::env::temp_dir().join(format!("kiln-ppl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("p1.txt");
+    std::fs::write(&file, r["prompt"].as_str().unwrap()).unwrap();
+    let out = stdout(&kiln(&["perplexity", "--model", m.to_str().unwrap(), "--file", file.to_str().unwrap(), "--json"]));
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let want = r["nll_mean"].as_f64().unwrap();
+    assert!((v["nll_mean"].as_f64().unwrap() - want).abs() < 1e-2, "{} vs {want}", v["nll_mean"]);
+    let toks = v["tokens"].as_array().unwrap();
+    let nll = r["per_token_nll"].as_array().unwrap();
+    assert_eq!(toks.len(), nll.len());
+    for (t, n) in toks.iter().zip(nll) {
+        assert_eq!(t["id"], n["id"]);
+        assert!((t["logprob"].as_f64().unwrap() - n["logprob"].as_f64().unwrap()).abs() < 1e-2);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

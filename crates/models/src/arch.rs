@@ -1,0 +1,33 @@
+//! Architectures: a config read from GGUF metadata plus a graph builder.
+
+use kiln_gguf::GgufFile;
+use kiln_ir::{Bucket, Graph, OutputMode};
+use kiln_runtime::KvLayout;
+
+use crate::gemma3::Gemma3Config;
+use crate::ModelError;
+
+/// Architectures kiln runs (`general.architecture` values).
+pub const SUPPORTED: &[&str] = &["gemma3"];
+
+/// A model family: hyperparameters and the graph builder for one bucket.
+pub trait Architecture: Send + Sync {
+    /// The `general.architecture` name.
+    fn name(&self) -> &'static str;
+    /// The graph for `bucket` producing `mode`'s output.
+    fn build_graph(&self, bucket: Bucket, mode: OutputMode) -> Result<Graph, ModelError>;
+    /// Per-layer KV cache layout for a context of `context` tokens.
+    fn kv_layout(&self, context: usize) -> KvLayout;
+    /// Vocabulary size (logits width).
+    fn vocab_size(&self) -> usize;
+    /// The context length the model was trained for.
+    fn trained_context(&self) -> usize;
+}
+
+/// Reads the architecture named by `general.architecture` and its hyperparameters.
+pub fn architecture_from_gguf(f: &GgufFile) -> Result<Box<dyn Architecture>, ModelError> {
+    match f.architecture()? {
+        "gemma3" => Ok(Box::new(Gemma3Config::from_gguf(f)?)),
+        other => Err(ModelError::UnsupportedArchitecture(other.to_string())),
+    }
+}

@@ -1,0 +1,213 @@
+//! A loaded model and its inference sessions.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use kiln_gguf::GgufFile;
+use kiln_ir::{BucketPolicy, OutputMode};
+use kiln_runtime::{
+    compile, Backend, CompileCache, DeviceWeights, EngineConfig, HostData, HostTensor, KvCache, PlanKey, StepInputs,
+    WeightStore,
+};
+use kiln_tokenizer::Tokenizer;
+
+use crate::{architecture_from_gguf, Architecture, ModelError};
+
+/// A model file loaded onto a backend: weights once per device, plans compiled per bucket.
+pub struct Model {
+    file: Arc<GgufFile>,
+    arch: Box<dyn Architecture>,
+    tokenizer: Tokenizer,
+    store: Arc<WeightStore>,
+    backend: Arc<dyn Backend>,
+    weights: Arc<dyn DeviceWeights>,
+    plans: Mutex<CompileCache>,
+    policy: BucketPolicy,
+    config: EngineConfig,
+}
+
+/// What one forward step hands back.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StepOutput {
+    /// Logits of the last new token ([vocab]).
+    Logits(Vec<f32>),
+    /// Logits of every new token (`rows` × `vocab`, row-major).
+    AllLogits {
+        /// Rows (new tokens).
+        rows: usize,
+        /// Logits, row-major.
+        data: Vec<f32>,
+    },
+    /// The greedy next token after the last new token.
+    Token(u32),
+    /// Final-norm hidden state of the last new token.
+    Hidden(Vec<f32>),
+}
+
+impl Model {
+    /// Opens `path` and loads it onto `backend` with `config`.
+    pub fn load(path: &Path, backend: Arc<dyn Backend>, config: EngineConfig) -> Result<Model, ModelError> {
+        let file = Arc::new(GgufFile::open(path)?);
+        let arch = architecture_from_gguf(&file)?;
+        let tokenizer = Tokenizer::from_gguf(&file)?;
+        if tokenizer.vocab_size() > arch.vocab_size() {
+            return Err(ModelError::Metadata(format!(
+                "the tokenizer has {} tokens but the embedding only {} rows",
+                tokenizer.vocab_size(),
+                arch.vocab_size()
+            )));
+        }
+        let context = match config.context {
+            0 => arch.trained_context(),
+            n => n.min(arch.trained_context()),
+        };
+        let store = Arc::new(WeightStore::new(file.clone())?);
+        let weights = backend.load_weights(&store)?;
+        let plans = Mutex::new(CompileCache::new(config.plan_cache_capacity));
+        let config = EngineConfig { context, ..config };
+        Ok(Model { file, arch, tokenizer, store, backend, weights, plans, policy: BucketPolicy::new(context), config })
+    }
+
+    /// The tokenizer built from the file's metadata.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The architecture (hyperparameters and graph builder).
+    pub fn architecture(&self) -> &dyn Architecture {
+        self.arch.as_ref()
+    }
+
+    /// The model file.
+    pub fn file(&self) -> &GgufFile {
+        &self.file
+    }
+
+    /// The context size in use.
+    pub fn context(&self) -> usize {
+        self.config.context
+    }
+
+    /// The backend's name.
+    pub fn backend_name(&self) -> String {
+        self.backend.name()
+    }
+
+    /// Plans compiled so far (compile-cache misses).
+    pub fn plans_compiled(&self) -> u64 {
+        self.plans.lock().map(|c| c.compiles()).unwrap_or(0)
+    }
+
+    /// A new, empty sequence.
+    pub fn new_session(&self) -> Result<Session<'_>, ModelError> {
+        let kv = self.backend.new_kv_cache(&self.arch.kv_layout(self.config.context))?;
+        Ok(Session { model: self, kv })
+    }
+
+    /// Runs one step of at most one bucket's rows through the cached plan for it.
+    fn run_step(&self, kv: &mut dyn KvCache, tokens: &[u32], mode: OutputMode) -> Result<Vec<HostTensor>, ModelError> {
+        let start = kv.len();
+        let bucket = if tokens.len() == 1 { self.policy.decode(start) } else { self.policy.prefill(tokens.len()) };
+        let key = PlanKey { mode, bucket };
+        let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        let exec = plans.get_or_compile(key, || {
+            let graph = self.arch.build_graph(bucket, mode).map_err(|e| kiln_runtime::RuntimeError::Compile(e.to_string()))?;
+            let plan = Arc::new(compile(&graph, &self.store)?);
+            tracing::debug!(?key, steps = plan.steps.len(), arena_mb = plan.arena_words * 4 / (1 << 20), "compiled plan");
+            self.backend.prepare(plan, &self.weights)
+        })?;
+        Ok(exec.run(StepInputs { tokens, start_pos: start }, kv)?)
+    }
+}
+
+/// One sequence: its KV cache and position.
+pub struct Session<'m> {
+    model: &'m Model,
+    kv: Box<dyn KvCache>,
+}
+
+impl<'m> Session<'m> {
+    /// The model this session runs.
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+
+    /// Tokens processed so far (the next token's position).
+    pub fn position(&self) -> usize {
+        self.kv.len()
+    }
+
+    /// Forgets the sequence.
+    pub fn reset(&mut self) {
+        self.kv.clear();
+    }
+
+    /// Bytes held by the KV cache.
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.bytes()
+    }
+
+    /// Appends `tokens` to the sequence and returns `mode`'s output for them. One path serves
+    /// prefill (many tokens, run in chunks of at most one bucket) and decode (one token).
+    pub fn forward(&mut self, tokens: &[u32], mode: OutputMode) -> Result<StepOutput, ModelError> {
+        let model = self.model;
+        let start = self.kv.len();
+        if tokens.is_empty() {
+            return Err(ModelError::InvalidParameter("no tokens to process".into()));
+        }
+        let needed = start + tokens.len();
+        if needed > model.context() {
+            return Err(ModelError::ContextOverflow { needed, context: model.context() });
+        }
+        let vocab = model.arch.vocab_size();
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(kiln_runtime::RuntimeError::TokenOutOfRange { id: bad, vocab }.into());
+        }
+        let chunk = if mode == OutputMode::AllLogits { model.config.max_logit_rows } else { model.config.max_prefill_rows }.max(1);
+        let mut all = Vec::new();
+        let mut last = Vec::new();
+        for (i, part) in tokens.chunks(chunk).enumerate() {
+            let final_chunk = (i + 1) * chunk >= tokens.len();
+            // Chunks before the last only fill the KV cache: run them for the cheapest output.
+            let step_mode = if final_chunk || mode == OutputMode::AllLogits { mode } else { OutputMode::Hidden };
+            let out = model.run_step(self.kv.as_mut(), part, step_mode)?;
+            let t = out.into_iter().next().ok_or_else(|| ModelError::Metadata("plan produced no output".into()))?;
+            if mode == OutputMode::AllLogits {
+                check_finite(&t, self.kv.len() - part.len())?;
+                if let HostData::F32(v) = t.data {
+                    all.extend_from_slice(&v);
+                }
+            } else if final_chunk {
+                last.push(t);
+            }
+        }
+        let pos = self.kv.len() - 1;
+        match mode {
+            OutputMode::AllLogits => Ok(StepOutput::AllLogits { rows: tokens.len(), data: all }),
+            _ => {
+                let t = last.pop().ok_or_else(|| ModelError::Metadata("plan produced no output".into()))?;
+                check_finite(&t, pos)?;
+                match (mode, t.data) {
+                    (OutputMode::NextToken, HostData::I32(v)) => match v.first() {
+                        Some(&id) if id >= 0 => Ok(StepOutput::Token(id as u32)),
+                        _ => Err(ModelError::NonFinite { position: pos }),
+                    },
+                    (OutputMode::Logits, HostData::F32(v)) => Ok(StepOutput::Logits(v)),
+                    (OutputMode::Hidden, HostData::F32(v)) => Ok(StepOutput::Hidden(v)),
+                    _ => Err(ModelError::Metadata("plan output has the wrong type".into())),
+                }
+            }
+        }
+    }
+}
+
+/// Rejects NaN or infinity in float outputs (`first_pos`: position of the output's first row).
+fn check_finite(t: &HostTensor, first_pos: usize) -> Result<(), ModelError> {
+    if let HostData::F32(v) = &t.data {
+        if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+            let row = i / t.shape[1].max(1);
+            return Err(ModelError::NonFinite { position: first_pos + row });
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,80 @@
+//! The backend trait: what a device must provide to run plans.
+
+use std::any::Any;
+use std::sync::Arc;
+
+use crate::{KvLayout, Plan, RuntimeError, WeightStore};
+
+/// Values copied back to the host.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HostData {
+    /// 32-bit floats.
+    F32(Vec<f32>),
+    /// 32-bit integers.
+    I32(Vec<i32>),
+}
+
+/// A named output of one run, on the host.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostTensor {
+    /// Output name.
+    pub name: String,
+    /// Rows × elements per row.
+    pub shape: [usize; 2],
+    /// The values, row-major.
+    pub data: HostData,
+}
+
+/// The inputs of one step: new tokens at consecutive positions starting at `start_pos`.
+#[derive(Clone, Copy, Debug)]
+pub struct StepInputs<'a> {
+    /// Token ids of the new rows (at most the plan's row count).
+    pub tokens: &'a [u32],
+    /// Absolute position of the first new token (the KV cache must hold exactly this many).
+    pub start_pos: usize,
+}
+
+/// A device's single copy of the model weights, shared by every plan compiled for it.
+pub trait DeviceWeights: Send + Sync {
+    /// Bytes this copy occupies in device memory (0 when the weights are mapped, not copied).
+    fn device_bytes(&self) -> usize;
+    /// For the backend to recover its concrete type.
+    fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
+}
+
+/// A sequence's KV cache, resident on the backend's device.
+pub trait KvCache: Send {
+    /// Positions the cache holds (the next token's position).
+    fn len(&self) -> usize;
+    /// Whether the cache holds no position.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Forgets every position (the memory is kept for reuse).
+    fn clear(&mut self);
+    /// Bytes the cache occupies now.
+    fn bytes(&self) -> usize;
+    /// For the backend to recover its concrete type.
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+}
+
+/// A plan prepared for a device: runs steps against a KV cache.
+pub trait Executable: Send {
+    /// The plan this executes.
+    fn plan(&self) -> &Plan;
+    /// Runs one step over `inputs.tokens.len()` active rows, appending their K/V to `kv`, and
+    /// copies the outputs back.
+    fn run(&mut self, inputs: StepInputs<'_>, kv: &mut dyn KvCache) -> Result<Vec<HostTensor>, RuntimeError>;
+}
+
+/// A compute device.
+pub trait Backend: Send + Sync {
+    /// Short name ("cpu", "cuda:0").
+    fn name(&self) -> String;
+    /// Puts the weights on the device once.
+    fn load_weights(&self, store: &Arc<WeightStore>) -> Result<Arc<dyn DeviceWeights>, RuntimeError>;
+    /// Prepares a plan for this device, sharing `weights`.
+    fn prepare(&self, plan: Arc<Plan>, weights: &Arc<dyn DeviceWeights>) -> Result<Box<dyn Executable>, RuntimeError>;
+    /// An empty KV cache with `layout`.
+    fn new_kv_cache(&self, layout: &KvLayout) -> Result<Box<dyn KvCache>, RuntimeError>;
+}

@@ -1,0 +1,407 @@
+//! The compiler: graph IR → fused, arena-planned [`Plan`].
+//!
+//! Passes: (1) bind weights by name and check their shapes and formats against the store;
+//! (2) fuse — `gelu(a) * b` becomes one gated-activation kernel, `r + rmsnorm(y)` one norm with a
+//! residual, `argmax(x · Wᵀ)` one greedy-head kernel that never writes the logits; reshapes become
+//! aliases; (3) plan one arena: every value gets a slot, slots of values whose lifetimes do not
+//! overlap share memory; (4) emit kernel steps with their row counts (active rows, or one row after
+//! `last_row`).
+
+use std::collections::HashMap;
+
+use kiln_ir::{Graph, NodeId, Op};
+
+use crate::plan::{Kernel, Plan, PlanInput, PlanOutput, Rows, Slot, Step};
+use crate::{RuntimeError, WeightId, WeightStore};
+
+/// Compiles `graph` against the weights in `store`.
+pub fn compile(graph: &Graph, store: &WeightStore) -> Result<Plan, RuntimeError> {
+    let weights = bind_weights(graph, store)?;
+    let uses = use_counts(graph);
+    let absorbed = fusion_candidates(graph, &uses);
+    let rows = row_kinds(graph);
+    let mut c = Lowering { graph, weights, absorbed, rows, buffers: Vec::new(), value_buf: HashMap::new(), steps: Vec::new() };
+    c.lower()?;
+    c.finish()
+}
+
+fn bind_weights(graph: &Graph, store: &WeightStore) -> Result<HashMap<NodeId, WeightId>, RuntimeError> {
+    let mut out = HashMap::new();
+    for (i, node) in graph.nodes().iter().enumerate() {
+        let Op::Weight { name } = &node.op else { continue };
+        let id = store.id(name).ok_or_else(|| RuntimeError::MissingWeight(name.clone()))?;
+        let info = store.info(id);
+        let found = if info.is_vector() { vec![info.row_len] } else { vec![info.n_rows, info.row_len] };
+        if found != node.shape {
+            return Err(RuntimeError::WeightShape { name: name.clone(), expected: node.shape.clone(), found });
+        }
+        if !info.ty.can_dequantize() {
+            return Err(RuntimeError::UnsupportedWeightType { name: name.clone(), ty: info.ty });
+        }
+        out.insert(NodeId(i), id);
+    }
+    Ok(out)
+}
+
+fn use_counts(graph: &Graph) -> Vec<usize> {
+    let mut uses = vec![0; graph.nodes().len()];
+    for node in graph.nodes() {
+        for o in node.op.operands() {
+            uses[o.0] += 1;
+        }
+    }
+    for (_, id) in graph.outputs() {
+        uses[id.0] += 1;
+    }
+    uses
+}
+
+/// Nodes folded into their single consumer.
+fn fusion_candidates(graph: &Graph, uses: &[usize]) -> Vec<bool> {
+    let nodes = graph.nodes();
+    let mut absorbed = vec![false; nodes.len()];
+    let single = |id: NodeId, pred: &dyn Fn(&Op) -> bool| uses[id.0] == 1 && pred(&nodes[id.0].op);
+    for node in nodes {
+        match node.op {
+            Op::Mul { a, b } => {
+                let is_gelu = |op: &Op| matches!(op, Op::Gelu { .. });
+                if single(a, &is_gelu) {
+                    absorbed[a.0] = true;
+                } else if single(b, &is_gelu) {
+                    absorbed[b.0] = true;
+                }
+            }
+            Op::Add { a, b } => {
+                let is_norm = |op: &Op| matches!(op, Op::RmsNorm { .. });
+                if single(b, &is_norm) {
+                    absorbed[b.0] = true;
+                } else if single(a, &is_norm) {
+                    absorbed[a.0] = true;
+                }
+            }
+            Op::Argmax { x } if single(x, &|op| matches!(op, Op::MatMul { .. })) => absorbed[x.0] = true,
+            _ => {}
+        }
+    }
+    absorbed
+}
+
+fn row_kinds(graph: &Graph) -> Vec<Rows> {
+    let mut rows = Vec::with_capacity(graph.nodes().len());
+    for node in graph.nodes() {
+        let r = match node.op {
+            Op::LastRow { .. } => Rows::One,
+            Op::Input { .. } | Op::Weight { .. } => Rows::Active,
+            ref op => {
+                let operands = op.operands();
+                let data: Vec<Rows> =
+                    operands.iter().filter(|o| !matches!(graph.node(**o).op, Op::Weight { .. })).map(|o| rows[o.0]).collect();
+                if data.contains(&Rows::One) { Rows::One } else { Rows::Active }
+            }
+        };
+        rows.push(r);
+    }
+    rows
+}
+
+struct Buffer {
+    words: usize,
+    first: usize,
+    last: usize,
+    offset: usize,
+}
+
+struct Lowering<'g> {
+    graph: &'g Graph,
+    weights: HashMap<NodeId, WeightId>,
+    absorbed: Vec<bool>,
+    rows: Vec<Rows>,
+    buffers: Vec<Buffer>,
+    value_buf: HashMap<NodeId, usize>,
+    steps: Vec<(Kernel, Rows)>, // kernels with buffer placeholders
+}
+
+/// A slot placeholder: buffer index in `offset`, fixed up once offsets are planned.
+fn placeholder(buf: usize) -> Slot {
+    Slot { offset: buf, len: 0 }
+}
+
+impl Lowering<'_> {
+    fn weight(&self, id: NodeId) -> Result<WeightId, RuntimeError> {
+        self.weights.get(&id).copied().ok_or_else(|| RuntimeError::Compile(format!("node {} is not a weight", id.0)))
+    }
+
+    fn new_buffer(&mut self, node: NodeId) -> usize {
+        let words = self.graph.node(node).numel();
+        let step = self.steps.len();
+        self.buffers.push(Buffer { words, first: step, last: step, offset: 0 });
+        let b = self.buffers.len() - 1;
+        self.value_buf.insert(node, b);
+        b
+    }
+
+    fn read(&mut self, node: NodeId) -> Result<usize, RuntimeError> {
+        let b = *self
+            .value_buf
+            .get(&node)
+            .ok_or_else(|| RuntimeError::Compile(format!("node {} is read before it is computed", node.0)))?;
+        self.buffers[b].last = self.buffers[b].last.max(self.steps.len());
+        Ok(b)
+    }
+
+    fn width(&self, node: NodeId) -> usize {
+        self.graph.node(node).shape[1..].iter().product()
+    }
+
+    fn emit(&mut self, node: NodeId, kernel: impl FnOnce(&mut Self, Slot) -> Result<Kernel, RuntimeError>) -> Result<(), RuntimeError> {
+        let out = self.new_buffer(node);
+        let k = kernel(self, placeholder(out))?;
+        let rows = self.rows[node.0];
+        self.steps.push((k, rows));
+        Ok(())
+    }
+
+    fn lower(&mut self) -> Result<(), RuntimeError> {
+        let g = self.graph;
+        for (i, node) in g.nodes().iter().enumerate() {
+            let id = NodeId(i);
+            if self.absorbed[i] {
+                continue;
+            }
+            match node.op {
+                Op::Weight { .. } => {}
+                Op::Input { .. } => {
+                    let b = self.new_buffer(id);
+                    self.buffers[b].first = 0; // written before the first step
+                }
+                Op::Reshape { x } => {
+                    let b = self.read(x)?;
+                    self.value_buf.insert(id, b);
+                }
+                Op::Embed { table, ids, scale } => {
+                    let (t, ids) = (self.weight(table)?, self.read(ids)?);
+                    let width = self.width(id);
+                    self.emit(id, |_, out| Ok(Kernel::Embed { table: t, ids: placeholder(ids), out, width, scale }))?;
+                }
+                Op::RmsNorm { x, weight, eps } => {
+                    let (w, xb) = (self.weight(weight)?, self.read(x)?);
+                    let width = self.width(id);
+                    self.emit(id, |_, out| Ok(Kernel::RmsNorm { x: placeholder(xb), weight: w, out, width, eps, residual: None }))?;
+                }
+                Op::MatMul { x, w } => {
+                    let (wid, xb) = (self.weight(w)?, self.read(x)?);
+                    let (k, n) = (self.width(x), self.width(id));
+                    self.emit(id, |_, out| Ok(Kernel::MatMul { x: placeholder(xb), w: wid, out, k, n }))?;
+                }
+                Op::Rope { x, positions, theta } => {
+                    let (xb, pb) = (self.read(x)?, self.read(positions)?);
+                    let (heads, head_dim) = (node.shape[1], node.shape[2]);
+                    self.emit(id, |_, out| {
+                        Ok(Kernel::Rope { x: placeholder(xb), positions: placeholder(pb), out, heads, head_dim, theta })
+                    })?;
+                }
+                Op::Attention { q, k, v, layer, window, scale } => {
+                    let (qb, kb, vb) = (self.read(q)?, self.read(k)?, self.read(v)?);
+                    let positions = self.positions_input()?;
+                    let pb = self.read(positions)?;
+                    let (qs, ks) = (g.node(q).shape.clone(), g.node(k).shape.clone());
+                    self.emit(id, |_, out| {
+                        Ok(Kernel::Attention {
+                            q: placeholder(qb),
+                            k: placeholder(kb),
+                            v: placeholder(vb),
+                            positions: placeholder(pb),
+                            out,
+                            layer,
+                            q_heads: qs[1],
+                            kv_heads: ks[1],
+                            head_dim: qs[2],
+                            window,
+                            scale,
+                        })
+                    })?;
+                }
+                Op::Add { a, b } => self.lower_add(id, a, b)?,
+                Op::Mul { a, b } => {
+                    let width = self.width(id);
+                    let gelu_operand = [a, b].into_iter().find(|o| self.absorbed[o.0]);
+                    if let Some(gate) = gelu_operand {
+                        let Op::Gelu { x: gate_in } = g.node(gate).op else {
+                            return Err(RuntimeError::Compile("fused mul operand is not a gelu".into()));
+                        };
+                        let up = if gate == a { b } else { a };
+                        let (gb, ub) = (self.read(gate_in)?, self.read(up)?);
+                        self.emit(id, |_, out| Ok(Kernel::GeluMul { gate: placeholder(gb), up: placeholder(ub), out, width }))?;
+                    } else {
+                        let (ab, bb) = (self.read(a)?, self.read(b)?);
+                        self.emit(id, |_, out| Ok(Kernel::Mul { a: placeholder(ab), b: placeholder(bb), out, width }))?;
+                    }
+                }
+                Op::Gelu { x } => {
+                    let (xb, width) = (self.read(x)?, self.width(id));
+                    self.emit(id, |_, out| Ok(Kernel::Gelu { x: placeholder(xb), out, width }))?;
+                }
+                Op::LastRow { x } => {
+                    let (xb, width) = (self.read(x)?, self.width(id));
+                    self.emit(id, |_, out| Ok(Kernel::LastRow { x: placeholder(xb), out, width }))?;
+                }
+                Op::Argmax { x } => {
+                    if self.absorbed[x.0] {
+                        let Op::MatMul { x: mx, w } = g.node(x).op else {
+                            return Err(RuntimeError::Compile("fused argmax operand is not a matmul".into()));
+                        };
+                        let (wid, xb) = (self.weight(w)?, self.read(mx)?);
+                        let (k, n) = (self.width(mx), self.width(x));
+                        self.emit(id, |_, out| Ok(Kernel::MatMulArgmax { x: placeholder(xb), w: wid, out, k, n }))?;
+                    } else {
+                        let (xb, width) = (self.read(x)?, self.width(x));
+                        self.emit(id, |_, out| Ok(Kernel::Argmax { x: placeholder(xb), out, width }))?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn lower_add(&mut self, id: NodeId, a: NodeId, b: NodeId) -> Result<(), RuntimeError> {
+        let g = self.graph;
+        let width = self.width(id);
+        let norm_operand = [b, a].into_iter().find(|o| self.absorbed[o.0]);
+        if let Some(norm) = norm_operand {
+            let Op::RmsNorm { x, weight, eps } = g.node(norm).op else {
+                return Err(RuntimeError::Compile("fused add operand is not an rms_norm".into()));
+            };
+            let residual = if norm == b { a } else { b };
+            let (w, xb, rb) = (self.weight(weight)?, self.read(x)?, self.read(residual)?);
+            self.emit(id, |_, out| {
+                Ok(Kernel::RmsNorm { x: placeholder(xb), weight: w, out, width, eps, residual: Some(placeholder(rb)) })
+            })
+        } else {
+            let (ab, bb) = (self.read(a)?, self.read(b)?);
+            self.emit(id, |_, out| Ok(Kernel::Add { a: placeholder(ab), b: placeholder(bb), out, width }))
+        }
+    }
+
+    fn positions_input(&self) -> Result<NodeId, RuntimeError> {
+        self.graph
+            .nodes()
+            .iter()
+            .position(|n| matches!(&n.op, Op::Input { name } if name == "positions"))
+            .map(NodeId)
+            .ok_or_else(|| RuntimeError::Compile("attention needs a 'positions' input".into()))
+    }
+
+    /// Extends output lifetimes to the end, plans offsets, and resolves placeholders.
+    fn finish(mut self) -> Result<Plan, RuntimeError> {
+        let end = self.steps.len();
+        let mut outputs = Vec::new();
+        for (name, id) in self.graph.outputs() {
+            let b = *self.value_buf.get(id).ok_or_else(|| RuntimeError::Compile(format!("output '{name}' is never computed")))?;
+            self.buffers[b].last = end;
+            let node = self.graph.node(*id);
+            outputs.push((name.clone(), b, node.dtype, self.width(*id), self.rows[id.0]));
+        }
+        let arena_words = plan_offsets(&mut self.buffers);
+        let slot = |b: usize, bufs: &[Buffer]| Slot { offset: bufs[b].offset, len: bufs[b].words };
+        let mut inputs = Vec::new();
+        for (i, node) in self.graph.nodes().iter().enumerate() {
+            if let Op::Input { name } = &node.op {
+                if let Some(&b) = self.value_buf.get(&NodeId(i)) {
+                    inputs.push(PlanInput { name: name.clone(), slot: slot(b, &self.buffers) });
+                }
+            }
+        }
+        let bufs = &self.buffers;
+        let fix = |s: &mut Slot| *s = slot(s.offset, bufs);
+        let steps = self
+            .steps
+            .into_iter()
+            .map(|(mut kernel, rows)| {
+                for_each_slot(&mut kernel, fix);
+                Step { kernel, rows }
+            })
+            .collect();
+        let outputs = outputs
+            .into_iter()
+            .map(|(name, b, dtype, width, rows)| PlanOutput { name, slot: slot(b, bufs), dtype, width, rows })
+            .collect();
+        Ok(Plan { bucket: self.graph.bucket(), steps, arena_words, inputs, outputs })
+    }
+}
+
+/// Applies `f` to every slot of a kernel.
+fn for_each_slot(kernel: &mut Kernel, mut f: impl FnMut(&mut Slot)) {
+    match kernel {
+        Kernel::Embed { ids, out, .. } => [ids, out].into_iter().for_each(f),
+        Kernel::RmsNorm { x, out, residual, .. } => {
+            f(x);
+            f(out);
+            if let Some(r) = residual {
+                f(r);
+            }
+        }
+        Kernel::MatMul { x, out, .. } | Kernel::MatMulArgmax { x, out, .. } => [x, out].into_iter().for_each(f),
+        Kernel::Rope { x, positions, out, .. } => [x, positions, out].into_iter().for_each(f),
+        Kernel::Attention { q, k, v, positions, out, .. } => [q, k, v, positions, out].into_iter().for_each(f),
+        Kernel::Add { a, b, out, .. } | Kernel::Mul { a, b, out, .. } => [a, b, out].into_iter().for_each(f),
+        Kernel::GeluMul { gate, up, out, .. } => [gate, up, out].into_iter().for_each(f),
+        Kernel::Gelu { x, out, .. } | Kernel::LastRow { x, out, .. } | Kernel::Argmax { x, out, .. } => {
+            [x, out].into_iter().for_each(f)
+        }
+    }
+}
+
+/// Greedy offset assignment: largest buffers first, each at the lowest offset that does not
+/// collide with an already placed buffer whose lifetime overlaps. Returns the arena size.
+fn plan_offsets(buffers: &mut [Buffer]) -> usize {
+    let mut order: Vec<usize> = (0..buffers.len()).collect();
+    order.sort_by_key(|&b| std::cmp::Reverse(buffers[b].words));
+    let mut placed: Vec<usize> = Vec::new();
+    let mut total = 0;
+    for b in order {
+        let (first, last, words) = (buffers[b].first, buffers[b].last, buffers[b].words);
+        let mut busy: Vec<(usize, usize)> = placed
+            .iter()
+            .map(|&p| &buffers[p])
+            .filter(|p| p.first <= last && first <= p.last)
+            .map(|p| (p.offset, p.offset + p.words))
+            .collect();
+        busy.sort_unstable();
+        let mut offset = 0;
+        for (start, end) in busy {
+            if offset + words <= start {
+                break;
+            }
+            offset = offset.max(end);
+        }
+        buffers[b].offset = offset;
+        total = total.max(offset + words);
+        placed.push(b);
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn buf(words: usize, first: usize, last: usize) -> Buffer {
+        Buffer { words, first, last, offset: 0 }
+    }
+
+    #[test]
+    fn offsets_never_overlap_for_live_buffers() {
+        let mut bufs = vec![buf(10, 0, 2), buf(5, 1, 3), buf(10, 3, 4), buf(7, 2, 5), buf(1, 5, 6)];
+        let total = plan_offsets(&mut bufs);
+        for (i, a) in bufs.iter().enumerate() {
+            assert!(a.offset + a.words <= total);
+            for b in &bufs[i + 1..] {
+                let live = a.first <= b.last && b.first <= a.last;
+                let overlap = a.offset < b.offset + b.words && b.offset < a.offset + a.words;
+                assert!(!(live && overlap));
+            }
+        }
+        // buffers 0 and 2 are never live together: they share memory.
+        assert!(total < 10 + 5 + 10 + 7 + 1);
+    }
+}

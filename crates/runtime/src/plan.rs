@@ -1,0 +1,120 @@
+//! Executable plans: a list of kernel steps over one planned arena.
+
+use kiln_ir::{Bucket, DType};
+
+use crate::WeightId;
+
+/// A region of the plan's arena, in 4-byte words (f32 or i32 elements).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slot {
+    /// First word.
+    pub offset: usize,
+    /// Words reserved (for the bucket's full row count).
+    pub len: usize,
+}
+
+/// How many rows a step processes when it runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rows {
+    /// The active rows of this run (the real length, at most the bucket's rows).
+    Active,
+    /// Exactly one row (values derived from the last row).
+    One,
+}
+
+/// One lowered, possibly fused, operation. Widths are elements per row.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Kernel {
+    /// `out[r] = table[ids[r]] * scale`; the table is gathered row by row from its packed form.
+    Embed { table: WeightId, ids: Slot, out: Slot, width: usize, scale: f32 },
+    /// `out[r] = rmsnorm(x[r]) * weight (+ residual[r])`; rows of `width` elements are normalised
+    /// in groups of the weight's length (one group per head for q/k norms).
+    RmsNorm { x: Slot, weight: WeightId, out: Slot, width: usize, eps: f32, residual: Option<Slot> },
+    /// `out[r] = x[r] · Wᵀ` with W packed [n, k].
+    MatMul { x: Slot, w: WeightId, out: Slot, k: usize, n: usize },
+    /// `out[r] = argmax(x[r] · Wᵀ)` without materialising the products (greedy head).
+    MatMulArgmax { x: Slot, w: WeightId, out: Slot, k: usize, n: usize },
+    /// NeoX rotary embedding of `heads` heads of `head_dim` at `positions`.
+    Rope { x: Slot, positions: Slot, out: Slot, heads: usize, head_dim: usize, theta: f32 },
+    /// Causal attention over the KV cache of `layer` plus the new rows; appends the new rows.
+    Attention {
+        q: Slot,
+        k: Slot,
+        v: Slot,
+        positions: Slot,
+        out: Slot,
+        layer: usize,
+        q_heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        window: Option<usize>,
+        scale: f32,
+    },
+    /// `out = a + b`.
+    Add { a: Slot, b: Slot, out: Slot, width: usize },
+    /// `out = a * b`.
+    Mul { a: Slot, b: Slot, out: Slot, width: usize },
+    /// `out = gelu_tanh(x)`.
+    Gelu { x: Slot, out: Slot, width: usize },
+    /// `out = gelu_tanh(gate) * up` (fused gated MLP activation).
+    GeluMul { gate: Slot, up: Slot, out: Slot, width: usize },
+    /// `out[0] = x[active - 1]`.
+    LastRow { x: Slot, out: Slot, width: usize },
+    /// `out[r] = argmax(x[r])` (i32).
+    Argmax { x: Slot, out: Slot, width: usize },
+}
+
+/// A kernel and how many rows it runs over.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Step {
+    /// The kernel.
+    pub kernel: Kernel,
+    /// Its row count at run time.
+    pub rows: Rows,
+}
+
+/// A named run-time input and where it goes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanInput {
+    /// Input name (`tokens` or `positions`).
+    pub name: String,
+    /// Where its values go.
+    pub slot: Slot,
+}
+
+/// A named output and where to read it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanOutput {
+    /// Output name.
+    pub name: String,
+    /// Where its values are.
+    pub slot: Slot,
+    /// Element type.
+    pub dtype: DType,
+    /// Elements per row.
+    pub width: usize,
+    /// Its row count.
+    pub rows: Rows,
+}
+
+/// A compiled, device-independent plan for one bucket.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// The bucket it was compiled for.
+    pub bucket: Bucket,
+    /// Steps in execution order.
+    pub steps: Vec<Step>,
+    /// Arena size in words.
+    pub arena_words: usize,
+    /// Run-time inputs.
+    pub inputs: Vec<PlanInput>,
+    /// Named outputs.
+    pub outputs: Vec<PlanOutput>,
+}
+
+impl Plan {
+    /// Most rows one run may process.
+    pub fn rows(&self) -> usize {
+        self.bucket.rows()
+    }
+}

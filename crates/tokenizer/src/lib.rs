@@ -1,0 +1,95 @@
+//! Tokenizers built from GGUF metadata.
+//!
+//! [`Tokenizer`] implements SentencePiece-style tokenization as llama.cpp does for
+//! `tokenizer.ggml.model = "llama"`: the input is split on the texts of control and user-defined
+//! tokens (leftmost-longest match), each remaining fragment has its spaces replaced by `▁`, is split
+//! into characters and merged pairwise by highest token score, and characters outside the
+//! vocabulary fall back to `<0xXX>` byte tokens. [`StreamDecoder`] detokenizes incrementally and
+//! [`gemma_chat_prompt`] renders Gemma's chat template.
+
+mod chat;
+mod gguf;
+mod spm;
+mod stream;
+mod tokenizer;
+mod vocab;
+
+pub use chat::{gemma_chat_prompt, ChatMessage};
+pub use stream::StreamDecoder;
+pub use tokenizer::Tokenizer;
+
+/// Errors from building a [`Tokenizer`].
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    /// A metadata key is missing or has the wrong type.
+    #[error("GGUF metadata key `{key}`: {source}")]
+    Metadata {
+        /// The key.
+        key: &'static str,
+        /// The underlying error.
+        source: kiln_gguf::GgufError,
+    },
+
+    /// A metadata array has the wrong element type.
+    #[error("GGUF metadata key `{key}` must be an array of {expected}")]
+    ArrayType {
+        /// The key.
+        key: &'static str,
+        /// The expected element type.
+        expected: &'static str,
+    },
+
+    /// The tokenizer model named by `tokenizer.ggml.model` is not implemented.
+    #[error(
+        "unsupported tokenizer model `{0}` (tokenizer.ggml.model); only `llama` (SentencePiece) is supported"
+    )]
+    UnsupportedModel(String),
+
+    /// The vocabulary has no tokens.
+    #[error("the vocabulary (tokenizer.ggml.tokens) is empty")]
+    EmptyVocabulary,
+
+    /// The vocabulary has 2^32 or more tokens or bytes of token text.
+    #[error("the vocabulary ({0} tokens) is too large: at most 2^32 - 1 tokens and bytes of text are supported")]
+    VocabularyTooLarge(usize),
+
+    /// Scores or token types do not have one entry per token.
+    #[error("{got} {what} for a vocabulary of {expected} tokens")]
+    LengthMismatch {
+        /// "scores" or "token types".
+        what: &'static str,
+        /// Number of entries found.
+        got: usize,
+        /// Number of tokens.
+        expected: usize,
+    },
+
+    /// A special-token id is not in the vocabulary.
+    #[error("the {name} token id {id} is out of range for a vocabulary of {n_vocab} tokens")]
+    SpecialIdOutOfRange {
+        /// "bos", "eos", "unk", "pad", "eot" or "eom".
+        name: &'static str,
+        /// The id.
+        id: u32,
+        /// Number of tokens.
+        n_vocab: usize,
+    },
+
+    /// A token has a token-type code outside 0..=6.
+    #[error("token {id} has unknown type {code} in tokenizer.ggml.token_type")]
+    BadTokenType {
+        /// The token id.
+        id: u32,
+        /// The type code.
+        code: i32,
+    },
+
+    /// A byte token (type 6) whose text is not `<0xXX>`.
+    #[error("byte token {id} has text {text:?}; expected <0xXX>")]
+    BadByteToken {
+        /// The token id.
+        id: u32,
+        /// Its text.
+        text: String,
+    },
+}
