@@ -142,10 +142,9 @@ impl CpuExecutable {
                 let x = a.f32(x, len);
                 let out = kernels::SharedMut(a.f32_mut(out, len).as_mut_ptr());
                 pool.for_chunks(rows, 8, &|range| {
-                    let out = out;
                     let (lo, hi) = (range.start * width, range.end * width);
                     // SAFETY: each chunk writes its own rows.
-                    let o = std::slice::from_raw_parts_mut(out.0.add(lo), hi - lo);
+                    let o = std::slice::from_raw_parts_mut(out.ptr().add(lo), hi - lo);
                     kernels::rms_norm(&x[lo..hi], wv, eps, res.map(|r| &r[lo..hi]), o);
                 });
             }
@@ -201,10 +200,9 @@ impl CpuExecutable {
                 let (g, u, o) = (a.f32(gate, len), a.f32(up, len), a.f32_mut(out, len));
                 let op = kernels::SharedMut(o.as_mut_ptr());
                 pool.for_chunks(len, 4096, &|range| {
-                    let op = op;
                     for i in range {
                         // SAFETY: each chunk writes its own elements.
-                        *op.0.add(i) = kernels::gelu_tanh(g[i]) * u[i];
+                        *op.ptr().add(i) = kernels::gelu_tanh(g[i]) * u[i];
                     }
                 });
             }

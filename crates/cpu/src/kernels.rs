@@ -14,6 +14,13 @@ thread_local! {
 /// A pointer that may be shared across the pool's threads; each task writes a disjoint part.
 #[derive(Clone, Copy)]
 pub struct SharedMut<T>(pub *mut T);
+impl<T> SharedMut<T> {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper).
+    pub fn ptr(&self) -> *mut T {
+        self.0
+    }
+}
+
 // SAFETY: users guarantee tasks write disjoint elements.
 unsafe impl<T> Sync for SharedMut<T> {}
 // SAFETY: as above.
@@ -52,13 +59,12 @@ pub fn matmul(pool: &ThreadPool, isa: Isa, x: &[f32], rows: usize, w: &PackedMat
     let x = &x[..rows * k];
     let out = SharedMut(out[..rows * n].as_mut_ptr());
     pool.for_chunks(n, 16, &|range| {
-        let out = out;
         for_tiles(w, range, |r0, cnt, tile| {
             for r in 0..rows {
                 let d = dot4(isa, tile, &x[r * k..(r + 1) * k]);
                 for (j, v) in d.iter().take(cnt).enumerate() {
                     // SAFETY: column r0 + j < n belongs to this task's range only.
-                    unsafe { *out.0.add(r * n + r0 + j) = *v };
+                    unsafe { *out.ptr().add(r * n + r0 + j) = *v };
                 }
             }
         });
@@ -75,13 +81,12 @@ pub fn matmul_argmax(pool: &ThreadPool, isa: Isa, x: &[f32], rows: usize, w: &Pa
     let mut best = vec![(f32::NEG_INFINITY, usize::MAX, false); tasks * rows];
     let best_ptr = SharedMut(best.as_mut_ptr());
     pool.run(tasks, &|t| {
-        let best_ptr = best_ptr;
         let range = t * chunk..((t + 1) * chunk).min(n);
         for_tiles(w, range, |r0, cnt, tile| {
             for r in 0..rows {
                 let d = dot4(isa, tile, &x[r * k..(r + 1) * k]);
                 // SAFETY: entry t * rows + r is written by task t only.
-                let b = unsafe { &mut *best_ptr.0.add(t * rows + r) };
+                let b = unsafe { &mut *best_ptr.ptr().add(t * rows + r) };
                 for (j, v) in d.iter().take(cnt).enumerate() {
                     if !v.is_finite() {
                         b.2 = true;
@@ -203,7 +208,6 @@ pub fn attention(
     let out_ptr = SharedMut(out.as_mut_ptr());
     let layer_ref: &LayerStore = layer;
     pool.run(rows * q_heads, &|t| {
-        let out_ptr = out_ptr;
         let (i, h) = (t / q_heads, t % q_heads);
         let g = h / group;
         let p = start + i;
@@ -234,7 +238,7 @@ pub fn attention(
                 sum += *v;
             }
             // SAFETY: row i, head h of the output is written by this task only.
-            let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.0.add((i * q_heads + h) * d), d) };
+            let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.ptr().add((i * q_heads + h) * d), d) };
             o.fill(0.0);
             for (pos, &w) in (lo..=p).zip(scores.iter()) {
                 axpy(isa, o, w, value(pos));

@@ -128,7 +128,7 @@ fn worker(shared: &Shared) {
         let mut spins = 0u32;
         while shared.generation.load(Ordering::Acquire) == seen && !shared.shutdown.load(Ordering::Acquire) {
             spins = spins.wrapping_add(1);
-            if spins % 256 == 0 && start.elapsed() > SPIN {
+            if spins.is_multiple_of(256) && start.elapsed() > SPIN {
                 let mut guard = shared.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
                 shared.sleepers.fetch_add(1, Ordering::SeqCst);
                 while shared.generation.load(Ordering::SeqCst) == seen && !shared.shutdown.load(Ordering::SeqCst) {

@@ -315,7 +315,7 @@ impl GraphBuilder {
     /// Rotary embedding of `x` [rows, heads, head_dim] at `positions`.
     pub fn rope(&mut self, x: NodeId, positions: NodeId, theta: f32) -> NodeId {
         let xs = self.node(x).shape.clone();
-        let ok = xs.len() == 3 && xs[2] % 2 == 0 && self.node(positions).dtype == DType::I32;
+        let ok = xs.len() == 3 && xs[2].is_multiple_of(2) && self.node(positions).dtype == DType::I32;
         self.check("rope", ok, || format!("needs [rows, heads, even head_dim] and i32 positions, got {xs:?}"));
         self.push(Op::Rope { x, positions, theta }, xs, DType::F32)
     }

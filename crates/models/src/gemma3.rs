@@ -96,7 +96,7 @@ impl Gemma3Config {
 
     /// Whether layer `l` attends globally (else through the sliding window).
     pub fn is_global(&self, l: usize) -> bool {
-        (l + 1) % self.global_every == 0
+        (l + 1).is_multiple_of(self.global_every)
     }
 }
 
