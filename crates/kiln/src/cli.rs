@@ -22,6 +22,8 @@ pub struct Cli {
 pub enum Command {
     /// Generate a continuation of a prompt, streamed to stdout (timings go to stderr).
     Run(RunArgs),
+    /// Chat interactively: one user turn per line of stdin, the model's answer streamed back.
+    Chat(ChatArgs),
     /// Print the token ids of a text as a JSON array.
     Tokenize(TokenizeArgs),
     /// Perplexity of a text file (llama-perplexity style).
@@ -61,12 +63,9 @@ impl ModelArgs {
     }
 }
 
-/// `kiln run`.
+/// How tokens are chosen (llama.cpp's defaults).
 #[derive(Args, Debug)]
-pub struct RunArgs {
-    /// The model.
-    #[command(flatten)]
-    pub model: ModelArgs,
+pub struct SamplingArgs {
     /// Most tokens to generate.
     #[arg(short = 'n', long, default_value_t = 128)]
     pub max_tokens: usize,
@@ -91,11 +90,36 @@ pub struct RunArgs {
     /// Stop when the text contains this string (may be repeated).
     #[arg(long)]
     pub stop: Vec<String>,
+}
+
+/// `kiln run`.
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// The model.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Sampling.
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Wrap the prompt in the model's chat turn format.
     #[arg(long)]
     pub chat: bool,
     /// The prompt.
     pub prompt: String,
+}
+
+/// `kiln chat`.
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    /// The model.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Sampling (`-n` bounds each answer).
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// A system prompt, put before the first user turn.
+    #[arg(long)]
+    pub system: Option<String>,
 }
 
 /// `kiln tokenize`.

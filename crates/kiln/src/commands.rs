@@ -8,16 +8,17 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use kiln_cpu::CpuBackend;
 use kiln_gguf::GgufFile;
-use kiln_models::{generate, GenerateParams, Model, OutputMode, SamplingParams, StepOutput, TextControl};
+use kiln_models::{generate, GenerateParams, Generation, Model, OutputMode, SamplingParams, Session, StepOutput, TextControl};
 use kiln_tokenizer::{gemma_chat_prompt, ChatMessage, Tokenizer};
 use serde_json::json;
 
-use crate::cli::{Command, InfoArgs, ModelArgs, PerplexityArgs, RunArgs, TokenizeArgs};
+use crate::cli::{ChatArgs, Command, InfoArgs, ModelArgs, PerplexityArgs, RunArgs, SamplingArgs, TokenizeArgs};
 
 /// Runs one subcommand.
 pub fn dispatch(cmd: Command) -> Result<()> {
     match cmd {
         Command::Run(a) => run(a),
+        Command::Chat(a) => chat(a),
         Command::Tokenize(a) => tokenize(a),
         Command::Perplexity(a) => perplexity(a),
         Command::Info(a) => info(a),
@@ -46,40 +47,48 @@ fn load(args: &ModelArgs) -> Result<Model> {
     Model::load(&path, backend, config).with_context(|| format!("loading {}", path.display()))
 }
 
-fn run(a: RunArgs) -> Result<()> {
-    let model = load(&a.model)?;
-    let tok = model.tokenizer();
-    let text = if a.chat { gemma_chat_prompt(&[ChatMessage::new("user", a.prompt.as_str())], true) } else { a.prompt.clone() };
-    let prompt = tok.encode(&text);
-    let seed = a.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
-    });
-    let params = GenerateParams {
-        max_tokens: a.max_tokens,
-        sampling: SamplingParams {
-            temperature: a.temperature,
-            top_k: a.top_k,
-            top_p: a.top_p,
-            min_p: a.min_p,
-            repetition_penalty: a.repeat_penalty,
-            seed,
-            ..SamplingParams::default()
-        },
-        stop: a.stop.clone(),
-    };
-    let mut session = model.new_session()?;
+impl SamplingArgs {
+    /// Generation parameters from the flags (a clock seed when none is given).
+    fn params(&self) -> GenerateParams {
+        let seed = self.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+        });
+        GenerateParams {
+            max_tokens: self.max_tokens,
+            sampling: SamplingParams {
+                temperature: self.temperature,
+                top_k: self.top_k,
+                top_p: self.top_p,
+                min_p: self.min_p,
+                repetition_penalty: self.repeat_penalty,
+                seed,
+                ..SamplingParams::default()
+            },
+            stop: self.stop.clone(),
+        }
+    }
+}
+
+/// Generates from `prompt` in `session`, streaming text to stdout; returns `None` when stdout
+/// was closed (e.g. piped into `head`).
+fn stream_to_stdout(session: &mut Session<'_>, prompt: &[u32], params: &GenerateParams) -> Result<Option<Generation>> {
     let mut stdout = std::io::stdout().lock();
-    let mut broken_pipe = false;
-    let result = generate(&mut session, &prompt, &params, &mut |piece| {
+    let mut closed = false;
+    let result = generate(session, prompt, params, &mut |piece| {
         if stdout.write_all(piece.as_bytes()).and_then(|_| stdout.flush()).is_err() {
-            broken_pipe = true;
+            closed = true;
             return TextControl::Stop;
         }
         TextControl::Continue
     })?;
-    if !broken_pipe {
-        let _ = writeln!(stdout);
+    if closed || writeln!(stdout).is_err() {
+        return Ok(None);
     }
+    Ok(Some(result))
+}
+
+/// Prints the timing line of one generation on stderr.
+fn report(model: &Model, result: &Generation, seed: u64) {
     let n = result.tokens.len();
     eprintln!(
         "prompt: {} tokens, {:.1} tok/s | generation: {} tokens, {:.1} tok/s | finish: {:?} | seed {} | {}",
@@ -91,7 +100,55 @@ fn run(a: RunArgs) -> Result<()> {
         seed,
         model.backend_name(),
     );
+}
+
+fn run(a: RunArgs) -> Result<()> {
+    let model = load(&a.model)?;
+    let text = if a.chat { gemma_chat_prompt(&[ChatMessage::new("user", a.prompt.as_str())], true) } else { a.prompt.clone() };
+    let prompt = model.tokenizer().encode(&text);
+    let params = a.sampling.params();
+    let mut session = model.new_session()?;
+    if let Some(result) = stream_to_stdout(&mut session, &prompt, &params)? {
+        report(&model, &result, params.sampling.seed);
+    }
     Ok(())
+}
+
+fn chat(a: ChatArgs) -> Result<()> {
+    let model = load(&a.model)?;
+    let tok = model.tokenizer();
+    let mut params = a.sampling.params();
+    let mut session = model.new_session()?;
+    let mut system = a.system.clone();
+    let stdin = std::io::stdin();
+    let mut line = String::new();
+    loop {
+        eprint!("> ");
+        line.clear();
+        if stdin.read_line(&mut line)? == 0 {
+            eprintln!();
+            return Ok(());
+        }
+        let user = line.trim();
+        if user.is_empty() {
+            continue;
+        }
+        let mut turn = Vec::new();
+        if let Some(s) = system.take() {
+            turn.push(ChatMessage::new("system", s));
+        }
+        turn.push(ChatMessage::new("user", user));
+        // The KV cache keeps the conversation: each turn appends only its own tokens.
+        let first = session.position() == 0;
+        let mut text = if first { String::new() } else { "<end_of_turn>\n".to_string() };
+        text += &gemma_chat_prompt(&turn, true);
+        let prompt = tok.encode_with(&text, first);
+        match stream_to_stdout(&mut session, &prompt, &params)? {
+            Some(result) => report(&model, &result, params.sampling.seed),
+            None => return Ok(()),
+        }
+        params.sampling.seed = params.sampling.seed.wrapping_add(1);
+    }
 }
 
 fn tokenize(a: TokenizeArgs) -> Result<()> {

@@ -59,6 +59,32 @@ fn seeded_sampling_is_reproducible() {
 }
 
 #[test]
+fn chat_keeps_the_conversation_in_one_session() {
+    use std::io::Write;
+    let m = model();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["chat", "--model", m.to_str().unwrap(), "--temperature", "0", "-n", "6"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"What is 2+2?\n\nAnd 3+3?\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let prompts: Vec<usize> = err
+        .lines()
+        .filter_map(|l| l.split("prompt: ").nth(1)?.split(' ').next()?.parse().ok())
+        .collect();
+    // Two turns (the empty line is skipped); the first starts the conversation with BOS and
+    // the user turn (p6: 16 tokens), the second appends only its own tokens.
+    assert_eq!(prompts.len(), 2, "{err}");
+    assert_eq!(prompts[0], 16, "{err}");
+    assert!(prompts[1] < 20, "{err}");
+}
+
+#[test]
 fn prompt_longer_than_context_is_a_clear_error() {
     let m = model();
     let long = "word ".repeat(100);
