@@ -215,13 +215,12 @@ impl CpuExecutable {
                 let o = a.i32_mut(out, rows);
                 for (r, o) in o.iter_mut().enumerate() {
                     let row = &x[r * width..(r + 1) * width];
-                    let mut best = 0;
-                    for (j, v) in row.iter().enumerate() {
-                        if *v > row[best] {
-                            best = j;
-                        }
-                    }
-                    *o = best as i32;
+                    // -1 flags a non-finite row, as MatMulArgmax does; the caller reports it.
+                    *o = if row.iter().all(|v| v.is_finite()) {
+                        (0..width).fold(0, |best, j| if row[j] > row[best] { j } else { best }) as i32
+                    } else {
+                        -1
+                    };
                 }
             }
         }

@@ -251,35 +251,4 @@ pub fn attention(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn gelu_matches_known_values() {
-        assert_eq!(gelu_tanh(0.0), 0.0);
-        assert!((gelu_tanh(1.0) - 0.841_192).abs() < 1e-5);
-        assert!((gelu_tanh(-1.0) + 0.158_808).abs() < 1e-5);
-    }
-
-    #[test]
-    fn rope_rotates_pairs() {
-        let x = [1.0, 0.0, 0.0, 1.0]; // head_dim 4, pairs (0,2) and (1,3)
-        let mut out = [0.0; 4];
-        rope(&x, &[1], 1, 4, 10000.0, &mut out);
-        // pair (0,2): freq 1 -> angle 1 rad
-        assert!((out[0] - 1f32.cos()).abs() < 1e-6 && (out[2] - 1f32.sin()).abs() < 1e-6);
-        // pair (1,3): freq 1e-2 -> angle 0.01 rad
-        assert!((out[1] + 0.01f32.sin()).abs() < 1e-6 && (out[3] - 0.01f32.cos()).abs() < 1e-6);
-    }
-
-    #[test]
-    fn rms_norm_with_residual() {
-        let x = [3.0, 4.0];
-        let w = [1.0, 2.0];
-        let mut out = [0.0; 2];
-        rms_norm(&x, &w, 0.0, Some(&[10.0, 10.0]), &mut out);
-        let rms = (12.5f32).sqrt();
-        assert!((out[0] - (10.0 + 3.0 / rms)).abs() < 1e-5);
-        assert!((out[1] - (10.0 + 8.0 / rms)).abs() < 1e-5);
-    }
-}
+mod tests;

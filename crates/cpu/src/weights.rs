@@ -40,6 +40,16 @@ impl PackedMatrix<'_> {
     }
 }
 
+#[cfg(test)]
+impl<'a> PackedMatrix<'a> {
+    /// A matrix over raw packed bytes (kernel tests); panics unless the layout is consistent.
+    pub(crate) fn from_bytes(bytes: &'a [u8], ty: GgmlType, k: usize, n: usize) -> Self {
+        let row_bytes = ty.row_bytes(k).expect("k is a whole number of blocks");
+        assert!(ty.can_dequantize() && bytes.len() == row_bytes * n, "bad test matrix layout");
+        PackedMatrix { bytes, ty, k, n, row_bytes }
+    }
+}
+
 impl CpuWeights {
     /// Validates every tensor's layout and expands the small ones.
     pub fn new(store: Arc<WeightStore>) -> Result<Self, RuntimeError> {

@@ -1,0 +1,471 @@
+//! Kernel tests: every computable weight format, every instruction set this CPU runs, pools of one
+//! and three threads, each compared with a naive f64 reference.
+
+use kiln_quant::{dequantize, quantize, GgmlType};
+use kiln_runtime::{KvLayout, LayerKv};
+
+use super::*;
+use crate::kv::CpuKvCache;
+
+/// xorshift64: a tiny deterministic generator.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+
+    /// Uniform in [-1, 1).
+    fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.uniform()).collect()
+    }
+}
+
+/// A one-thread pool (everything on the caller) and a three-thread one (work split across tasks).
+fn pools() -> [ThreadPool; 2] {
+    [ThreadPool::new(1), ThreadPool::new(3)]
+}
+
+/// Every format the kernels can compute with.
+fn computable_types() -> Vec<GgmlType> {
+    GgmlType::ALL.iter().copied().filter(|t| t.can_dequantize()).collect()
+}
+
+/// Row lengths of one or a few blocks (odd lengths for the unblocked float formats).
+fn row_lengths(ty: GgmlType) -> Vec<usize> {
+    match ty.block_size() {
+        1 => vec![1, 7, 45],
+        32 => vec![32, 96],
+        bs => vec![bs, 2 * bs],
+    }
+}
+
+const NS: [usize; 4] = [1, 5, 37, 131];
+const ROWS: [usize; 3] = [1, 3, 7];
+
+/// `n` random rows of `k` weights stored as `ty`, and their exact dequantized values.
+struct Weights {
+    packed: Vec<u8>,
+    deq: Vec<f32>,
+}
+
+fn random_weights(rng: &mut Rng, ty: GgmlType, k: usize, n: usize) -> Weights {
+    let w = rng.vec(k * n);
+    let packed = quantize(ty, &w).unwrap_or_else(|e| panic!("{ty}: {e}"));
+    let mut deq = vec![0f32; k * n];
+    dequantize(ty, &packed, &mut deq).unwrap();
+    Weights { packed, deq }
+}
+
+/// `(x · Wᵀ, |x| · |W|ᵀ)` in f64, `rows × n` each.
+fn reference_matmul(deq: &[f32], x: &[f32], rows: usize, k: usize, n: usize) -> (Vec<f64>, Vec<f64>) {
+    let mut value = vec![0f64; rows * n];
+    let mut magnitude = vec![0f64; rows * n];
+    for r in 0..rows {
+        for j in 0..n {
+            for i in 0..k {
+                let p = deq[j * k + i] as f64 * x[r * k + i] as f64;
+                value[r * n + j] += p;
+                magnitude[r * n + j] += p.abs();
+            }
+        }
+    }
+    (value, magnitude)
+}
+
+/// The f32 kernels may differ from the f64 sum by rounding only: a small fraction of the sum of
+/// the products' magnitudes (a wrong row, element or scale is off by far more).
+fn close(got: f32, want: f64, magnitude: f64) -> bool {
+    (got as f64 - want).abs() <= REL_TOL * magnitude + 1e-30
+}
+
+/// Error allowed relative to the sum of the products' magnitudes.
+const REL_TOL: f64 = 2e-6;
+
+const SENTINEL: f32 = 12345.5;
+
+#[test]
+fn every_computable_format_is_covered() {
+    use GgmlType as T;
+    let expected =
+        [T::F32, T::F16, T::Q4_0, T::Q4_1, T::Q5_0, T::Q5_1, T::Q8_0, T::Q2_K, T::Q3_K, T::Q4_K, T::Q5_K, T::Q6_K, T::Q8_K, T::BF16];
+    assert_eq!(computable_types(), expected);
+}
+
+#[test]
+fn matmul_matches_f64_for_every_format_isa_and_pool() {
+    let mut rng = Rng(0x243f_6a88_85a3_08d3);
+    let pools = pools();
+    let mut checked = 0;
+    for ty in computable_types() {
+        for k in row_lengths(ty) {
+            for n in NS {
+                let w = random_weights(&mut rng, ty, k, n);
+                let m = PackedMatrix::from_bytes(&w.packed, ty, k, n);
+                for rows in ROWS {
+                    let x = rng.vec(rows * k);
+                    let (want, mag) = reference_matmul(&w.deq, &x, rows, k, n);
+                    for isa in Isa::supported() {
+                        for pool in &pools {
+                            let mut out = vec![SENTINEL; rows * n + 3];
+                            matmul(pool, isa, &x, rows, &m, &mut out);
+                            let what = format!("{ty} k={k} n={n} rows={rows} {isa:?} threads={}", pool.threads());
+                            for e in 0..rows * n {
+                                assert!(close(out[e], want[e], mag[e]), "{what}: out[{e}] = {} want {}", out[e], want[e]);
+                            }
+                            assert_eq!(out[rows * n..], [SENTINEL; 3], "{what}: wrote past the output");
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked >= 14 * 2 * NS.len() * ROWS.len() * 2);
+}
+
+/// The reference argmax of each row, after checking that it is unambiguous: the best product
+/// beats the runner-up by several times the rounding error `close` allows, so any kernel within
+/// that error must pick it.
+fn unambiguous_argmax(want: &[f64], mag: &[f64], rows: usize, n: usize) -> Vec<i32> {
+    (0..rows)
+        .map(|r| {
+            let row = &want[r * n..(r + 1) * n];
+            let best = (0..n).fold(0, |b, j| if row[j] > row[b] { j } else { b });
+            let runner_up = (0..n).filter(|&j| j != best).map(|j| row[j]).fold(f64::NEG_INFINITY, f64::max);
+            let margin = 4.0 * REL_TOL * mag[r * n..(r + 1) * n].iter().copied().fold(0.0, f64::max);
+            assert!(row[best] - runner_up > margin, "test input has a near tie in row {r}");
+            best as i32
+        })
+        .collect()
+}
+
+#[test]
+fn matmul_argmax_matches_f64_for_every_format_isa_and_pool() {
+    let mut rng = Rng(0x1319_8a2e_0370_7344);
+    let pools = pools();
+    for ty in computable_types() {
+        for k in row_lengths(ty) {
+            for n in NS {
+                let w = random_weights(&mut rng, ty, k, n);
+                let m = PackedMatrix::from_bytes(&w.packed, ty, k, n);
+                for rows in ROWS {
+                    // Each activation row is a weight row plus noise: that row's product stands out.
+                    let mut x = rng.vec(rows * k);
+                    for r in 0..rows {
+                        let t = (r * 29 + n / 2) % n;
+                        for i in 0..k {
+                            x[r * k + i] = w.deq[t * k + i] + 0.1 * x[r * k + i];
+                        }
+                    }
+                    let (want, mag) = reference_matmul(&w.deq, &x, rows, k, n);
+                    let expected = unambiguous_argmax(&want, &mag, rows, n);
+                    for isa in Isa::supported() {
+                        for pool in &pools {
+                            let mut out = vec![-7; rows + 2];
+                            matmul_argmax(pool, isa, &x, rows, &m, &mut out);
+                            let what = format!("{ty} k={k} n={n} rows={rows} {isa:?} threads={}", pool.threads());
+                            assert_eq!(out[..rows], expected, "{what}");
+                            assert_eq!(out[rows..], [-7, -7], "{what}: wrote past the output");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    quantize(GgmlType::F32, v).unwrap()
+}
+
+#[test]
+fn matmul_argmax_takes_the_lowest_index_among_equal_maxima() {
+    // 131 rows: with three threads the equal rows 5, 6 and 100 fall in different tiles and tasks.
+    let (k, n) = (13, 131);
+    let mut rng = Rng(0xa409_3822_299f_31d0);
+    let mut w: Vec<f32> = rng.vec(k * n).iter().map(|v| v * 0.5).collect();
+    let best: Vec<f32> = (0..k).map(|i| 1.0 + i as f32 * 0.25).collect();
+    for j in [100, 6, 5] {
+        w[j * k..(j + 1) * k].copy_from_slice(&best);
+    }
+    let bytes = f32_bytes(&w);
+    let m = PackedMatrix::from_bytes(&bytes, GgmlType::F32, k, n);
+    let x: Vec<f32> = best.iter().chain(&best).copied().collect();
+    for isa in Isa::supported() {
+        for pool in &pools() {
+            let mut out = [0i32; 2];
+            matmul_argmax(pool, isa, &x, 2, &m, &mut out);
+            assert_eq!(out, [5, 5], "{isa:?} threads={}", pool.threads());
+        }
+    }
+}
+
+#[test]
+fn matmul_argmax_reports_non_finite_products() {
+    let (k, n, rows) = (9, 131, 3);
+    let mut rng = Rng(0x082e_fa98_ec4e_6c89);
+    let base = rng.vec(k * n);
+    // Positive activations so that huge finite weights overflow to +inf.
+    let x: Vec<f32> = rng.vec(rows * k).iter().map(|v| 0.75 + v / 4.0).collect();
+    let pools = pools();
+    let run = |ty: GgmlType, w: &[f32]| -> Vec<Vec<i32>> {
+        let bytes = quantize(ty, w).unwrap();
+        let m = PackedMatrix::from_bytes(&bytes, ty, k, n);
+        let mut all = Vec::new();
+        for isa in Isa::supported() {
+            for pool in &pools {
+                let mut out = vec![0i32; rows];
+                matmul_argmax(pool, isa, &x, rows, &m, &mut out);
+                all.push(out);
+            }
+        }
+        all
+    };
+    // Control: the finite matrix has an answer.
+    for out in run(GgmlType::F32, &base) {
+        assert!(out.iter().all(|&o| (0..n as i32).contains(&o)), "{out:?}");
+    }
+    let cases: [(GgmlType, f32, usize); 6] = [
+        (GgmlType::F32, f32::NAN, 0),
+        (GgmlType::F32, f32::NAN, 64),
+        (GgmlType::F32, f32::NAN, n - 1),
+        (GgmlType::F32, f32::INFINITY, 77),
+        (GgmlType::F16, f32::NEG_INFINITY, 130),
+        (GgmlType::F32, 3e38, 33), // finite weights whose products overflow
+    ];
+    for (ty, bad, j) in cases {
+        let mut w = base.clone();
+        w[j * k + 4] = bad;
+        if bad.is_finite() {
+            w[j * k..(j + 1) * k].fill(bad);
+        }
+        for out in run(ty, &w) {
+            assert_eq!(out, [-1; 3], "{ty} row {j} holds {bad}");
+        }
+    }
+}
+
+/// Naive causal attention in f64: `len` rows at positions `0..len`, every key/value row of a
+/// position visible when it is within the window.
+#[allow(clippy::too_many_arguments)]
+fn reference_attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    len: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    d: usize,
+    window: Option<usize>,
+    scale: f32,
+) -> Vec<f64> {
+    let group = q_heads / kv_heads;
+    let mut out = vec![0f64; len * q_heads * d];
+    for p in 0..len {
+        for h in 0..q_heads {
+            let g = h / group;
+            let visible: Vec<usize> = (0..=p).filter(|&s| window.is_none_or(|w| p - s < w)).collect();
+            let qh = &q[(p * q_heads + h) * d..][..d];
+            let scores: Vec<f64> = visible
+                .iter()
+                .map(|&s| {
+                    let ks = &k[(s * kv_heads + g) * d..][..d];
+                    qh.iter().zip(ks).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            let o = &mut out[(p * q_heads + h) * d..][..d];
+            for (&s, &wt) in visible.iter().zip(&e) {
+                let vs = &v[(s * kv_heads + g) * d..][..d];
+                for (o, x) in o.iter_mut().zip(vs) {
+                    *o += wt / sum * *x as f64;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn attention_matches_f64_in_one_chunk_and_in_several() {
+    let (len, d, q_heads, scale) = (10, 8, 4, 0.6);
+    let mut rng = Rng(0x4528_21e6_38d0_1377);
+    let chunkings: [&[usize]; 4] = [&[10], &[5, 1, 4], &[1; 10], &[3, 7]];
+    let pools = pools();
+    for kv_heads in [2, 1] {
+        for window in [None, Some(3)] {
+            let q: Vec<f32> = rng.vec(len * q_heads * d).iter().map(|v| v * 2.0).collect();
+            let k: Vec<f32> = rng.vec(len * kv_heads * d).iter().map(|v| v * 2.0).collect();
+            let v = rng.vec(len * kv_heads * d);
+            let want = reference_attention(&q, &k, &v, len, q_heads, kv_heads, d, window, scale);
+            let spec = LayerKv { kv_heads, head_dim_k: d, head_dim_v: d, window };
+            let shape = AttentionShape { q_heads, kv_heads, head_dim: d, window, scale };
+            let (qw, kw) = (q_heads * d, kv_heads * d);
+            for isa in Isa::supported() {
+                for pool in &pools {
+                    let mut one_chunk: Option<Vec<f32>> = None;
+                    for chunks in chunkings {
+                        let what = format!("kv_heads={kv_heads} window={window:?} {isa:?} threads={} chunks={chunks:?}", pool.threads());
+                        let mut cache = CpuKvCache::new(&KvLayout { layers: vec![spec], context: 64 });
+                        let layer = cache.layer_mut(0).unwrap();
+                        let mut out = vec![f32::NAN; len * qw];
+                        let mut start = 0;
+                        for &rows in chunks {
+                            let (a, b) = (start, start + rows);
+                            attention(
+                                pool,
+                                isa,
+                                &q[a * qw..b * qw],
+                                &k[a * kw..b * kw],
+                                &v[a * kw..b * kw],
+                                rows,
+                                start,
+                                layer,
+                                shape,
+                                &mut out[a * qw..b * qw],
+                            );
+                            start = b;
+                            assert_eq!(layer.len(), start, "{what}");
+                        }
+                        for (e, (&got, &w)) in out.iter().zip(&want).enumerate() {
+                            assert!((got as f64 - w).abs() < 1e-5, "{what}: out[{e}] = {got} want {w}");
+                        }
+                        // Cached rows are the same floats as new ones: chunking changes nothing.
+                        match &one_chunk {
+                            None => one_chunk = Some(out),
+                            Some(first) => assert_eq!(&out, first, "{what}"),
+                        }
+                        // The layer holds the last positions (a ring of `window` rows when sliding).
+                        let kept = window.map_or(0, |w| len - w);
+                        for p in kept..len {
+                            assert_eq!(layer.k_row(p), &k[p * kw..(p + 1) * kw], "{what}: key of position {p}");
+                            assert_eq!(layer.v_row(p), &v[p * kw..(p + 1) * kw], "{what}: value of position {p}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn attention_of_the_first_position_returns_its_value() {
+    // One visible key: the softmax weight is exactly 1 whatever the scores.
+    let (q_heads, kv_heads, d) = (4, 2, 8);
+    let q: Vec<f32> = (0..q_heads * d).map(|i| i as f32 * 10.0).collect();
+    let k: Vec<f32> = (0..kv_heads * d).map(|i| i as f32).collect();
+    let v: Vec<f32> = (0..kv_heads * d).map(|i| 100.0 + i as f32).collect();
+    let spec = LayerKv { kv_heads, head_dim_k: d, head_dim_v: d, window: Some(3) };
+    let mut cache = CpuKvCache::new(&KvLayout { layers: vec![spec], context: 4 });
+    let mut out = vec![0f32; q_heads * d];
+    let shape = AttentionShape { q_heads, kv_heads, head_dim: d, window: Some(3), scale: 1.0 };
+    attention(&ThreadPool::new(1), Isa::Scalar, &q, &k, &v, 1, 0, cache.layer_mut(0).unwrap(), shape, &mut out);
+    // Query heads 0, 1 share kv head 0; heads 2, 3 share kv head 1.
+    for h in 0..q_heads {
+        assert_eq!(out[h * d..(h + 1) * d], v[(h / 2) * d..(h / 2 + 1) * d], "head {h}");
+    }
+}
+
+#[test]
+fn embed_gathers_scaled_rows() {
+    // Row r of the F32 table is [10r, 10r + 1, 10r + 2].
+    let table: Vec<f32> = (0..4).flat_map(|r| (0..3).map(move |c| (10 * r + c) as f32)).collect();
+    let bytes = f32_bytes(&table);
+    let m = PackedMatrix::from_bytes(&bytes, GgmlType::F32, 3, 4);
+    let mut out = [0f32; 9];
+    embed(&m, &[2, 0, 3], 0.5, &mut out);
+    assert_eq!(out, [10.0, 10.5, 11.0, 0.0, 0.5, 1.0, 15.0, 15.5, 16.0]);
+
+    // A quantized table gathers its exactly dequantized rows.
+    let mut rng = Rng(0xbe54_66cf_34e9_0c6c);
+    let w = random_weights(&mut rng, GgmlType::Q4_K, 256, 5);
+    let m = PackedMatrix::from_bytes(&w.packed, GgmlType::Q4_K, 256, 5);
+    let mut out = vec![0f32; 2 * 256];
+    embed(&m, &[4, 1], 2.0, &mut out);
+    let want: Vec<f32> = w.deq[4 * 256..5 * 256].iter().chain(&w.deq[256..2 * 256]).map(|v| v * 2.0).collect();
+    assert_eq!(out, want);
+}
+
+#[test]
+fn rms_norm_normalises_each_group_separately() {
+    // Two rows of three heads of two elements, one weight vector per head (q/k norms).
+    let x = [3.0, 4.0, 1.0, -1.0, 0.0, 2.0, /* row 1 */ 6.0, 8.0, -2.0, 0.0, 5.0, 5.0];
+    let w = [1.0, 0.5];
+    let mut out = [f32::NAN; 12];
+    rms_norm(&x, &w, 0.0, None, &mut out);
+    let (r0, r2, r3) = (12.5f32.sqrt(), 2f32.sqrt(), 50f32.sqrt()); // rms of (3, 4), (0, 2), (6, 8)
+    let want = [3.0 / r0, 2.0 / r0, 1.0, -0.5, 0.0, 1.0 / r2, 6.0 / r3, 4.0 / r3, -r2, 0.0, 1.0, 0.5];
+    for (i, (o, w)) in out.iter().zip(want).enumerate() {
+        assert!((o - w).abs() < 1e-6, "out[{i}] = {o} want {w}");
+    }
+    // eps is added to the mean square: (1, 1) with eps 3 has rms 2.
+    let mut out = [0f32; 2];
+    rms_norm(&[1.0, 1.0], &[1.0, 4.0], 3.0, None, &mut out);
+    assert_eq!(out, [0.5, 2.0]);
+    // With a residual, per group.
+    let mut out = [0f32; 4];
+    rms_norm(&[2.0, 2.0, -5.0, 5.0], &[1.0, 1.0], 0.0, Some(&[1.0, 2.0, 3.0, 4.0]), &mut out);
+    assert_eq!(out, [2.0, 3.0, 2.0, 5.0]);
+}
+
+#[test]
+fn rope_rotates_every_head_by_its_position() {
+    // head_dim 2: one pair per head, frequency 1, so position p rotates by p radians.
+    let x = [1.0, 0.0, 0.0, 1.0, /* row 1 */ 1.0, 0.0, 2.0, 0.0];
+    let mut out = [f32::NAN; 8];
+    rope(&x, &[0, 3], 2, 2, 10000.0, &mut out);
+    let (c, s) = (3f32.cos(), 3f32.sin());
+    let want = [1.0, 0.0, 0.0, 1.0, c, s, 2.0 * c, 2.0 * s];
+    for (i, (o, w)) in out.iter().zip(want).enumerate() {
+        assert!((o - w).abs() < 1e-6, "out[{i}] = {o} want {w}");
+    }
+    // head_dim 4, theta 100: pair (0, 2) turns by p, pair (1, 3) by p / 10; norms are kept.
+    let x = [0.0, 2.0, 1.0, 0.0];
+    let mut out = [0f32; 4];
+    rope(&x, &[5], 1, 4, 100.0, &mut out);
+    let want = [-5f32.sin(), 2.0 * 0.5f32.cos(), 5f32.cos(), 2.0 * 0.5f32.sin()];
+    for (i, (o, w)) in out.iter().zip(want).enumerate() {
+        assert!((o - w).abs() < 1e-6, "out[{i}] = {o} want {w}");
+    }
+}
+
+#[test]
+fn gelu_matches_known_values() {
+    assert_eq!(gelu_tanh(0.0), 0.0);
+    assert!((gelu_tanh(1.0) - 0.841_192).abs() < 1e-5);
+    assert!((gelu_tanh(-1.0) + 0.158_808).abs() < 1e-5);
+}
+
+#[test]
+fn rope_rotates_pairs() {
+    let x = [1.0, 0.0, 0.0, 1.0]; // head_dim 4, pairs (0,2) and (1,3)
+    let mut out = [0.0; 4];
+    rope(&x, &[1], 1, 4, 10000.0, &mut out);
+    // pair (0,2): freq 1 -> angle 1 rad
+    assert!((out[0] - 1f32.cos()).abs() < 1e-6 && (out[2] - 1f32.sin()).abs() < 1e-6);
+    // pair (1,3): freq 1e-2 -> angle 0.01 rad
+    assert!((out[1] + 0.01f32.sin()).abs() < 1e-6 && (out[3] - 0.01f32.cos()).abs() < 1e-6);
+}
+
+#[test]
+fn rms_norm_with_residual() {
+    let x = [3.0, 4.0];
+    let w = [1.0, 2.0];
+    let mut out = [0.0; 2];
+    rms_norm(&x, &w, 0.0, Some(&[10.0, 10.0]), &mut out);
+    let rms = (12.5f32).sqrt();
+    assert!((out[0] - (10.0 + 3.0 / rms)).abs() < 1e-5);
+    assert!((out[1] - (10.0 + 8.0 / rms)).abs() < 1e-5);
+}
