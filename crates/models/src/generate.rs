@@ -130,6 +130,7 @@ pub fn generate(
     let mut decoder = StreamDecoder::new(true);
     let mut filter = StopFilter { stops: &params.stop, text: String::new(), emitted: 0 };
     let mut tokens = Vec::new();
+    let mut stop_string_found = false;
     let finish = loop {
         if tokens.len() >= params.max_tokens {
             break FinishReason::Length;
@@ -144,6 +145,7 @@ pub fn generate(
             break FinishReason::Cancelled;
         }
         if stopped {
+            stop_string_found = true;
             break FinishReason::Stop;
         }
         if tokens.len() >= params.max_tokens {
@@ -154,7 +156,10 @@ pub fn generate(
         }
         next = choose(session.forward(&[next], mode)?, &mut sampler)?;
     };
-    if finish != FinishReason::Stop && finish != FinishReason::Cancelled {
+    // Release what is still held back (incomplete characters, possible stop-string prefixes) unless
+    // the text was cut at a stop string or the caller cancelled; an end-of-generation token
+    // releases it like `max_tokens` or a full context.
+    if !stop_string_found && finish != FinishReason::Cancelled {
         let (text, _) = filter.push(&decoder.finish());
         let rest = text + &filter.flush();
         if !rest.is_empty() {
