@@ -34,11 +34,6 @@ impl CpuBackend {
     pub fn with_isa(threads: usize, isa: Isa) -> Self {
         CpuBackend { pool: Arc::new(ThreadPool::new(threads)), isa }
     }
-
-    /// Threads in use.
-    pub fn threads(&self) -> usize {
-        self.pool.threads()
-    }
 }
 
 impl Backend for CpuBackend {

@@ -111,6 +111,7 @@ fn run(a: RunArgs) -> Result<()> {
     if let Some(result) = stream_to_stdout(&mut session, &prompt, &params)? {
         report(&model, &result, params.sampling.seed);
     }
+    tracing::info!(kv_cache_kib = session.kv_bytes() / 1024, plans = model.plans_compiled(), "session done");
     Ok(())
 }
 

@@ -28,12 +28,6 @@ pub struct WeightInfo {
 }
 
 impl WeightInfo {
-    /// Bytes of one packed row.
-    pub fn row_bytes(&self) -> usize {
-        // Validated when the file was opened: row_len is a multiple of the block size.
-        self.ty.row_bytes(self.row_len).unwrap_or(0)
-    }
-
     /// Whether the tensor is one-dimensional.
     pub fn is_vector(&self) -> bool {
         self.dims.len() == 1
@@ -88,10 +82,5 @@ impl WeightStore {
     pub fn bytes(&self, id: WeightId) -> &[u8] {
         // Ids are indices into the file's tensor table (see `new`).
         self.file.tensor_data(&self.file.tensors()[id.0])
-    }
-
-    /// The model file.
-    pub fn file(&self) -> &Arc<GgufFile> {
-        &self.file
     }
 }
