@@ -5,7 +5,7 @@ use std::sync::Arc;
 use kiln_ir::DType;
 use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KvCache, Plan, Rows, RuntimeError, Slot, StepInputs};
 
-use crate::kernels::{self, AttentionShape};
+use crate::kernels::{self, AttentionShape, RopeTable};
 use crate::kv::CpuKvCache;
 use crate::pool::ThreadPool;
 use crate::simd::Isa;
@@ -95,13 +95,23 @@ impl Executable for CpuExecutable {
                 other => return Err(RuntimeError::StepShape(format!("unknown plan input '{other}'"))),
             }
         }
+        // One cos/sin table per distinct RoPE base, shared by the queries and keys of every layer.
+        let mut rope_tables: Vec<RopeTable> = Vec::new();
+        for step in &self.plan.steps {
+            if let Kernel::Rope { positions, head_dim, theta, .. } = step.kernel {
+                if !rope_tables.iter().any(|t| t.serves(theta, head_dim)) {
+                    // SAFETY: the positions slot was written above; no step is running.
+                    rope_tables.push(RopeTable::new(unsafe { arena.i32(positions, n) }, head_dim, theta));
+                }
+            }
+        }
         for step in &self.plan.steps {
             let rows = match step.rows {
                 Rows::Active => n,
                 Rows::One => 1,
             };
             // SAFETY: see `Arena`.
-            unsafe { self.step(&arena, &step.kernel, rows, n, inputs.start_pos, kv)? };
+            unsafe { self.step(&arena, &step.kernel, rows, n, inputs.start_pos, kv, &rope_tables)? };
         }
         let mut outs = Vec::with_capacity(self.plan.outputs.len());
         for o in &self.plan.outputs {
@@ -124,7 +134,17 @@ impl CpuExecutable {
     /// Runs one kernel over `rows` rows (`active` is the step's active row count).
     ///
     /// SAFETY: the slots of `kernel` come from the compiler's arena plan for this executable.
-    unsafe fn step(&self, a: &Arena, kernel: &Kernel, rows: usize, active: usize, start: usize, kv: &mut CpuKvCache) -> Result<(), RuntimeError> {
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn step(
+        &self,
+        a: &Arena,
+        kernel: &Kernel,
+        rows: usize,
+        active: usize,
+        start: usize,
+        kv: &mut CpuKvCache,
+        rope_tables: &[RopeTable],
+    ) -> Result<(), RuntimeError> {
         let (pool, isa, w) = (&*self.pool, self.isa, &*self.weights);
         match *kernel {
             Kernel::Embed { table, ids, out, width, scale } => {
@@ -156,11 +176,15 @@ impl CpuExecutable {
                 let m = w.matrix(wid)?;
                 kernels::matmul_argmax(pool, isa, a.f32(x, rows * k), rows, &m, a.i32_mut(out, rows));
             }
-            Kernel::Rope { x, positions, out, heads, head_dim, theta } => {
+            Kernel::Rope { x, out, heads, head_dim, theta, .. } => {
                 let len = rows * heads * head_dim;
-                kernels::rope(a.f32(x, len), a.i32(positions, rows), heads, head_dim, theta, a.f32_mut(out, len));
+                let table = rope_tables
+                    .iter()
+                    .find(|t| t.serves(theta, head_dim))
+                    .ok_or_else(|| RuntimeError::StepShape("no RoPE table for a rope step".into()))?;
+                kernels::rope(a.f32(x, len), table, heads, a.f32_mut(out, len));
             }
-            Kernel::Attention { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale, .. } => {
+            Kernel::Attention { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale } => {
                 let store = kv.layer_mut(layer).ok_or_else(|| RuntimeError::StepShape(format!("the KV cache has no layer {layer}")))?;
                 if store.len() != start || store.spec().k_width() != kv_heads * head_dim {
                     return Err(RuntimeError::StepShape(format!("KV cache layer {layer} does not match the plan")));

@@ -143,16 +143,37 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, residual: Option<&[f32]>, out: &
     }
 }
 
-/// NeoX rotary embedding of `rows` rows of `heads` heads of `head_dim` elements.
-pub fn rope(x: &[f32], positions: &[i32], heads: usize, head_dim: usize, theta: f32, out: &mut [f32]) {
-    let half = head_dim / 2;
-    let inv_freq: Vec<f64> = (0..half).map(|i| 1.0 / (theta as f64).powf((2 * i) as f64 / head_dim as f64)).collect();
-    let mut cs = vec![(0f32, 0f32); half];
-    for (r, &pos) in positions.iter().enumerate() {
-        for (c, f) in cs.iter_mut().zip(&inv_freq) {
-            let a = pos as f64 * f;
-            *c = (a.cos() as f32, a.sin() as f32);
-        }
+/// cos/sin of every (row position, frequency) pair for one RoPE base and head size: computed once
+/// per step and shared by every `Rope` kernel with the same base (queries and keys of all layers).
+pub struct RopeTable {
+    theta: f32,
+    head_dim: usize,
+    /// `rows × head_dim / 2` pairs.
+    cs: Vec<(f32, f32)>,
+}
+
+impl RopeTable {
+    /// The table for `positions` (f64 angles, rounded to f32 once).
+    pub fn new(positions: &[i32], head_dim: usize, theta: f32) -> Self {
+        let half = head_dim / 2;
+        let inv_freq: Vec<f64> = (0..half).map(|i| 1.0 / (theta as f64).powf((2 * i) as f64 / head_dim as f64)).collect();
+        let cs = positions
+            .iter()
+            .flat_map(|&pos| inv_freq.iter().map(move |f| pos as f64 * f).map(|a| (a.cos() as f32, a.sin() as f32)))
+            .collect();
+        RopeTable { theta, head_dim, cs }
+    }
+
+    /// Whether this table serves a kernel with `theta` and `head_dim`.
+    pub fn serves(&self, theta: f32, head_dim: usize) -> bool {
+        self.theta == theta && self.head_dim == head_dim
+    }
+}
+
+/// NeoX rotary embedding of every row of `heads` heads, with the table's positions.
+pub fn rope(x: &[f32], table: &RopeTable, heads: usize, out: &mut [f32]) {
+    let (head_dim, half) = (table.head_dim, table.head_dim / 2);
+    for (r, cs) in table.cs.chunks_exact(half).enumerate() {
         for h in 0..heads {
             let base = (r * heads + h) * head_dim;
             let (xs, os) = (&x[base..base + head_dim], &mut out[base..base + head_dim]);

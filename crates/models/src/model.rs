@@ -165,7 +165,7 @@ impl<'m> Session<'m> {
         }
         let chunk = if mode == OutputMode::AllLogits { model.config.max_logit_rows } else { model.config.max_prefill_rows }.max(1);
         let mut all = Vec::new();
-        let mut last = Vec::new();
+        let mut last = None;
         for (i, part) in tokens.chunks(chunk).enumerate() {
             let final_chunk = (i + 1) * chunk >= tokens.len();
             // Chunks before the last only fill the KV cache: run them for the cheapest output.
@@ -178,14 +178,14 @@ impl<'m> Session<'m> {
                     all.extend_from_slice(&v);
                 }
             } else if final_chunk {
-                last.push(t);
+                last = Some(t);
             }
         }
         let pos = self.kv.len() - 1;
         match mode {
             OutputMode::AllLogits => Ok(StepOutput::AllLogits { rows: tokens.len(), data: all }),
             _ => {
-                let t = last.pop().ok_or_else(|| ModelError::Metadata("plan produced no output".into()))?;
+                let t = last.ok_or_else(|| ModelError::Metadata("plan produced no output".into()))?;
                 check_finite(&t, pos)?;
                 match (mode, t.data) {
                     (OutputMode::NextToken, HostData::I32(v)) => match v.first() {

@@ -202,15 +202,12 @@ impl Lowering<'_> {
                 }
                 Op::Attention { q, k, v, layer, window, scale } => {
                     let (qb, kb, vb) = (self.read(q)?, self.read(k)?, self.read(v)?);
-                    let positions = self.positions_input()?;
-                    let pb = self.read(positions)?;
                     let (qs, ks) = (g.node(q).shape.clone(), g.node(k).shape.clone());
                     self.emit(id, |_, out| {
                         Ok(Kernel::Attention {
                             q: placeholder(qb),
                             k: placeholder(kb),
                             v: placeholder(vb),
-                            positions: placeholder(pb),
                             out,
                             layer,
                             q_heads: qs[1],
@@ -282,15 +279,6 @@ impl Lowering<'_> {
         }
     }
 
-    fn positions_input(&self) -> Result<NodeId, RuntimeError> {
-        self.graph
-            .nodes()
-            .iter()
-            .position(|n| matches!(&n.op, Op::Input { name } if name == "positions"))
-            .map(NodeId)
-            .ok_or_else(|| RuntimeError::Compile("attention needs a 'positions' input".into()))
-    }
-
     /// Extends output lifetimes to the end, plans offsets, and resolves placeholders.
     fn finish(mut self) -> Result<Plan, RuntimeError> {
         let end = self.steps.len();
@@ -342,7 +330,7 @@ fn for_each_slot(kernel: &mut Kernel, mut f: impl FnMut(&mut Slot)) {
         }
         Kernel::MatMul { x, out, .. } | Kernel::MatMulArgmax { x, out, .. } => [x, out].into_iter().for_each(f),
         Kernel::Rope { x, positions, out, .. } => [x, positions, out].into_iter().for_each(f),
-        Kernel::Attention { q, k, v, positions, out, .. } => [q, k, v, positions, out].into_iter().for_each(f),
+        Kernel::Attention { q, k, v, out, .. } => [q, k, v, out].into_iter().for_each(f),
         Kernel::Add { a, b, out, .. } | Kernel::Mul { a, b, out, .. } => [a, b, out].into_iter().for_each(f),
         Kernel::GeluMul { gate, up, out, .. } => [gate, up, out].into_iter().for_each(f),
         Kernel::Gelu { x, out, .. } | Kernel::LastRow { x, out, .. } | Kernel::Argmax { x, out, .. } => {

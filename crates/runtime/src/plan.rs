@@ -41,7 +41,6 @@ pub enum Kernel {
         q: Slot,
         k: Slot,
         v: Slot,
-        positions: Slot,
         out: Slot,
         layer: usize,
         q_heads: usize,

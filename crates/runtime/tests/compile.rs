@@ -86,7 +86,7 @@ fn read_slots(k: &Kernel) -> Vec<Slot> {
         Kernel::RmsNorm { x, residual, .. } => std::iter::once(x).chain(residual).collect(),
         Kernel::MatMul { x, .. } | Kernel::MatMulArgmax { x, .. } => vec![x],
         Kernel::Rope { x, positions, .. } => vec![x, positions],
-        Kernel::Attention { q, k, v, positions, .. } => vec![q, k, v, positions],
+        Kernel::Attention { q, k, v, .. } => vec![q, k, v],
         Kernel::Add { a, b, .. } | Kernel::Mul { a, b, .. } => vec![a, b],
         Kernel::GeluMul { gate, up, .. } => vec![gate, up],
         Kernel::Gelu { x, .. } | Kernel::LastRow { x, .. } | Kernel::Argmax { x, .. } => vec![x],

@@ -425,7 +425,7 @@ fn rope_rotates_every_head_by_its_position() {
     // head_dim 2: one pair per head, frequency 1, so position p rotates by p radians.
     let x = [1.0, 0.0, 0.0, 1.0, /* row 1 */ 1.0, 0.0, 2.0, 0.0];
     let mut out = [f32::NAN; 8];
-    rope(&x, &[0, 3], 2, 2, 10000.0, &mut out);
+    rope(&x, &RopeTable::new(&[0, 3], 2, 10000.0), 2, &mut out);
     let (c, s) = (3f32.cos(), 3f32.sin());
     let want = [1.0, 0.0, 0.0, 1.0, c, s, 2.0 * c, 2.0 * s];
     for (i, (o, w)) in out.iter().zip(want).enumerate() {
@@ -434,7 +434,7 @@ fn rope_rotates_every_head_by_its_position() {
     // head_dim 4, theta 100: pair (0, 2) turns by p, pair (1, 3) by p / 10; norms are kept.
     let x = [0.0, 2.0, 1.0, 0.0];
     let mut out = [0f32; 4];
-    rope(&x, &[5], 1, 4, 100.0, &mut out);
+    rope(&x, &RopeTable::new(&[5], 4, 100.0), 1, &mut out);
     let want = [-5f32.sin(), 2.0 * 0.5f32.cos(), 5f32.cos(), 2.0 * 0.5f32.sin()];
     for (i, (o, w)) in out.iter().zip(want).enumerate() {
         assert!((o - w).abs() < 1e-6, "out[{i}] = {o} want {w}");
@@ -452,7 +452,7 @@ fn gelu_matches_known_values() {
 fn rope_rotates_pairs() {
     let x = [1.0, 0.0, 0.0, 1.0]; // head_dim 4, pairs (0,2) and (1,3)
     let mut out = [0.0; 4];
-    rope(&x, &[1], 1, 4, 10000.0, &mut out);
+    rope(&x, &RopeTable::new(&[1], 4, 10000.0), 1, &mut out);
     // pair (0,2): freq 1 -> angle 1 rad
     assert!((out[0] - 1f32.cos()).abs() < 1e-6 && (out[2] - 1f32.sin()).abs() < 1e-6);
     // pair (1,3): freq 1e-2 -> angle 0.01 rad
