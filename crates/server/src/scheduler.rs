@@ -54,7 +54,7 @@ pub enum Event {
 pub struct SchedulerConfig {
     /// Most sequences decoded together.
     pub parallel: usize,
-    /// Most prompt tokens prefilled between two decode steps.
+    /// Most prompt tokens prefilled between two decode steps (over all newcomers).
     pub prefill_chunk: usize,
     /// After shutdown is asked for, running requests may finish for this long; then they are
     /// cancelled.
@@ -153,7 +153,7 @@ pub fn run(model: &Model, jobs: Receiver<Job>, config: SchedulerConfig, metrics:
             }
             continue;
         }
-        prefill_one_chunk(model, &mut seqs, config, &metrics);
+        prefill_chunks(model, &mut seqs, config, &metrics);
         decode_step(model, &mut seqs, &metrics);
     }
 }
@@ -164,33 +164,45 @@ fn fail(events: &UnboundedSender<Event>, metrics: &Metrics, e: &ModelError) {
     let _ = events.send(Event::Failed(ApiError::internal(e.to_string())));
 }
 
-/// Prefills the next chunk of the oldest sequence still reading its prompt.
-fn prefill_one_chunk(model: &Model, seqs: &mut Vec<Seq<'_>>, config: SchedulerConfig, metrics: &Metrics) {
-    let Some(i) = seqs.iter().position(|s| s.next.is_none()) else { return };
-    let seq = &mut seqs[i];
-    let end = (seq.prefilled + config.prefill_chunk.max(1)).min(seq.job.prompt.len());
-    let last = end == seq.job.prompt.len();
-    // Chunks before the last only fill the KV cache: the cheapest output will do.
-    let mode = if last { seq.job.generator.mode() } else { OutputMode::Hidden };
-    let t0 = Instant::now();
-    let result = seq.session.forward(&seq.job.prompt[seq.prefilled..end], mode);
-    metrics.prefill_chunks.fetch_add(1, Ordering::Relaxed);
-    metrics.prefill_micros.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
-    let outcome = match result {
-        Ok(out) => {
-            metrics.prompt_tokens.fetch_add((end - seq.prefilled) as u64, Ordering::Relaxed);
-            seq.prefilled = end;
-            if last {
-                deliver(model, seq, Ok(out), metrics)
-            } else {
-                Outcome::Running
-            }
+/// Prefills newcomers, oldest first, up to `prefill_chunk` prompt tokens in all (so running
+/// streams wait at most that long between two tokens); a long prompt takes several rounds.
+fn prefill_chunks(model: &Model, seqs: &mut Vec<Seq<'_>>, config: SchedulerConfig, metrics: &Metrics) {
+    let mut budget = config.prefill_chunk.max(1);
+    let mut i = 0;
+    while budget > 0 && i < seqs.len() {
+        if seqs[i].next.is_some() {
+            i += 1;
+            continue;
         }
-        Err(e) => deliver(model, seq, Err(e), metrics),
-    };
-    if let Outcome::Ended = outcome {
-        seqs.swap_remove(i);
-        metrics.active.fetch_sub(1, Ordering::Relaxed);
+        let seq = &mut seqs[i];
+        let end = (seq.prefilled + budget).min(seq.job.prompt.len());
+        budget -= end - seq.prefilled;
+        let last = end == seq.job.prompt.len();
+        // Chunks before the last only fill the KV cache: the cheapest output will do.
+        let mode = if last { seq.job.generator.mode() } else { OutputMode::Hidden };
+        let t0 = Instant::now();
+        let result = seq.session.forward(&seq.job.prompt[seq.prefilled..end], mode);
+        metrics.prefill_chunks.fetch_add(1, Ordering::Relaxed);
+        metrics.prefill_micros.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        let outcome = match result {
+            Ok(out) => {
+                metrics.prompt_tokens.fetch_add((end - seq.prefilled) as u64, Ordering::Relaxed);
+                seq.prefilled = end;
+                if last {
+                    deliver(model, seq, Ok(out), metrics)
+                } else {
+                    Outcome::Running
+                }
+            }
+            Err(e) => deliver(model, seq, Err(e), metrics),
+        };
+        match outcome {
+            Outcome::Ended => {
+                seqs.remove(i);
+                metrics.active.fetch_sub(1, Ordering::Relaxed);
+            }
+            Outcome::Running => i += 1,
+        }
     }
 }
 
@@ -232,10 +244,10 @@ fn decode_step(model: &Model, seqs: &mut Vec<Seq<'_>>, metrics: &Metrics) {
             }
         }
     }
-    // Remove from the back so the indices stay valid.
+    // Remove from the back so the indices stay valid (and the admission order is kept).
     ended.sort_unstable();
     for i in ended.into_iter().rev() {
-        seqs.swap_remove(i);
+        seqs.remove(i);
         metrics.active.fetch_sub(1, Ordering::Relaxed);
     }
 }
