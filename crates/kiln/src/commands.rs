@@ -255,10 +255,8 @@ fn print_info(path: &Path, items: usize) -> Result<()> {
 fn serve(a: ServeArgs) -> Result<()> {
     let path = model_path(&a.model.model)?;
     let model = load_with(&a.model, kiln_runtime::EngineConfig { plan_cache_capacity: a.plan_cache.max(1), ..a.model.config() })?;
-    let model_id = a
-        .model_id
-        .clone()
-        .unwrap_or_else(|| path.file_stem().map_or_else(|| "kiln".to_string(), |s| s.to_string_lossy().into_owned()));
+    let model_id =
+        a.model_id.clone().unwrap_or_else(|| path.file_stem().map_or_else(|| "kiln".to_string(), |s| s.to_string_lossy().into_owned()));
     let config = kiln_server::ServerConfig {
         host: a.host.clone(),
         port: a.port,

@@ -179,13 +179,7 @@ impl Generator {
     /// Takes the output of the step that processed the last fed token (the prompt, then each
     /// chosen token) in a sequence now holding `position` tokens of a `context`-token context,
     /// chooses the next token and applies the stop conditions.
-    pub fn advance(
-        &mut self,
-        tok: &Tokenizer,
-        out: StepOutput,
-        position: usize,
-        context: usize,
-    ) -> Result<Advance, ModelError> {
+    pub fn advance(&mut self, tok: &Tokenizer, out: StepOutput, position: usize, context: usize) -> Result<Advance, ModelError> {
         if self.finish.is_some() {
             return Err(ModelError::InvalidParameter("generation has already ended".into()));
         }

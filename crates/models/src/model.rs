@@ -155,11 +155,7 @@ impl Model {
     }
 
     /// Runs `f` on the executable for `key`, compiling it on a compile-cache miss.
-    fn with_plan<T>(
-        &self,
-        key: PlanKey,
-        f: impl FnOnce(&mut dyn Executable) -> Result<T, ModelError>,
-    ) -> Result<T, ModelError> {
+    fn with_plan<T>(&self, key: PlanKey, f: impl FnOnce(&mut dyn Executable) -> Result<T, ModelError>) -> Result<T, ModelError> {
         let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
         let exec = plans.get_or_compile(key, || {
             let graph = self.arch.build_graph(key.bucket, key.mode).map_err(|e| kiln_runtime::RuntimeError::Compile(e.to_string()))?;

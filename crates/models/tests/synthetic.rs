@@ -972,16 +972,18 @@ fn batched_decode_equals_each_sequence_alone() {
     // Five sequences at different positions (past the sliding window for some), one batched step
     // each time: every row sees only its own cache and position.
     let prompts: Vec<Vec<u32>> = (0..5).map(|i| prompt(2 + 3 * i, 100 + i as u64)).collect();
-    let mut alone: Vec<Session<'_>> = prompts.iter().map(|p| {
-        let mut s = model.new_session().unwrap();
-        logits(&mut s, p);
-        s
-    }).collect();
-    let mut batched: Vec<Session<'_>> = prompts.iter().map(|p| {
-        let mut s = model.new_session().unwrap();
-        logits(&mut s, p);
-        s
-    }).collect();
+    let prefilled = || -> Vec<Session<'_>> {
+        prompts
+            .iter()
+            .map(|p| {
+                let mut s = model.new_session().unwrap();
+                logits(&mut s, p);
+                s
+            })
+            .collect()
+    };
+    let mut alone = prefilled();
+    let mut batched = prefilled();
     for step in 0..6 {
         let tokens = prompt(batched.len(), 200 + step);
         let mut refs: Vec<&mut Session<'_>> = batched.iter_mut().collect();

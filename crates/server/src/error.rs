@@ -95,13 +95,7 @@ impl ApiError {
 
     /// A 500 for a failure inside the engine.
     pub fn internal(message: impl Into<String>) -> Self {
-        ApiError {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            message: message.into(),
-            kind: "server_error",
-            param: None,
-            code: None,
-        }
+        ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: message.into(), kind: "server_error", param: None, code: None }
     }
 
     /// The JSON body.

@@ -182,7 +182,10 @@ async fn submit(
         (Some(m), _) if m > room => {
             return Err(ApiError::invalid(
                 Some("max_tokens"),
-                format!("max_tokens is {m} but the context of {context} tokens leaves room for {room} after the {}-token prompt", prompt.len()),
+                format!(
+                    "max_tokens is {m} but the context of {context} tokens leaves room for {room} after the {}-token prompt",
+                    prompt.len()
+                ),
             )
             .with_code("context_length_exceeded"))
         }

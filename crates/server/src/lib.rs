@@ -84,12 +84,8 @@ impl Server {
         let listener = std::net::TcpListener::bind(&bind).map_err(&io)?;
         listener.set_nonblocking(true).map_err(&io)?;
         let addr = listener.local_addr().map_err(&io)?;
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("kiln-http")
-            .enable_all()
-            .build()
-            .map_err(&io)?;
+        let runtime =
+            tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("kiln-http").enable_all().build().map_err(&io)?;
         let metrics = Arc::new(metrics::Metrics::default());
         let stop = Arc::new(AtomicBool::new(false));
         let (jobs, jobs_rx) = std::sync::mpsc::sync_channel(config.queue);

@@ -102,7 +102,12 @@ impl Metrics {
         metric("kiln_decode_steps_total", "counter", "Batched decode steps run.", &[("", get(&self.decode_steps) as f64)]);
         metric("kiln_decode_seconds_total", "counter", "Seconds spent in decode steps.", &[("", get(&self.decode_micros) as f64 / 1e6)]);
         metric("kiln_prefill_chunks_total", "counter", "Prefill chunks run.", &[("", get(&self.prefill_chunks) as f64)]);
-        metric("kiln_prefill_seconds_total", "counter", "Seconds spent in prefill chunks.", &[("", get(&self.prefill_micros) as f64 / 1e6)]);
+        metric(
+            "kiln_prefill_seconds_total",
+            "counter",
+            "Seconds spent in prefill chunks.",
+            &[("", get(&self.prefill_micros) as f64 / 1e6)],
+        );
         let busy = (get(&self.decode_micros) + get(&self.prefill_micros)) as f64 / 1e6;
         let tps = if busy > 0.0 { get(&self.generated_tokens) as f64 / busy } else { 0.0 };
         metric(

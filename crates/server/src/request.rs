@@ -101,8 +101,7 @@ fn fresh_seed() -> u64 {
 
 /// Parses a request body for `endpoint`.
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
-    let text = std::str::from_utf8(body)
-        .map_err(|e| ApiError::invalid(None, format!("the request body is not valid UTF-8 ({e})")))?;
+    let text = std::str::from_utf8(body).map_err(|e| ApiError::invalid(None, format!("the request body is not valid UTF-8 ({e})")))?;
     if text.trim().is_empty() {
         return Err(ApiError::invalid(None, "the request body is empty; send a JSON object"));
     }

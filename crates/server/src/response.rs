@@ -58,7 +58,9 @@ impl Envelope {
 
     /// The opening chunk of a chat stream (the assistant role, no content yet).
     pub fn role_chunk(&self) -> Value {
-        Value::Object(self.wrap(true, json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}])))
+        Value::Object(
+            self.wrap(true, json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}])),
+        )
     }
 
     /// A chunk carrying `text` (and its tokens' log-probabilities).
@@ -150,11 +152,8 @@ impl Logprobs {
         let num = |x: f32| if x.is_finite() { json!(x) } else { json!(-9999.0) };
         match endpoint {
             Endpoint::Completions => {
-                let top: Vec<Value> = self
-                    .entries
-                    .iter()
-                    .map(|e| Value::Object(e.top.iter().map(|(t, l)| (t.clone(), num(*l))).collect()))
-                    .collect();
+                let top: Vec<Value> =
+                    self.entries.iter().map(|e| Value::Object(e.top.iter().map(|(t, l)| (t.clone(), num(*l))).collect())).collect();
                 json!({
                     "tokens": self.entries.iter().map(|e| e.text.clone()).collect::<Vec<_>>(),
                     "token_logprobs": self.entries.iter().map(|e| num(e.logprob)).collect::<Vec<_>>(),

@@ -214,16 +214,12 @@ fn decode_step(model: &Model, seqs: &mut Vec<Seq<'_>>, metrics: &Metrics) {
     }
     // One step serves all: logits when any sequence samples or wants log-probabilities (greedy
     // ones take the argmax on the host), else the in-graph greedy head.
-    let mode = if ready.iter().any(|&i| seqs[i].job.generator.mode() == OutputMode::Logits) {
-        OutputMode::Logits
-    } else {
-        OutputMode::NextToken
-    };
+    let mode =
+        if ready.iter().any(|&i| seqs[i].job.generator.mode() == OutputMode::Logits) { OutputMode::Logits } else { OutputMode::NextToken };
     let tokens: Vec<u32> = ready.iter().filter_map(|&i| seqs[i].next).collect();
     let t0 = Instant::now();
     let results = {
-        let mut sessions: Vec<&mut Session<'_>> =
-            seqs.iter_mut().filter(|s| s.next.is_some()).map(|s| &mut s.session).collect();
+        let mut sessions: Vec<&mut Session<'_>> = seqs.iter_mut().filter(|s| s.next.is_some()).map(|s| &mut s.session).collect();
         model.decode_batch(&mut sessions, &tokens, mode)
     };
     metrics.decode_steps.fetch_add(1, Ordering::Relaxed);

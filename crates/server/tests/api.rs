@@ -46,7 +46,10 @@ fn endpoints_answer_in_openai_shapes() {
     assert_eq!(models["data"][0]["id"], MODEL_ID);
     assert_eq!(get(addr, &format!("/v1/models/{MODEL_ID}")).json()["object"], "model");
 
-    let v = completion(addr, json!({"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "logprobs": 2}));
+    let v = completion(
+        addr,
+        json!({"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "logprobs": 2}),
+    );
     assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
     assert_eq!(v["object"], "text_completion");
     assert_eq!(v["model"], MODEL_ID);
@@ -109,8 +112,12 @@ fn streamed_text_equals_the_whole_answer_and_stop_strings_do_not_leak() {
     let addr = shared();
     let prompt = "Once upon a time, in a small village,";
     let whole = greedy_text(addr, prompt, 12);
-    let r = post(addr, "/v1/completions", &json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": true,
-        "stream_options": {"include_usage": true}}));
+    let r = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": true,
+        "stream_options": {"include_usage": true}}),
+    );
     assert_eq!(r.status, 200);
     assert!(r.header("content-type").unwrap().starts_with("text/event-stream"));
     let events = r.events();
@@ -147,7 +154,11 @@ fn streamed_text_equals_the_whole_answer_and_stop_strings_do_not_leak() {
     }
 
     // Chat streams open with the assistant role and end with [DONE].
-    let r = post(addr, "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": true, "temperature": 0}));
+    let r = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": true, "temperature": 0}),
+    );
     let events = r.events();
     let first: Value = serde_json::from_str(&events[0]).unwrap();
     assert_eq!(first["object"], "chat.completion.chunk");
@@ -179,7 +190,13 @@ fn bad_requests_get_4xx_errors_and_the_server_keeps_serving() {
         ("empty prompt", "POST", "/v1/completions", br#"{"prompt": ""}"#.to_vec(), 400),
         ("missing prompt", "POST", "/v1/completions", br#"{"max_tokens": 3}"#.to_vec(), 400),
         ("over-long prompt", "POST", "/v1/completions", json!({"prompt": long_prompt}).to_string().into_bytes(), 400),
-        ("max_tokens beyond the context", "POST", "/v1/completions", json!({"prompt": "hi", "max_tokens": CONTEXT}).to_string().into_bytes(), 400),
+        (
+            "max_tokens beyond the context",
+            "POST",
+            "/v1/completions",
+            json!({"prompt": "hi", "max_tokens": CONTEXT}).to_string().into_bytes(),
+            400,
+        ),
         ("negative max_tokens", "POST", "/v1/completions", br#"{"prompt": "hi", "max_tokens": -5}"#.to_vec(), 400),
         ("n = 2", "POST", "/v1/completions", br#"{"prompt": "hi", "n": 2}"#.to_vec(), 400),
         ("temperature out of range", "POST", "/v1/completions", br#"{"prompt": "hi", "temperature": 7.5}"#.to_vec(), 400),
@@ -196,7 +213,13 @@ fn bad_requests_get_4xx_errors_and_the_server_keeps_serving() {
         ("chat without messages", "POST", "/v1/chat/completions", br#"{"model": "test-model"}"#.to_vec(), 400),
         ("chat with empty messages", "POST", "/v1/chat/completions", br#"{"messages": []}"#.to_vec(), 400),
         ("chat with an unknown role", "POST", "/v1/chat/completions", br#"{"messages": [{"role": "root", "content": "x"}]}"#.to_vec(), 400),
-        ("chat with non-text content", "POST", "/v1/chat/completions", br#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}"#.to_vec(), 400),
+        (
+            "chat with non-text content",
+            "POST",
+            "/v1/chat/completions",
+            br#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}"#.to_vec(),
+            400,
+        ),
         ("deeply nested JSON", "POST", "/v1/completions", format!("{}{}", "[".repeat(100_000), "]".repeat(100_000)).into_bytes(), 400),
     ];
     assert!(cases.len() >= 15);
@@ -207,7 +230,7 @@ fn bad_requests_get_4xx_errors_and_the_server_keeps_serving() {
         let r = send(addr, method, path, &body);
         assert_error(&r, status, what);
         // The next good request is served.
-        assert_eq!(greedy_text(addr, "Hello", 1).is_empty(), false, "after {what}");
+        assert!(!greedy_text(addr, "Hello", 1).is_empty(), "after {what}");
     }
     let rejected = metric(addr, "kiln_requests_rejected_total{reason=\"invalid\"}") - before;
     assert_eq!(rejected, counted);
@@ -248,10 +271,12 @@ fn greedy_text_is_the_same_alone_and_among_8_concurrent_requests() {
 
 /// Opens a streaming request and reads until the first text chunk arrives.
 fn open_stream(addr: SocketAddr, max_tokens: usize) -> TcpStream {
-    let body = json!({"prompt": "Tell me a long story about a dragon.", "max_tokens": max_tokens, "stream": true, "temperature": 0}).to_string();
+    let body =
+        json!({"prompt": "Tell me a long story about a dragon.", "max_tokens": max_tokens, "stream": true, "temperature": 0}).to_string();
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    let head = format!("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n", body.len());
+    let head =
+        format!("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n", body.len());
     s.write_all(head.as_bytes()).unwrap();
     s.write_all(body.as_bytes()).unwrap();
     let mut seen = Vec::new();

@@ -31,7 +31,14 @@ fn python_with_openai() -> PathBuf {
         let _ = std::fs::remove_dir_all(&venv);
         run(Command::new("python3").args(["-m", "venv"]).arg(&venv), "creating a Python venv (needs python3 with venv)");
         run(
-            Command::new(&python).args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", &format!("openai=={OPENAI_VERSION}")]),
+            Command::new(&python).args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                &format!("openai=={OPENAI_VERSION}"),
+            ]),
             "installing the openai client from PyPI",
         );
         std::fs::write(&ready, OPENAI_VERSION).unwrap();
