@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use kiln_ir::DType;
+use kiln_ir::{DType, RopeSpec};
 use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KvCache, Plan, Rows, RuntimeError, Slot, StepInputs};
 
 use crate::kernels::{self, AttentionShape, RopeTable};
@@ -28,7 +28,7 @@ impl CpuExecutable {
                 Kernel::Embed { table: w, .. } | Kernel::MatMul { w, .. } | Kernel::MatMulArgmax { w, .. } => {
                     weights.matrix(*w)?;
                 }
-                Kernel::RmsNorm { weight, .. } => {
+                Kernel::RmsNorm { weight, .. } | Kernel::AddBias { bias: weight, .. } => {
                     weights.vector(*weight)?;
                 }
                 _ => {}
@@ -98,11 +98,14 @@ impl Executable for CpuExecutable {
         // One cos/sin table per distinct RoPE base, shared by the queries and keys of every layer.
         let mut rope_tables: Vec<RopeTable> = Vec::new();
         for step in &self.plan.steps {
-            if let Kernel::Rope { positions, head_dim, theta, .. } = step.kernel {
-                if !rope_tables.iter().any(|t| t.serves(theta, head_dim)) {
-                    // SAFETY: the positions slot was written above; no step is running.
-                    rope_tables.push(RopeTable::new(unsafe { arena.i32(positions, n) }, head_dim, theta));
-                }
+            let (positions, head_dim, spec) = match &step.kernel {
+                Kernel::Rope { positions, head_dim, theta, .. } => (*positions, *head_dim, RopeSpec::neox(*theta)),
+                Kernel::RopeScaled { positions, head_dim, spec, .. } => (*positions, *head_dim, spec.clone()),
+                _ => continue,
+            };
+            if !rope_tables.iter().any(|t| t.serves_spec(&spec, head_dim)) {
+                // SAFETY: the positions slot was written above; no step is running.
+                rope_tables.push(RopeTable::with_spec(unsafe { arena.i32(positions, n) }, head_dim, &spec));
             }
         }
         for step in &self.plan.steps {
@@ -180,9 +183,66 @@ impl CpuExecutable {
                 let len = rows * heads * head_dim;
                 let table = rope_tables
                     .iter()
-                    .find(|t| t.serves(theta, head_dim))
+                    .find(|t| t.serves_spec(&RopeSpec::neox(theta), head_dim))
                     .ok_or_else(|| RuntimeError::StepShape("no RoPE table for a rope step".into()))?;
                 kernels::rope(a.f32(x, len), table, heads, a.f32_mut(out, len));
+            }
+            Kernel::RopeScaled { x, out, heads, head_dim, ref spec, .. } => {
+                let len = rows * heads * head_dim;
+                let table = rope_tables
+                    .iter()
+                    .find(|t| t.serves_spec(spec, head_dim))
+                    .ok_or_else(|| RuntimeError::StepShape("no RoPE table for a rope step".into()))?;
+                kernels::rope_mode(a.f32(x, len), table, heads, spec.mode, a.f32_mut(out, len));
+            }
+            Kernel::AttentionSoftCap { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale, softcap } => {
+                let store = kv.layer_mut(layer).ok_or_else(|| RuntimeError::StepShape(format!("the KV cache has no layer {layer}")))?;
+                if store.len() != start || store.spec().k_width() != kv_heads * head_dim {
+                    return Err(RuntimeError::StepShape(format!("KV cache layer {layer} does not match the plan")));
+                }
+                let shape = AttentionShape { q_heads, kv_heads, head_dim, window, scale };
+                let (kw, qw) = (kv_heads * head_dim, q_heads * head_dim);
+                kernels::attention_soft_capped(
+                    pool,
+                    isa,
+                    a.f32(q, active * qw),
+                    a.f32(k, active * kw),
+                    a.f32(v, active * kw),
+                    active,
+                    start,
+                    store,
+                    shape,
+                    Some(softcap),
+                    a.f32_mut(out, active * qw),
+                );
+            }
+            Kernel::AddBias { x, bias, out, width } => {
+                let (bv, len) = (w.vector(bias)?, rows * width);
+                let (x, o) = (a.f32(x, len), a.f32_mut(out, len));
+                for (orow, xrow) in o.chunks_exact_mut(width).zip(x.chunks_exact(width)) {
+                    orow.iter_mut().zip(xrow.iter().zip(bv)).for_each(|(o, (x, b))| *o = x + b);
+                }
+            }
+            Kernel::Silu { x, out, width } => {
+                let len = rows * width;
+                let (x, o) = (a.f32(x, len), a.f32_mut(out, len));
+                o.iter_mut().zip(x).for_each(|(o, x)| *o = kernels::silu(*x));
+            }
+            Kernel::SiluMul { gate, up, out, width } => {
+                let len = rows * width;
+                let (g, u, o) = (a.f32(gate, len), a.f32(up, len), a.f32_mut(out, len));
+                let op = kernels::SharedMut(o.as_mut_ptr());
+                pool.for_chunks(len, 4096, &|range| {
+                    for i in range {
+                        // SAFETY: each chunk writes its own elements.
+                        *op.ptr().add(i) = kernels::silu(g[i]) * u[i];
+                    }
+                });
+            }
+            Kernel::SoftCap { x, out, width, cap } => {
+                let len = rows * width;
+                let (x, o) = (a.f32(x, len), a.f32_mut(out, len));
+                o.iter_mut().zip(x).for_each(|(o, x)| *o = kernels::soft_cap(*x, cap));
             }
             Kernel::Attention { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale } => {
                 let store = kv.layer_mut(layer).ok_or_else(|| RuntimeError::StepShape(format!("the KV cache has no layer {layer}")))?;

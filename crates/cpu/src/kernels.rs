@@ -2,6 +2,8 @@
 
 use std::cell::RefCell;
 
+use kiln_ir::{RopeMode, RopeSpec};
+
 use crate::kv::LayerStore;
 use crate::pool::ThreadPool;
 use crate::simd::{axpy, dot, dot4, Isa};
@@ -143,47 +145,80 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, residual: Option<&[f32]>, out: &
     }
 }
 
-/// cos/sin of every (row position, frequency) pair for one RoPE base and head size: computed once
-/// per step and shared by every `Rope` kernel with the same base (queries and keys of all layers).
+/// cos/sin of every (row position, frequency) pair for one RoPE spec and head size: computed once
+/// per step and shared by every `Rope` kernel with the same frequencies (queries and keys of all layers).
 pub struct RopeTable {
-    theta: f32,
+    spec: RopeSpec,
     head_dim: usize,
     /// `rows × head_dim / 2` pairs.
     cs: Vec<(f32, f32)>,
 }
 
 impl RopeTable {
-    /// The table for `positions` (f64 angles, rounded to f32 once).
-    pub fn new(positions: &[i32], head_dim: usize, theta: f32) -> Self {
+    /// The table for `spec`'s frequencies, `freq_scale * theta^(-2i/d) / freq_factors[i]`, at
+    /// `positions` (f64 angles, rounded to f32 once).
+    pub fn with_spec(positions: &[i32], head_dim: usize, spec: &RopeSpec) -> Self {
         let half = head_dim / 2;
-        let inv_freq: Vec<f64> = (0..half).map(|i| 1.0 / (theta as f64).powf((2 * i) as f64 / head_dim as f64)).collect();
+        let inv_freq: Vec<f64> = (0..half)
+            .map(|i| {
+                let f = spec.freq_scale as f64 / (spec.theta as f64).powf((2 * i) as f64 / head_dim as f64);
+                f / spec.freq_factors.as_ref().map_or(1.0, |ff| ff[i] as f64)
+            })
+            .collect();
         let cs = positions
             .iter()
             .flat_map(|&pos| inv_freq.iter().map(move |f| pos as f64 * f).map(|a| (a.cos() as f32, a.sin() as f32)))
             .collect();
-        RopeTable { theta, head_dim, cs }
+        // The pairing does not change the table: one table serves both modes.
+        RopeTable { spec: RopeSpec { mode: RopeMode::Neox, ..spec.clone() }, head_dim, cs }
     }
 
-    /// Whether this table serves a kernel with `theta` and `head_dim`.
-    pub fn serves(&self, theta: f32, head_dim: usize) -> bool {
-        self.theta == theta && self.head_dim == head_dim
+    /// Whether this table serves a kernel with `spec` and `head_dim` (any pairing).
+    pub fn serves_spec(&self, spec: &RopeSpec, head_dim: usize) -> bool {
+        self.head_dim == head_dim
+            && self.spec.theta == spec.theta
+            && self.spec.freq_scale == spec.freq_scale
+            && self.spec.freq_factors == spec.freq_factors
     }
 }
 
 /// NeoX rotary embedding of every row of `heads` heads, with the table's positions.
 pub fn rope(x: &[f32], table: &RopeTable, heads: usize, out: &mut [f32]) {
+    rope_mode(x, table, heads, RopeMode::Neox, out);
+}
+
+/// Rotary embedding of every row of `heads` heads with `mode`'s pairing: NeoX rotates element `i`
+/// with `i + d/2`, Norm rotates `2i` with `2i + 1`; pair `i` turns by the table's angle `i`.
+pub fn rope_mode(x: &[f32], table: &RopeTable, heads: usize, mode: RopeMode, out: &mut [f32]) {
     let (head_dim, half) = (table.head_dim, table.head_dim / 2);
+    let (first, second): (fn(usize, usize) -> usize, fn(usize, usize) -> usize) = match mode {
+        RopeMode::Neox => (|i, _| i, |i, half| i + half),
+        RopeMode::Norm => (|i, _| 2 * i, |i, _| 2 * i + 1),
+    };
     for (r, cs) in table.cs.chunks_exact(half).enumerate() {
         for h in 0..heads {
             let base = (r * heads + h) * head_dim;
             let (xs, os) = (&x[base..base + head_dim], &mut out[base..base + head_dim]);
             for (i, &(c, s)) in cs.iter().enumerate() {
-                let (x0, x1) = (xs[i], xs[i + half]);
-                os[i] = x0 * c - x1 * s;
-                os[i + half] = x1 * c + x0 * s;
+                let (a, b) = (first(i, half), second(i, half));
+                let (x0, x1) = (xs[a], xs[b]);
+                os[a] = x0 * c - x1 * s;
+                os[b] = x1 * c + x0 * s;
             }
         }
     }
+}
+
+/// SiLU (`x * sigmoid(x)`), as PyTorch computes it in f32.
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// Soft-capping `cap * tanh(x / cap)`, as Hugging Face computes it in f32.
+#[inline]
+pub fn soft_cap(x: f32, cap: f32) -> f32 {
+    (x / cap).tanh() * cap
 }
 
 /// GELU with the tanh approximation, as PyTorch computes it in f32.
@@ -223,6 +258,24 @@ pub fn attention(
     shape: AttentionShape,
     out: &mut [f32],
 ) {
+    attention_soft_capped(pool, isa, q, k_new, v_new, rows, start, layer, shape, None, out);
+}
+
+/// [`attention`] whose scaled scores `s` become `softcap * tanh(s / softcap)` when a cap is given.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_soft_capped(
+    pool: &ThreadPool,
+    isa: Isa,
+    q: &[f32],
+    k_new: &[f32],
+    v_new: &[f32],
+    rows: usize,
+    start: usize,
+    layer: &mut LayerStore,
+    shape: AttentionShape,
+    softcap: Option<f32>,
+    out: &mut [f32],
+) {
     let AttentionShape { q_heads, kv_heads, head_dim: d, window, scale } = shape;
     let group = q_heads / kv_heads;
     let kvw = kv_heads * d;
@@ -252,6 +305,9 @@ pub fn attention(
             let mut scores = s.borrow_mut();
             scores.clear();
             scores.extend((lo..=p).map(|pos| dot(isa, qh, key(pos)) * scale));
+            if let Some(cap) = softcap {
+                scores.iter_mut().for_each(|s| *s = soft_cap(*s, cap));
+            }
             let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0f32;
             for v in scores.iter_mut() {

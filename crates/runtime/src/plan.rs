@@ -1,6 +1,6 @@
 //! Executable plans: a list of kernel steps over one planned arena.
 
-use kiln_ir::{Bucket, DType};
+use kiln_ir::{Bucket, DType, RopeSpec};
 
 use crate::WeightId;
 
@@ -49,14 +49,38 @@ pub enum Kernel {
         window: Option<usize>,
         scale: f32,
     },
+    /// `Attention` whose scaled scores are soft-capped: `softcap * tanh(s / softcap)` (Gemma 2).
+    AttentionSoftCap {
+        q: Slot,
+        k: Slot,
+        v: Slot,
+        out: Slot,
+        layer: usize,
+        q_heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        window: Option<usize>,
+        scale: f32,
+        softcap: f32,
+    },
+    /// Rotary embedding with any pairing and frequency scaling (the plain `Rope` is unscaled NeoX).
+    RopeScaled { x: Slot, positions: Slot, out: Slot, heads: usize, head_dim: usize, spec: RopeSpec },
     /// `out = a + b`.
     Add { a: Slot, b: Slot, out: Slot, width: usize },
+    /// `out[r] = x[r] + bias` (a weight vector of `width` elements).
+    AddBias { x: Slot, bias: WeightId, out: Slot, width: usize },
     /// `out = a * b`.
     Mul { a: Slot, b: Slot, out: Slot, width: usize },
     /// `out = gelu_tanh(x)`.
     Gelu { x: Slot, out: Slot, width: usize },
     /// `out = gelu_tanh(gate) * up` (fused gated MLP activation).
     GeluMul { gate: Slot, up: Slot, out: Slot, width: usize },
+    /// `out = silu(x)`.
+    Silu { x: Slot, out: Slot, width: usize },
+    /// `out = silu(gate) * up` (fused SwiGLU activation).
+    SiluMul { gate: Slot, up: Slot, out: Slot, width: usize },
+    /// `out = cap * tanh(x / cap)`.
+    SoftCap { x: Slot, out: Slot, width: usize, cap: f32 },
     /// `out[0] = x[active - 1]`.
     LastRow { x: Slot, out: Slot, width: usize },
     /// `out[r] = argmax(x[r])` (i32).
