@@ -237,7 +237,7 @@ fn gemma2(f: &GgufFile) -> Result<DecoderConfig, ModelError> {
     // uses hidden / heads, the others the head size.
     let query_pre_attn = if c.layers == 46 { c.hidden / c.q_heads } else { c.head_dim };
     cfg.attn_scale = 1.0 / (query_pre_attn as f32).sqrt();
-    cfg.attn_softcap = Some(m.positive_opt("attention.logit_softcapping")?.unwrap_or(50.0));
+    cfg.attn_softcap = Some(m.positive_opt("attn_logit_softcapping")?.unwrap_or(50.0));
     cfg.final_softcap = Some(m.positive_opt("final_logit_softcapping")?.unwrap_or(30.0));
     Ok(cfg)
 }
