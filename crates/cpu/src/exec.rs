@@ -223,6 +223,15 @@ impl CpuExecutable {
                     orow.iter_mut().zip(xrow.iter().zip(bv)).for_each(|(o, (x, b))| *o = x + b);
                 }
             }
+            Kernel::Normalize { x, out, width, group, eps } => {
+                let len = rows * width;
+                kernels::rms_normalize(a.f32(x, len), group, eps, a.f32_mut(out, len));
+            }
+            Kernel::Scale { x, out, width, factor } => {
+                let len = rows * width;
+                let (x, o) = (a.f32(x, len), a.f32_mut(out, len));
+                o.iter_mut().zip(x).for_each(|(o, x)| *o = x * factor);
+            }
             Kernel::Silu { x, out, width } => {
                 let len = rows * width;
                 let (x, o) = (a.f32(x, len), a.f32_mut(out, len));

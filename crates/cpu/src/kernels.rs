@@ -145,6 +145,15 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, residual: Option<&[f32]>, out: &
     }
 }
 
+/// RMS normalisation over groups of `group` elements without a weight: `out = x / rms(x)`.
+pub fn rms_normalize(x: &[f32], group: usize, eps: f32, out: &mut [f32]) {
+    for (xg, og) in x.chunks_exact(group).zip(out.chunks_exact_mut(group)) {
+        let ms = xg.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>() / group as f64;
+        let inv = 1.0 / ((ms as f32) + eps).sqrt();
+        og.iter_mut().zip(xg).for_each(|(o, x)| *o = x * inv);
+    }
+}
+
 /// cos/sin of every (row position, frequency) pair for one RoPE spec and head size: computed once
 /// per step and shared by every `Rope` kernel with the same frequencies (queries and keys of all layers).
 pub struct RopeTable {

@@ -106,6 +106,20 @@ pub enum Op {
         /// Epsilon added to the mean square.
         eps: f32,
     },
+    /// RMS normalisation over the last dimension without a weight (Gemma 4 value norm).
+    Normalize {
+        /// Input.
+        x: NodeId,
+        /// Epsilon added to the mean square.
+        eps: f32,
+    },
+    /// `x * factor` (Gemma 4 per-layer output scale).
+    Scale {
+        /// Input.
+        x: NodeId,
+        /// The factor.
+        factor: f32,
+    },
     /// `x` [rows, k] times the transpose of weight `w` [n, k]: [rows, n].
     MatMul {
         /// Activations.
@@ -209,6 +223,8 @@ impl Op {
             Op::AddBias { x, bias } => vec![x, bias],
             Op::Gelu { x }
             | Op::Silu { x }
+            | Op::Normalize { x, .. }
+            | Op::Scale { x, .. }
             | Op::SoftCap { x, .. }
             | Op::Reshape { x }
             | Op::LastRow { x }
@@ -364,6 +380,20 @@ impl GraphBuilder {
             format!("weight {ws:?} does not match the last dimension of {xs:?}")
         });
         self.push(Op::RmsNorm { x, weight, eps }, xs, DType::F32)
+    }
+
+    /// RMS normalisation over the last dimension, without a weight.
+    pub fn normalize(&mut self, x: NodeId, eps: f32) -> NodeId {
+        let s = self.node(x).shape.clone();
+        self.check("normalize", s.len() >= 2, || format!("needs [rows, ..., d], got {s:?}"));
+        self.push(Op::Normalize { x, eps }, s, DType::F32)
+    }
+
+    /// `x * factor`.
+    pub fn scale(&mut self, x: NodeId, factor: f32) -> NodeId {
+        self.check("scale", factor.is_finite(), || format!("factor {factor} must be finite"));
+        let s = self.node(x).shape.clone();
+        self.push(Op::Scale { x, factor }, s, DType::F32)
     }
 
     /// `x` [rows, k] times `w` [n, k] transposed.
@@ -565,9 +595,12 @@ mod tests {
         let y = b.add_bias(x, bias);
         let s = b.silu(y);
         let c = b.soft_cap(s, 30.0);
-        b.output("out", c);
+        let n = b.normalize(c, 1e-6);
+        let m = b.scale(n, 0.5);
+        b.output("out", m);
         let g = b.finish().unwrap();
         assert_eq!(g.node(c).shape, vec![2, 8]);
+        assert_eq!(g.node(m).op, Op::Scale { x: n, factor: 0.5 });
         assert_eq!(g.node(y).op, Op::AddBias { x, bias });
         let mut b = GraphBuilder::new(prefill);
         let (_, x) = base(&mut b);
@@ -583,6 +616,10 @@ mod tests {
         let (_, x) = base(&mut b);
         b.soft_cap(x, 0.0);
         assert!(b.finish().unwrap_err().to_string().contains("soft_cap"));
+        let mut b = GraphBuilder::new(prefill);
+        let (_, x) = base(&mut b);
+        b.scale(x, f32::NAN);
+        assert!(b.finish().unwrap_err().to_string().contains("scale"));
         let mut b = GraphBuilder::new(prefill);
         let (_, x) = base(&mut b);
         let q = b.reshape(x, &[2, 2, 4]);

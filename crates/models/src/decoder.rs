@@ -28,6 +28,10 @@ pub struct LayerConfig {
     pub rope: RopeSpec,
     /// Sliding window (a query sees the last `window` positions), or none for global attention.
     pub window: Option<usize>,
+    /// The layer has no value projection: values are the (un-normed, un-rotated) key projection.
+    pub v_from_k: bool,
+    /// Factor applied to the residual stream after the layer (Gemma 4 `layer_output_scale`).
+    pub output_scale: Option<f32>,
 }
 
 /// Hyperparameters and structural switches of one decoder-only model.
@@ -57,6 +61,8 @@ pub struct DecoderConfig {
     pub post_norms: bool,
     /// Per-head RMS norms of queries and keys (Qwen 3, Gemma 3/4).
     pub qk_norm: bool,
+    /// Weightless RMS norm of values per head (Gemma 4).
+    pub v_norm: bool,
     /// Biases on the q/k/v projections (Qwen 2).
     pub qkv_bias: bool,
     /// Attention score scale (1/sqrt(head_dim) or 1/sqrt(query_pre_attn_scalar)).
@@ -101,10 +107,13 @@ impl DecoderConfig {
         let (qw, kw) = (self.q_heads * d, lc.kv_heads * d);
         let q = self.projection(g, x, l, "attn_q", qw, self.hidden, self.qkv_bias);
         let k = self.projection(g, x, l, "attn_k", kw, self.hidden, self.qkv_bias);
-        let v = self.projection(g, x, l, "attn_v", kw, self.hidden, self.qkv_bias);
+        let v = if lc.v_from_k { k } else { self.projection(g, x, l, "attn_v", kw, self.hidden, self.qkv_bias) };
         let mut q = g.reshape(q, &[rows, self.q_heads, d]);
         let mut k = g.reshape(k, &[rows, lc.kv_heads, d]);
-        let v = g.reshape(v, &[rows, lc.kv_heads, d]);
+        let mut v = g.reshape(v, &[rows, lc.kv_heads, d]);
+        if self.v_norm {
+            v = g.normalize(v, self.eps);
+        }
         if self.qk_norm {
             let (qn, kn) = (g.weight(&layer_weight(l, "attn_q_norm"), &[d]), g.weight(&layer_weight(l, "attn_k_norm"), &[d]));
             q = g.rms_norm(q, qn, self.eps);
@@ -162,6 +171,9 @@ impl Architecture for DecoderConfig {
             let d = c.mlp(&mut g, x, l);
             let d = c.post_norm(&mut g, d, l, "post_ffw_norm");
             h = g.add(h, d);
+            if let Some(s) = c.layers[l].output_scale {
+                h = g.scale(h, s);
+            }
         }
         let out_norm = g.weight("output_norm.weight", &[c.hidden]);
         if mode != OutputMode::AllLogits {

@@ -1,7 +1,7 @@
 //! Config mapping per model family: GGUF metadata (llama.cpp key and tensor conventions) →
 //! [`DecoderConfig`]. What a file does not say takes llama.cpp's default for the family.
 
-use kiln_gguf::GgufFile;
+use kiln_gguf::{GgufFile, MetaArray, MetaValue};
 use kiln_ir::{RopeMode, RopeSpec};
 use kiln_quant::GgmlType;
 
@@ -9,7 +9,7 @@ use crate::decoder::{Activation, DecoderConfig, LayerConfig};
 use crate::ModelError;
 
 /// Architectures kiln runs (`general.architecture` values).
-pub const SUPPORTED: &[&str] = &["gemma", "gemma2", "gemma3", "llama", "qwen2", "qwen3"];
+pub const SUPPORTED: &[&str] = &["gemma", "gemma2", "gemma3", "gemma4", "llama", "qwen2", "qwen3"];
 
 /// Metadata of one architecture: keys are read under its prefix (`llama.block_count`, ...).
 struct Meta<'f> {
@@ -59,6 +59,50 @@ impl Meta<'_> {
         }
     }
 
+    /// An optional integer that may be 0.
+    fn u32_or(&self, name: &str, default: u32) -> Result<u32, ModelError> {
+        if self.has(name) {
+            Ok(self.f.get_u32(&self.key(name))?)
+        } else {
+            Ok(default)
+        }
+    }
+
+    /// A positive integer per layer: one value for all layers, or an array of `layers` values.
+    fn per_layer_counts(&self, name: &str, layers: usize, default: usize) -> Result<Vec<usize>, ModelError> {
+        let key = self.key(name);
+        let bad = |what: String| ModelError::Metadata(format!("'{key}' {what}"));
+        let values: Vec<u64> = match self.f.get(&key) {
+            None => vec![default as u64; layers],
+            Some(MetaValue::Array(a)) => {
+                let v: Vec<u64> = match a {
+                    MetaArray::U32(v) => v.iter().map(|&x| x as u64).collect(),
+                    MetaArray::I32(v) => v.iter().map(|&x| x.max(0) as u64).collect(),
+                    other => return Err(bad(format!("is an array of {}, expected integers", other.type_name()))),
+                };
+                if v.len() != layers {
+                    return Err(bad(format!("has {} values for {layers} layers", v.len())));
+                }
+                v
+            }
+            Some(_) => vec![self.count(name)? as u64; layers],
+        };
+        if values.contains(&0) {
+            return Err(bad("holds 0".into()));
+        }
+        Ok(values.into_iter().map(|v| v as usize).collect())
+    }
+
+    /// A bool per layer (an array of `layers` bools).
+    fn per_layer_flags(&self, name: &str, layers: usize) -> Result<Option<Vec<bool>>, ModelError> {
+        let key = self.key(name);
+        match self.f.get(&key) {
+            None => Ok(None),
+            Some(MetaValue::Array(MetaArray::Bool(v))) if v.len() == layers => Ok(Some(v.clone())),
+            Some(_) => Err(ModelError::Metadata(format!("'{key}' must be an array of {layers} bools"))),
+        }
+    }
+
     /// An optional positive float (soft-caps, scaling factors): present and ≤ 0 is an error.
     fn positive_opt(&self, name: &str) -> Result<Option<f32>, ModelError> {
         match self.float_opt(name)? {
@@ -74,7 +118,8 @@ struct Common {
     hidden: usize,
     ffn: usize,
     q_heads: usize,
-    kv_heads: usize,
+    /// Per layer.
+    kv_heads: Vec<usize>,
     head_dim: usize,
     vocab: usize,
     eps: f32,
@@ -85,10 +130,11 @@ struct Common {
 
 fn common(m: &Meta<'_>, default_rope_base: f32) -> Result<Common, ModelError> {
     let hidden = m.count("embedding_length")?;
+    let layers = m.count("block_count")?;
     let q_heads = m.count("attention.head_count")?;
-    let kv_heads = m.count_or("attention.head_count_kv", q_heads)?;
-    if !q_heads.is_multiple_of(kv_heads) {
-        return Err(ModelError::Metadata(format!("{q_heads} query heads are not a multiple of {kv_heads} KV heads")));
+    let kv_heads = m.per_layer_counts("attention.head_count_kv", layers, q_heads)?;
+    if let Some(kv) = kv_heads.iter().find(|&&kv| !q_heads.is_multiple_of(kv)) {
+        return Err(ModelError::Metadata(format!("{q_heads} query heads are not a multiple of {kv} KV heads")));
     }
     let head_dim = m.count_or("attention.key_length", hidden / q_heads)?;
     let value_dim = m.count_or("attention.value_length", head_dim)?;
@@ -111,7 +157,7 @@ fn common(m: &Meta<'_>, default_rope_base: f32) -> Result<Common, ModelError> {
     let embd = m.f.tensor("token_embd.weight").ok_or_else(|| ModelError::Metadata("the file has no tensor 'token_embd.weight'".into()))?;
     let output_weight = if m.f.tensor("output.weight").is_some() { "output.weight" } else { "token_embd.weight" };
     Ok(Common {
-        layers: m.count("block_count")?,
+        layers,
         hidden,
         ffn: m.count("feed_forward_length")?,
         q_heads,
@@ -163,7 +209,16 @@ fn rope_freq_factors(f: &GgufFile, head_dim: usize) -> Result<Option<Vec<f32>>, 
 
 /// Uniform layers: every layer has the common KV shape, `rope`, and the window `window(l)`.
 fn uniform_layers(c: &Common, rope: &RopeSpec, window: impl Fn(usize) -> Option<usize>) -> Vec<LayerConfig> {
-    (0..c.layers).map(|l| LayerConfig { kv_heads: c.kv_heads, head_dim: c.head_dim, rope: rope.clone(), window: window(l) }).collect()
+    (0..c.layers)
+        .map(|l| LayerConfig {
+            kv_heads: c.kv_heads[l],
+            head_dim: c.head_dim,
+            rope: rope.clone(),
+            window: window(l),
+            v_from_k: false,
+            output_scale: None,
+        })
+        .collect()
 }
 
 /// A config with every switch off, for families to adjust.
@@ -181,6 +236,7 @@ fn base(arch: &'static str, c: &Common, layers: Vec<LayerConfig>, activation: Ac
         activation,
         post_norms: false,
         qk_norm: false,
+        v_norm: false,
         qkv_bias: false,
         attn_scale: 1.0 / (c.head_dim as f32).sqrt(),
         attn_softcap: None,
@@ -256,7 +312,7 @@ fn gemma3(f: &GgufFile) -> Result<DecoderConfig, ModelError> {
         .map(|l| {
             let is_global = (l + 1).is_multiple_of(global_every);
             let (rope, window) = if is_global { (global.clone(), None) } else { (local.clone(), Some(window)) };
-            LayerConfig { kv_heads: c.kv_heads, head_dim: c.head_dim, rope, window }
+            LayerConfig { kv_heads: c.kv_heads[l], head_dim: c.head_dim, rope, window, v_from_k: false, output_scale: None }
         })
         .collect();
     let mut cfg = base("gemma3", &c, layers, Activation::GeluTanh);
@@ -269,6 +325,69 @@ fn gemma3(f: &GgufFile) -> Result<DecoderConfig, ModelError> {
     Ok(cfg)
 }
 
+/// The single value of the 1-element tensor `name` (Gemma 4 `layer_output_scale`), if present.
+fn scalar_tensor(f: &GgufFile, name: &str) -> Result<Option<f32>, ModelError> {
+    let Some(t) = f.tensor(name) else { return Ok(None) };
+    if t.n_elements() != 1 || t.ty != GgmlType::F32 && t.ty != GgmlType::F16 {
+        return Err(ModelError::Metadata(format!("'{name}' must be one F32 or F16 value, found {} of {}", t.n_elements(), t.ty)));
+    }
+    let mut v = [0f32];
+    kiln_quant::dequantize(t.ty, f.tensor_data(t), &mut v).map_err(|e| ModelError::Metadata(format!("'{name}': {e}")))?;
+    Ok(Some(v[0]))
+}
+
+/// Gemma 4 (text): Gemma 3's block with per-layer KV widths — global layers use
+/// `attention.key_length` and base `rope.freq_base` with the `rope_freqs` factors (proportional
+/// RoPE), sliding layers `attention.key_length_swa` and `rope.freq_base_swa` — a weightless RMS
+/// norm on values, keys as values where a layer has no `attn_v` (`attention_k_eq_v`), attention
+/// scale 1, optional final soft-capping and a per-layer output scale. Per-layer embeddings, KV
+/// sharing and MoE blocks are rejected with an error naming them.
+fn gemma4(f: &GgufFile) -> Result<DecoderConfig, ModelError> {
+    let m = Meta { f, arch: "gemma4" };
+    let c = common(&m, 1_000_000.0)?;
+    for (name, what) in [
+        ("attention.shared_kv_layers", "KV sharing"),
+        ("embedding_length_per_layer_input", "per-layer embeddings"),
+        ("expert_count", "mixture-of-experts blocks"),
+    ] {
+        if m.u32_or(name, 0)? != 0 {
+            return Err(ModelError::Metadata(format!("'{}' is not 0: kiln does not support Gemma 4 {what}", m.key(name))));
+        }
+    }
+    let head_swa = m.count_or("attention.key_length_swa", c.head_dim)?;
+    if m.count_or("attention.value_length_swa", head_swa)? != head_swa || !head_swa.is_multiple_of(2) {
+        return Err(ModelError::Metadata(format!("'{}' must equal the (even) sliding key length", m.key("attention.value_length_swa"))));
+    }
+    if m.count_or("rope.dimension_count_swa", head_swa)? != head_swa {
+        return Err(ModelError::Metadata(format!(
+            "'{}' differs from the sliding head size {head_swa}; partial rotary embeddings are not supported",
+            m.key("rope.dimension_count_swa")
+        )));
+    }
+    let window = m.count("attention.sliding_window")?;
+    let sliding = match m.per_layer_flags("attention.sliding_window_pattern", c.layers)? {
+        Some(v) => v,
+        None => (0..c.layers).map(|l| !(l + 1).is_multiple_of(6)).collect(),
+    };
+    let local = RopeSpec::neox(m.float_opt("rope.freq_base_swa")?.unwrap_or(10_000.0));
+    let global = RopeSpec { freq_factors: rope_freq_factors(f, c.head_dim)?, ..RopeSpec::neox(c.rope_base) };
+    let mut layers = Vec::with_capacity(c.layers);
+    for (l, &swa) in sliding.iter().enumerate() {
+        let (head_dim, rope, window) = if swa { (head_swa, local.clone(), Some(window)) } else { (c.head_dim, global.clone(), None) };
+        let output_scale = scalar_tensor(f, &format!("blk.{l}.layer_output_scale.weight"))?.filter(|&s| s != 1.0);
+        let v_from_k = f.tensor(&format!("blk.{l}.attn_v.weight")).is_none();
+        layers.push(LayerConfig { kv_heads: c.kv_heads[l], head_dim, rope, window, v_from_k, output_scale });
+    }
+    let mut cfg = base("gemma4", &c, layers, Activation::GeluTanh);
+    cfg.embed_scale = (c.hidden as f32).sqrt();
+    cfg.post_norms = true;
+    cfg.qk_norm = true;
+    cfg.v_norm = true;
+    cfg.attn_scale = 1.0;
+    cfg.final_softcap = m.positive_opt("final_logit_softcapping")?;
+    Ok(cfg)
+}
+
 /// Reads the family named by `general.architecture` and its hyperparameters.
 pub fn config_from_gguf(f: &GgufFile) -> Result<DecoderConfig, ModelError> {
     match f.architecture()? {
@@ -278,6 +397,7 @@ pub fn config_from_gguf(f: &GgufFile) -> Result<DecoderConfig, ModelError> {
         "gemma" => gemma(f),
         "gemma2" => gemma2(f),
         "gemma3" => gemma3(f),
+        "gemma4" => gemma4(f),
         other => Err(ModelError::UnsupportedArchitecture(other.to_string())),
     }
 }

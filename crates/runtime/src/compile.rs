@@ -259,6 +259,14 @@ impl Lowering<'_> {
                     let (xb, width) = (self.read(x)?, self.width(id));
                     self.emit(id, |_, out| Ok(Kernel::Gelu { x: placeholder(xb), out, width }))?;
                 }
+                Op::Normalize { x, eps } => {
+                    let (xb, width, group) = (self.read(x)?, self.width(id), node.shape[node.shape.len() - 1]);
+                    self.emit(id, |_, out| Ok(Kernel::Normalize { x: placeholder(xb), out, width, group, eps }))?;
+                }
+                Op::Scale { x, factor } => {
+                    let (xb, width) = (self.read(x)?, self.width(id));
+                    self.emit(id, |_, out| Ok(Kernel::Scale { x: placeholder(xb), out, width, factor }))?;
+                }
                 Op::Silu { x } => {
                     let (xb, width) = (self.read(x)?, self.width(id));
                     self.emit(id, |_, out| Ok(Kernel::Silu { x: placeholder(xb), out, width }))?;
@@ -369,6 +377,8 @@ fn for_each_slot(kernel: &mut Kernel, mut f: impl FnMut(&mut Slot)) {
         Kernel::Gelu { x, out, .. }
         | Kernel::Silu { x, out, .. }
         | Kernel::SoftCap { x, out, .. }
+        | Kernel::Normalize { x, out, .. }
+        | Kernel::Scale { x, out, .. }
         | Kernel::AddBias { x, out, .. }
         | Kernel::LastRow { x, out, .. }
         | Kernel::Argmax { x, out, .. } => [x, out].into_iter().for_each(f),

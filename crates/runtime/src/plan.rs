@@ -30,6 +30,10 @@ pub enum Kernel {
     /// `out[r] = rmsnorm(x[r]) * weight (+ residual[r])`; rows of `width` elements are normalised
     /// in groups of the weight's length (one group per head for q/k norms).
     RmsNorm { x: Slot, weight: WeightId, out: Slot, width: usize, eps: f32, residual: Option<Slot> },
+    /// `out = x / rms(x)` over groups of `group` elements (no weight).
+    Normalize { x: Slot, out: Slot, width: usize, group: usize, eps: f32 },
+    /// `out = x * factor`.
+    Scale { x: Slot, out: Slot, width: usize, factor: f32 },
     /// `out[r] = x[r] · Wᵀ` with W packed [n, k].
     MatMul { x: Slot, w: WeightId, out: Slot, k: usize, n: usize },
     /// `out[r] = argmax(x[r] · Wᵀ)` without materialising the products (greedy head).

@@ -80,6 +80,8 @@ fn out_slot(k: &Kernel) -> Slot {
         | Kernel::Silu { out, .. }
         | Kernel::SiluMul { out, .. }
         | Kernel::SoftCap { out, .. }
+        | Kernel::Normalize { out, .. }
+        | Kernel::Scale { out, .. }
         | Kernel::LastRow { out, .. }
         | Kernel::Argmax { out, .. } => out,
     }
@@ -98,6 +100,8 @@ fn read_slots(k: &Kernel) -> Vec<Slot> {
         Kernel::Gelu { x, .. }
         | Kernel::Silu { x, .. }
         | Kernel::SoftCap { x, .. }
+        | Kernel::Normalize { x, .. }
+        | Kernel::Scale { x, .. }
         | Kernel::AddBias { x, .. }
         | Kernel::LastRow { x, .. }
         | Kernel::Argmax { x, .. } => vec![x],
@@ -324,10 +328,14 @@ fn lowers_bias_silu_soft_capping_and_scaled_rope() {
     let m = b.mul(s, x);
     let logits = b.matmul(m, emb);
     let capped = b.soft_cap(logits, 30.0);
-    b.output("logits", capped);
+    let v = b.reshape(x, &[ROWS, 2, 4]);
+    let vn = b.normalize(v, 1e-6);
+    let scaled = b.scale(capped, 0.5);
+    b.output("logits", scaled);
+    b.output("v", vn);
     let plan = compile(&b.finish().unwrap(), &f32_store(&[("emb", &[VOCAB, D]), ("wq", &[D, D]), ("bq", &[D])])).unwrap();
     let k: Vec<&Kernel> = plan.steps.iter().map(|s| &s.kernel).collect();
-    assert_eq!(k.len(), 9, "{k:#?}");
+    assert_eq!(k.len(), 11, "{k:#?}");
     let bias = plan.steps.iter().find_map(|s| match s.kernel {
         Kernel::AddBias { x, width, .. } => Some((x, width)),
         _ => None,
@@ -340,6 +348,9 @@ fn lowers_bias_silu_soft_capping_and_scaled_rope() {
     assert_eq!((gate, up), (out_slot(k[5]), out_slot(k[0])));
     assert!(matches!(*k[7], Kernel::MatMul { .. }), "{:?}", k[7]);
     assert!(matches!(*k[8], Kernel::SoftCap { cap: 30.0, width: VOCAB, x, .. } if x == out_slot(k[7])), "{:?}", k[8]);
+    // The value norm normalises each head of 4 on its own; the scale multiplies the capped logits.
+    assert!(matches!(*k[9], Kernel::Normalize { width: D, group: 4, x, .. } if x == out_slot(k[0])), "{:?}", k[9]);
+    assert!(matches!(*k[10], Kernel::Scale { factor: 0.5, width: VOCAB, x, .. } if x == out_slot(k[8])), "{:?}", k[10]);
     check_arena(&plan);
 }
 

@@ -608,3 +608,18 @@ fn soft_capped_attention_matches_f64() {
         }
     }
 }
+
+#[test]
+fn rms_normalize_matches_rms_norm_with_unit_weights() {
+    let mut rng = Rng(0x0dd_ba11);
+    let x = rng.vec(3 * 8);
+    let (mut a, mut b) = (vec![0f32; x.len()], vec![0f32; x.len()]);
+    rms_normalize(&x, 4, 1e-6, &mut a);
+    rms_norm(&x, &[1.0; 4], 1e-6, None, &mut b);
+    assert_eq!(a, b);
+    // Each group of 4 has unit mean square.
+    for g in a.chunks_exact(4) {
+        let ms: f32 = g.iter().map(|v| v * v).sum::<f32>() / 4.0;
+        assert!((ms - 1.0).abs() < 1e-4, "{ms}");
+    }
+}
