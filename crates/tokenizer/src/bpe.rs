@@ -9,25 +9,30 @@ use fancy_regex::Regex;
 use crate::vocab::Vocab;
 use crate::TokenizerError;
 
-/// Pre-tokenizer regexes by their `tokenizer.ggml.pre` name (as llama.cpp and Hugging Face define them).
-const PRE_TOKENIZERS: &[(&str, &str)] = &[
-    (
-        "default",
-        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
-    ),
-    (
-        "llama-bpe",
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    ),
-    (
-        "qwen2",
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    ),
+/// GPT-2's pre-tokenizer regex.
+const GPT2_REGEX: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+/// Llama 3's pre-tokenizer regex (digits in groups of at most three).
+const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen2's pre-tokenizer regex (single digits).
+const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// `tokenizer.ggml.pre` names (as llama.cpp groups them), their regex, and whether a word that is a
+/// token is emitted without merging (llama.cpp's `ignore_merges`). `default` (also what an absent
+/// key means) is GPT-2's regex; llama.cpp's own fallback for it is a different chain of regexes.
+const PRE_TOKENIZERS: &[(&str, &str, bool)] = &[
+    ("default", GPT2_REGEX, false),
+    ("gpt-2", GPT2_REGEX, false),
+    ("llama-bpe", LLAMA3_REGEX, true),
+    ("llama3", LLAMA3_REGEX, true),
+    ("llama-v3", LLAMA3_REGEX, true),
+    ("qwen2", QWEN2_REGEX, false),
+    ("deepseek-r1-qwen", QWEN2_REGEX, false),
 ];
 
 /// The `tokenizer.ggml.pre` names kiln implements.
 pub(crate) fn pre_tokenizer_names() -> Vec<&'static str> {
-    PRE_TOKENIZERS.iter().map(|&(name, _)| name).collect()
+    PRE_TOKENIZERS.iter().map(|&(name, _, _)| name).collect()
 }
 
 /// GPT-2's `bytes_to_unicode`: printable Latin-1 bytes stand for themselves, the others for
@@ -53,13 +58,10 @@ fn byte_to_char() -> [char; 256] {
 fn char_to_byte(c: char) -> Option<u8> {
     match u32::from(c) {
         code @ (0x21..=0x7E | 0xA1..=0xAC | 0xAE..=0xFF) => u8::try_from(code).ok(),
-        code @ 0x100..=0x143 => {
-            // The 68 non-printable bytes, in order, map to U+0100..=U+0143.
-            let k = (code - 0x100) as usize;
-            (0..=255u8)
-                .filter(|b| !matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF))
-                .nth(k)
-        }
+        // The 68 other bytes, in order (0x00..=0x20, 0x7F..=0xA0, 0xAD), map to U+0100..=U+0143.
+        code @ 0x100..=0x120 => u8::try_from(code - 0x100).ok(),
+        code @ 0x121..=0x142 => u8::try_from(code - 0x121 + 0x7F).ok(),
+        0x143 => Some(0xAD),
         _ => None,
     }
 }
@@ -80,6 +82,8 @@ pub(crate) fn decode_token_text(text: &str, out: &mut Vec<u8>) {
 pub(crate) struct Bpe {
     /// (left id, right id) -> (rank, merged id).
     merges: HashMap<(u32, u32), (u32, u32)>,
+    /// The byte-level character of each byte.
+    byte_chars: [char; 256],
     /// The token of each single byte (its byte-level character), if the vocabulary has one.
     byte_tokens: [Option<u32>; 256],
     /// Splits text into words before the merges.
@@ -128,10 +132,10 @@ impl Bpe {
         merges: &[S],
         pre: &str,
     ) -> Result<Bpe, TokenizerError> {
-        let pattern = PRE_TOKENIZERS
+        let (pattern, ignore_merges) = PRE_TOKENIZERS
             .iter()
-            .find(|&&(name, _)| name == pre)
-            .map(|&(_, p)| p)
+            .find(|&&(name, _, _)| name == pre)
+            .map(|&(_, p, ignore)| (p, ignore))
             .ok_or_else(|| TokenizerError::UnsupportedPreTokenizer(pre.to_owned()))?;
         let regex = Regex::new(pattern).map_err(|e| TokenizerError::PreTokenizerRegex {
             name: pre.to_owned(),
@@ -173,9 +177,10 @@ impl Bpe {
         }
         Ok(Bpe {
             merges: ranks,
+            byte_chars: table,
             byte_tokens,
             pre: regex,
-            ignore_merges: pre == "llama-bpe",
+            ignore_merges,
         })
     }
 
@@ -210,9 +215,11 @@ impl Bpe {
         if word.is_empty() {
             return;
         }
-        let table = byte_to_char();
         if self.ignore_merges {
-            let mapped: String = word.bytes().map(|b| table[usize::from(b)]).collect();
+            let mapped: String = word
+                .bytes()
+                .map(|b| self.byte_chars[usize::from(b)])
+                .collect();
             if let Some(id) = vocab.id_of(&mapped) {
                 out.push(id);
                 return;
@@ -327,7 +334,11 @@ mod tests {
 
     #[test]
     fn lowest_rank_merges_first_and_ties_go_left() {
-        let (v, b) = model(&["ab", "bc", "abc", "aa"], &["b c", "a b", "a bc", "a a"], "default");
+        let (v, b) = model(
+            &["ab", "bc", "abc", "aa"],
+            &["b c", "a b", "a bc", "a a"],
+            "default",
+        );
         // "b c" has the lower rank, then "a bc".
         assert_eq!(encode(&v, &b, "abc"), ["abc"]);
         let (v, b) = model(&["ab", "bc"], &["a b", "b c"], "default");
@@ -348,12 +359,21 @@ mod tests {
 
     #[test]
     fn llama_bpe_digits_and_whole_word_tokens() {
-        let (v, b) = model(&["12", "123", "ab", "abc"], &["1 2", "12 3", "b c"], "llama-bpe");
+        let (v, b) = model(
+            &["12", "123", "bc", "abc"],
+            &["1 2", "12 3", "b c"],
+            "llama-bpe",
+        );
         assert_eq!(encode(&v, &b, "1234"), ["123", "4"]);
-        // "abc" is a token: emitted whole although the merges would give "a", "bc"... not a token.
+        // "abc" is a token, emitted whole; the merges alone give "a", "bc".
         assert_eq!(encode(&v, &b, "abc"), ["abc"]);
-        let (v, b) = model(&["12", "123", "ab", "abc"], &["1 2", "12 3", "b c"], "qwen2");
+        let (v, b) = model(
+            &["12", "123", "bc", "abc"],
+            &["1 2", "12 3", "b c"],
+            "qwen2",
+        );
         assert_eq!(encode(&v, &b, "1234"), ["1", "2", "3", "4"]);
+        assert_eq!(encode(&v, &b, "abc"), ["a", "bc"]);
     }
 
     #[test]

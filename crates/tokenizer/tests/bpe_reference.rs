@@ -131,7 +131,10 @@ fn gguf_errors_name_what_is_wrong() {
         ),
     ])
     .expect_err("bad merge");
-    assert!(matches!(err, TokenizerError::BadMerge { rank: 0, .. }), "{err}");
+    assert!(
+        matches!(err, TokenizerError::BadMerge { rank: 0, .. }),
+        "{err}"
+    );
 
     let err = variant(vec![
         ("tokenizer.ggml.model", string("gpt2")),
