@@ -113,7 +113,7 @@ macro_rules! families {
     )*};
 }
 
-families!(llama, qwen2, qwen3, gemma, gemma2);
+families!(llama, qwen2, qwen3, gemma, gemma2, gemma3, gemma4);
 
 fn config_of(family: &str) -> kiln_models::DecoderConfig {
     config_from_gguf(&GgufFile::open(&fixture_path(family, "gguf")).unwrap()).unwrap()
@@ -150,6 +150,30 @@ fn each_family_reads_its_switches_from_the_metadata() {
     let windows: Vec<Option<usize>> = c.layers.iter().map(|l| l.window).collect();
     assert_eq!(windows, [Some(8), None, Some(8), None]);
     assert!((c.attn_scale - 1.0 / 8.0).abs() < 1e-7, "query_pre_attn_scalar 64");
+
+    let c = config_of("gemma3");
+    assert!(c.post_norms && c.qk_norm && !c.v_norm && c.final_softcap.is_none());
+    let bases: Vec<f32> = c.layers.iter().map(|l| l.rope.theta).collect();
+    assert_eq!(bases, [1e4, 1e4, 1e4, 1e4, 1e4, 1e6]);
+
+    // Gemma 4: sliding layers of head size 64 with base 1e4, full layers of 128 with base 1e6 and
+    // proportional RoPE (a quarter of the frequencies rotate), value norms, scale 1, output scales.
+    let c = config_of("gemma4");
+    assert!(c.post_norms && c.qk_norm && c.v_norm && c.attn_scale == 1.0 && c.final_softcap == Some(15.0));
+    let shapes: Vec<(usize, Option<usize>, f32)> = c.layers.iter().map(|l| (l.head_dim, l.window, l.rope.theta)).collect();
+    assert_eq!(shapes, [(64, Some(8), 1e4), (64, Some(8), 1e4), (128, None, 1e6), (64, Some(8), 1e4), (128, None, 1e6)]);
+    let full = c.layers[2].rope.freq_factors.as_ref().expect("proportional RoPE factors");
+    assert_eq!((full.len(), full.iter().filter(|&&f| f == 1.0).count()), (64, 16));
+    assert!(c.layers[0].rope.freq_factors.is_none() && c.layers.iter().all(|l| !l.v_from_k));
+    assert!(c.layers.iter().any(|l| l.output_scale.is_some()));
+    let kv = model_kv(&c);
+    assert_eq!(kv, [128, 128, 256, 128, 256], "per-layer KV widths");
+}
+
+/// K widths of every layer of the KV cache layout.
+fn model_kv(c: &kiln_models::DecoderConfig) -> Vec<usize> {
+    use kiln_models::Architecture;
+    c.kv_layout(64).layers.iter().map(|l| l.kv_heads * l.head_dim_k).collect()
 }
 
 /// The fixture of `family` with its metadata edited by `edit`, as an in-memory file.
@@ -183,11 +207,18 @@ fn an_unknown_architecture_and_a_missing_key_are_named() {
         ("qwen3", "qwen3.attention.layer_norm_rms_epsilon"),
         ("gemma", "gemma.feed_forward_length"),
         ("gemma2", "gemma2.attention.sliding_window"),
+        ("gemma3", "gemma3.context_length"),
+        ("gemma4", "gemma4.attention.sliding_window"),
     ] {
         let f = edited(family, |m| m.retain(|(k, _)| k != key));
         let e = config_from_gguf(&f).unwrap_err().to_string();
         assert!(e.contains(key), "{family}: {e}");
     }
+
+    // Gemma 4 features kiln does not run are named, not silently ignored.
+    let f = edited("gemma4", |m| m.iter_mut().find(|(k, _)| k == "gemma4.attention.shared_kv_layers").unwrap().1 = MetaValue::U32(2));
+    let e = config_from_gguf(&f).unwrap_err().to_string();
+    assert!(e.contains("gemma4.attention.shared_kv_layers") && e.contains("KV sharing"), "{e}");
 
     // A present but unsupported RoPE scaling type is named too.
     let f = edited("llama", |m| m.push(("llama.rope.scaling.type".into(), MetaValue::String("yarn".into()))));
