@@ -200,16 +200,17 @@ pub fn rope(x: &[f32], table: &RopeTable, heads: usize, out: &mut [f32]) {
 /// with `i + d/2`, Norm rotates `2i` with `2i + 1`; pair `i` turns by the table's angle `i`.
 pub fn rope_mode(x: &[f32], table: &RopeTable, heads: usize, mode: RopeMode, out: &mut [f32]) {
     let (head_dim, half) = (table.head_dim, table.head_dim / 2);
-    let (first, second): (fn(usize, usize) -> usize, fn(usize, usize) -> usize) = match mode {
-        RopeMode::Neox => (|i, _| i, |i, half| i + half),
-        RopeMode::Norm => (|i, _| 2 * i, |i, _| 2 * i + 1),
+    // Pair i is (i * stride, i * stride + offset).
+    let (stride, offset) = match mode {
+        RopeMode::Neox => (1, half),
+        RopeMode::Norm => (2, 1),
     };
     for (r, cs) in table.cs.chunks_exact(half).enumerate() {
         for h in 0..heads {
             let base = (r * heads + h) * head_dim;
             let (xs, os) = (&x[base..base + head_dim], &mut out[base..base + head_dim]);
             for (i, &(c, s)) in cs.iter().enumerate() {
-                let (a, b) = (first(i, half), second(i, half));
+                let (a, b) = (i * stride, i * stride + offset);
                 let (x0, x1) = (xs[a], xs[b]);
                 os[a] = x0 * c - x1 * s;
                 os[b] = x1 * c + x0 * s;

@@ -89,7 +89,7 @@ fn layer_weight(l: usize, name: &str) -> String {
 
 impl DecoderConfig {
     /// `x · Wᵀ (+ bias)` for the projection `name` of layer `l` ([n, k]).
-    fn projection(&self, g: &mut GraphBuilder, x: NodeId, l: usize, name: &str, n: usize, k: usize, bias: bool) -> NodeId {
+    fn projection(&self, g: &mut GraphBuilder, x: NodeId, l: usize, name: &str, [n, k]: [usize; 2], bias: bool) -> NodeId {
         let w = g.weight(&layer_weight(l, name), &[n, k]);
         let y = g.matmul(x, w);
         if bias {
@@ -105,9 +105,9 @@ impl DecoderConfig {
         let lc = &self.layers[l];
         let (rows, d) = (g.rows(), lc.head_dim);
         let (qw, kw) = (self.q_heads * d, lc.kv_heads * d);
-        let q = self.projection(g, x, l, "attn_q", qw, self.hidden, self.qkv_bias);
-        let k = self.projection(g, x, l, "attn_k", kw, self.hidden, self.qkv_bias);
-        let v = if lc.v_from_k { k } else { self.projection(g, x, l, "attn_v", kw, self.hidden, self.qkv_bias) };
+        let q = self.projection(g, x, l, "attn_q", [qw, self.hidden], self.qkv_bias);
+        let k = self.projection(g, x, l, "attn_k", [kw, self.hidden], self.qkv_bias);
+        let v = if lc.v_from_k { k } else { self.projection(g, x, l, "attn_v", [kw, self.hidden], self.qkv_bias) };
         let mut q = g.reshape(q, &[rows, self.q_heads, d]);
         let mut k = g.reshape(k, &[rows, lc.kv_heads, d]);
         let mut v = g.reshape(v, &[rows, lc.kv_heads, d]);
@@ -128,14 +128,14 @@ impl DecoderConfig {
 
     /// The gated MLP: `down(act(gate(x)) * up(x))`.
     fn mlp(&self, g: &mut GraphBuilder, x: NodeId, l: usize) -> NodeId {
-        let gate = self.projection(g, x, l, "ffn_gate", self.ffn, self.hidden, false);
-        let up = self.projection(g, x, l, "ffn_up", self.ffn, self.hidden, false);
+        let gate = self.projection(g, x, l, "ffn_gate", [self.ffn, self.hidden], false);
+        let up = self.projection(g, x, l, "ffn_up", [self.ffn, self.hidden], false);
         let act = match self.activation {
             Activation::GeluTanh => g.gelu(gate),
             Activation::Silu => g.silu(gate),
         };
         let m = g.mul(act, up);
-        self.projection(g, m, l, "ffn_down", self.hidden, self.ffn, false)
+        self.projection(g, m, l, "ffn_down", [self.hidden, self.ffn], false)
     }
 
     /// `rms_norm(x, blk.{l}.{name})` when the family has post norms, else `x`.

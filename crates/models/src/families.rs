@@ -199,9 +199,8 @@ fn rope_freq_factors(f: &GgufFile, head_dim: usize) -> Result<Option<Vec<f32>>, 
         )));
     }
     let mut v = vec![0f32; half];
-    kiln_quant::dequantize(t.ty, f.tensor_data(t), &mut v)
-        .map_err(|e| ModelError::Metadata(format!("'rope_freqs.weight': {e}")))?;
-    if v.iter().any(|x| !(*x > 0.0)) {
+    kiln_quant::dequantize(t.ty, f.tensor_data(t), &mut v).map_err(|e| ModelError::Metadata(format!("'rope_freqs.weight': {e}")))?;
+    if v.iter().any(|x| x.is_nan() || *x <= 0.0) {
         return Err(ModelError::Metadata("'rope_freqs.weight' holds a value that is not positive".into()));
     }
     Ok(Some(v))

@@ -122,7 +122,10 @@ fn config_of(family: &str) -> kiln_models::DecoderConfig {
 #[test]
 fn each_family_reads_its_switches_from_the_metadata() {
     let c = config_of("llama");
-    assert_eq!((c.arch, c.activation, c.embed_scale, c.post_norms, c.qk_norm, c.qkv_bias), ("llama", Activation::Silu, 1.0, false, false, false));
+    assert_eq!(
+        (c.arch, c.activation, c.embed_scale, c.post_norms, c.qk_norm, c.qkv_bias),
+        ("llama", Activation::Silu, 1.0, false, false, false)
+    );
     assert_eq!(c.output_weight, "output.weight");
     let rope = &c.layers[0].rope;
     assert_eq!(rope.mode, RopeMode::Norm);
