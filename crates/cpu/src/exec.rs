@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use kiln_ir::{Bucket, DType};
+use kiln_ir::{Bucket, DType, RopeSpec};
 use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KvCache, Plan, Rows, RuntimeError, Slot, StepInputs};
 
 use crate::kernels::{self, AttentionShape, RopeTable};
@@ -28,7 +28,7 @@ impl CpuExecutable {
                 Kernel::Embed { table: w, .. } | Kernel::MatMul { w, .. } | Kernel::MatMulArgmax { w, .. } => {
                     weights.matrix(*w)?;
                 }
-                Kernel::RmsNorm { weight, .. } => {
+                Kernel::RmsNorm { weight, .. } | Kernel::AddBias { bias: weight, .. } => {
                     weights.vector(*weight)?;
                 }
                 _ => {}
@@ -140,10 +140,13 @@ impl CpuExecutable {
         // One cos/sin table per distinct RoPE base, shared by the queries and keys of every layer.
         let mut rope_tables: Vec<RopeTable> = Vec::new();
         for step in &self.plan.steps {
-            if let Kernel::Rope { head_dim, theta, .. } = step.kernel {
-                if !rope_tables.iter().any(|t| t.serves(theta, head_dim)) {
-                    rope_tables.push(RopeTable::new(&positions, head_dim, theta));
-                }
+            let (head_dim, spec) = match &step.kernel {
+                Kernel::Rope { head_dim, theta, .. } => (*head_dim, RopeSpec::neox(*theta)),
+                Kernel::RopeScaled { head_dim, spec, .. } => (*head_dim, spec.clone()),
+                _ => continue,
+            };
+            if !rope_tables.iter().any(|t| t.serves_spec(&spec, head_dim)) {
+                rope_tables.push(RopeTable::with_spec(&positions, head_dim, &spec));
             }
         }
         for step in &self.plan.steps {
@@ -220,11 +223,61 @@ impl CpuExecutable {
                 let len = rows * heads * head_dim;
                 let table = rope_tables
                     .iter()
-                    .find(|t| t.serves(theta, head_dim))
+                    .find(|t| t.serves_spec(&RopeSpec::neox(theta), head_dim))
                     .ok_or_else(|| RuntimeError::StepShape("no RoPE table for a rope step".into()))?;
                 kernels::rope(a.f32(x, len), table, heads, a.f32_mut(out, len));
             }
-            Kernel::Attention { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale } => {
+            Kernel::RopeScaled { x, out, heads, head_dim, ref spec, .. } => {
+                let len = rows * heads * head_dim;
+                let table = rope_tables
+                    .iter()
+                    .find(|t| t.serves_spec(spec, head_dim))
+                    .ok_or_else(|| RuntimeError::StepShape("no RoPE table for a rope step".into()))?;
+                kernels::rope_mode(a.f32(x, len), table, heads, spec.mode, a.f32_mut(out, len));
+            }
+            Kernel::AddBias { x, bias, out, width } => {
+                let (bv, len) = (w.vector(bias)?, rows * width);
+                let (x, o) = (a.f32(x, len), a.f32_mut(out, len));
+                for (orow, xrow) in o.chunks_exact_mut(width).zip(x.chunks_exact(width)) {
+                    orow.iter_mut().zip(xrow.iter().zip(bv)).for_each(|(o, (x, b))| *o = x + b);
+                }
+            }
+            Kernel::Normalize { x, out, width, group, eps } => {
+                let len = rows * width;
+                kernels::rms_normalize(a.f32(x, len), group, eps, a.f32_mut(out, len));
+            }
+            Kernel::Scale { x, out, width, factor } => {
+                let len = rows * width;
+                let (x, o) = (a.f32(x, len), a.f32_mut(out, len));
+                o.iter_mut().zip(x).for_each(|(o, x)| *o = x * factor);
+            }
+            Kernel::Silu { x, out, width } => {
+                let len = rows * width;
+                let (x, o) = (a.f32(x, len), a.f32_mut(out, len));
+                o.iter_mut().zip(x).for_each(|(o, x)| *o = kernels::silu(*x));
+            }
+            Kernel::SiluMul { gate, up, out, width } => {
+                let len = rows * width;
+                let (g, u, o) = (a.f32(gate, len), a.f32(up, len), a.f32_mut(out, len));
+                let op = kernels::SharedMut(o.as_mut_ptr());
+                pool.for_chunks(len, 4096, &|range| {
+                    for i in range {
+                        // SAFETY: each chunk writes its own elements.
+                        *op.ptr().add(i) = kernels::silu(g[i]) * u[i];
+                    }
+                });
+            }
+            Kernel::SoftCap { x, out, width, cap } => {
+                let len = rows * width;
+                let (x, o) = (a.f32(x, len), a.f32_mut(out, len));
+                o.iter_mut().zip(x).for_each(|(o, x)| *o = kernels::soft_cap(*x, cap));
+            }
+            Kernel::Attention { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale }
+            | Kernel::AttentionSoftCap { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale, .. } => {
+                let softcap = match *kernel {
+                    Kernel::AttentionSoftCap { softcap, .. } => Some(softcap),
+                    _ => None,
+                };
                 let shape = AttentionShape { q_heads, kv_heads, head_dim, window, scale };
                 let (kw, qw) = (kv_heads * head_dim, q_heads * head_dim);
                 let (q, k, v) = (a.f32(q, active * qw), a.f32(k, active * kw), a.f32(v, active * kw));
@@ -248,6 +301,7 @@ impl CpuExecutable {
                         seg.start,
                         store,
                         shape,
+                        softcap,
                         &mut out[lo * qw..hi * qw],
                     );
                     row = hi;

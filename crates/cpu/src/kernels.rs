@@ -2,6 +2,8 @@
 
 use std::cell::RefCell;
 
+use kiln_ir::{RopeMode, RopeSpec};
+
 use crate::kv::LayerStore;
 use crate::pool::ThreadPool;
 use crate::simd::{axpy, dot, dot4, Isa};
@@ -143,47 +145,90 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, residual: Option<&[f32]>, out: &
     }
 }
 
-/// cos/sin of every (row position, frequency) pair for one RoPE base and head size: computed once
-/// per step and shared by every `Rope` kernel with the same base (queries and keys of all layers).
+/// RMS normalisation over groups of `group` elements without a weight: `out = x / rms(x)`.
+pub fn rms_normalize(x: &[f32], group: usize, eps: f32, out: &mut [f32]) {
+    for (xg, og) in x.chunks_exact(group).zip(out.chunks_exact_mut(group)) {
+        let ms = xg.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>() / group as f64;
+        let inv = 1.0 / ((ms as f32) + eps).sqrt();
+        og.iter_mut().zip(xg).for_each(|(o, x)| *o = x * inv);
+    }
+}
+
+/// cos/sin of every (row position, frequency) pair for one RoPE spec and head size: computed once
+/// per step and shared by every `Rope` kernel with the same frequencies (queries and keys of all layers).
 pub struct RopeTable {
-    theta: f32,
+    spec: RopeSpec,
     head_dim: usize,
     /// `rows × head_dim / 2` pairs.
     cs: Vec<(f32, f32)>,
 }
 
 impl RopeTable {
-    /// The table for `positions` (f64 angles, rounded to f32 once).
-    pub fn new(positions: &[i32], head_dim: usize, theta: f32) -> Self {
+    /// The table for `spec`'s frequencies, `freq_scale * theta^(-2i/d) / freq_factors[i]`, at
+    /// `positions` (f64 angles, rounded to f32 once).
+    pub fn with_spec(positions: &[i32], head_dim: usize, spec: &RopeSpec) -> Self {
         let half = head_dim / 2;
-        let inv_freq: Vec<f64> = (0..half).map(|i| 1.0 / (theta as f64).powf((2 * i) as f64 / head_dim as f64)).collect();
+        let inv_freq: Vec<f64> = (0..half)
+            .map(|i| {
+                let f = spec.freq_scale as f64 / (spec.theta as f64).powf((2 * i) as f64 / head_dim as f64);
+                f / spec.freq_factors.as_ref().map_or(1.0, |ff| ff[i] as f64)
+            })
+            .collect();
         let cs = positions
             .iter()
             .flat_map(|&pos| inv_freq.iter().map(move |f| pos as f64 * f).map(|a| (a.cos() as f32, a.sin() as f32)))
             .collect();
-        RopeTable { theta, head_dim, cs }
+        // The pairing does not change the table: one table serves both modes.
+        RopeTable { spec: RopeSpec { mode: RopeMode::Neox, ..spec.clone() }, head_dim, cs }
     }
 
-    /// Whether this table serves a kernel with `theta` and `head_dim`.
-    pub fn serves(&self, theta: f32, head_dim: usize) -> bool {
-        self.theta == theta && self.head_dim == head_dim
+    /// Whether this table serves a kernel with `spec` and `head_dim` (any pairing).
+    pub fn serves_spec(&self, spec: &RopeSpec, head_dim: usize) -> bool {
+        self.head_dim == head_dim
+            && self.spec.theta == spec.theta
+            && self.spec.freq_scale == spec.freq_scale
+            && self.spec.freq_factors == spec.freq_factors
     }
 }
 
 /// NeoX rotary embedding of every row of `heads` heads, with the table's positions.
 pub fn rope(x: &[f32], table: &RopeTable, heads: usize, out: &mut [f32]) {
+    rope_mode(x, table, heads, RopeMode::Neox, out);
+}
+
+/// Rotary embedding of every row of `heads` heads with `mode`'s pairing: NeoX rotates element `i`
+/// with `i + d/2`, Norm rotates `2i` with `2i + 1`; pair `i` turns by the table's angle `i`.
+pub fn rope_mode(x: &[f32], table: &RopeTable, heads: usize, mode: RopeMode, out: &mut [f32]) {
     let (head_dim, half) = (table.head_dim, table.head_dim / 2);
+    // Pair i is (i * stride, i * stride + offset).
+    let (stride, offset) = match mode {
+        RopeMode::Neox => (1, half),
+        RopeMode::Norm => (2, 1),
+    };
     for (r, cs) in table.cs.chunks_exact(half).enumerate() {
         for h in 0..heads {
             let base = (r * heads + h) * head_dim;
             let (xs, os) = (&x[base..base + head_dim], &mut out[base..base + head_dim]);
             for (i, &(c, s)) in cs.iter().enumerate() {
-                let (x0, x1) = (xs[i], xs[i + half]);
-                os[i] = x0 * c - x1 * s;
-                os[i + half] = x1 * c + x0 * s;
+                let (a, b) = (i * stride, i * stride + offset);
+                let (x0, x1) = (xs[a], xs[b]);
+                os[a] = x0 * c - x1 * s;
+                os[b] = x1 * c + x0 * s;
             }
         }
     }
+}
+
+/// SiLU (`x * sigmoid(x)`), as PyTorch computes it in f32.
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// Soft-capping `cap * tanh(x / cap)`, as Hugging Face computes it in f32.
+#[inline]
+pub fn soft_cap(x: f32, cap: f32) -> f32 {
+    (x / cap).tanh() * cap
 }
 
 /// GELU with the tanh approximation, as PyTorch computes it in f32.
@@ -209,7 +254,8 @@ pub struct AttentionShape {
 }
 
 /// Causal attention of `rows` new rows at positions `start..start + rows` over the cached
-/// positions of `layer` and the new rows themselves; then appends the new keys and values.
+/// positions of `layer` and the new rows themselves; then appends the new keys and values. With a
+/// `softcap`, the scaled scores `s` become `softcap * tanh(s / softcap)`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     pool: &ThreadPool,
@@ -221,6 +267,7 @@ pub fn attention(
     start: usize,
     layer: &mut LayerStore,
     shape: AttentionShape,
+    softcap: Option<f32>,
     out: &mut [f32],
 ) {
     let AttentionShape { q_heads, kv_heads, head_dim: d, window, scale } = shape;
@@ -252,6 +299,9 @@ pub fn attention(
             let mut scores = s.borrow_mut();
             scores.clear();
             scores.extend((lo..=p).map(|pos| dot(isa, qh, key(pos)) * scale));
+            if let Some(cap) = softcap {
+                scores.iter_mut().for_each(|s| *s = soft_cap(*s, cap));
+            }
             let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0f32;
             for v in scores.iter_mut() {

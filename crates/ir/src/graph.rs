@@ -43,6 +43,42 @@ impl OutputMode {
     }
 }
 
+/// How RoPE pairs the elements of a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RopeMode {
+    /// GPT-NeoX / Hugging Face `rotate_half`: element `i` pairs with `i + head_dim / 2`.
+    Neox,
+    /// Original (GPT-J / llama.cpp "normal"): element `2i` pairs with `2i + 1`.
+    Norm,
+}
+
+/// Rotary position embedding parameters: pairing, base and frequency scaling.
+///
+/// Frequency `i` of a head of size `d` is `freq_scale * theta^(-2i/d) / freq_factors[i]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeSpec {
+    /// Frequency base.
+    pub theta: f32,
+    /// Element pairing.
+    pub mode: RopeMode,
+    /// Multiplies every frequency (linear position scaling: `1 / factor`).
+    pub freq_scale: f32,
+    /// Per-frequency divisors (`rope_freqs.weight`: Llama 3 scaling, proportional RoPE), `d / 2` long.
+    pub freq_factors: Option<Vec<f32>>,
+}
+
+impl RopeSpec {
+    /// Unscaled NeoX RoPE with base `theta`.
+    pub fn neox(theta: f32) -> Self {
+        RopeSpec { theta, mode: RopeMode::Neox, freq_scale: 1.0, freq_factors: None }
+    }
+
+    /// Whether this is unscaled NeoX RoPE (the plain `Rope` kernel).
+    pub fn is_plain_neox(&self) -> bool {
+        self.mode == RopeMode::Neox && self.freq_scale == 1.0 && self.freq_factors.is_none()
+    }
+}
+
 /// One operation. Shapes are row-major; the first dimension of every activation is the row count.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
@@ -74,6 +110,20 @@ pub enum Op {
         /// Epsilon added to the mean square.
         eps: f32,
     },
+    /// RMS normalisation over the last dimension without a weight (Gemma 4 value norm).
+    Normalize {
+        /// Input.
+        x: NodeId,
+        /// Epsilon added to the mean square.
+        eps: f32,
+    },
+    /// `x * factor` (Gemma 4 per-layer output scale).
+    Scale {
+        /// Input.
+        x: NodeId,
+        /// The factor.
+        factor: f32,
+    },
     /// `x` [rows, k] times the transpose of weight `w` [n, k]: [rows, n].
     MatMul {
         /// Activations.
@@ -81,14 +131,14 @@ pub enum Op {
         /// Weight matrix.
         w: NodeId,
     },
-    /// Rotary position embedding (NeoX half-split) on `x` [rows, heads, head_dim].
+    /// Rotary position embedding on `x` [rows, heads, head_dim].
     Rope {
         /// Input.
         x: NodeId,
         /// Absolute positions ([rows] i32).
         positions: NodeId,
-        /// RoPE frequency base.
-        theta: f32,
+        /// Pairing, base and frequency scaling.
+        spec: RopeSpec,
     },
     /// Causal attention of `q` [rows, q_heads, d] over the layer's KV cache plus `k`, `v`
     /// [rows, kv_heads, d]; appends `k`, `v` to the cache. Output [rows, q_heads * d].
@@ -105,6 +155,8 @@ pub enum Op {
         window: Option<usize>,
         /// Score scale (usually 1/sqrt(d)).
         scale: f32,
+        /// Soft-capping of the scaled scores, `c * tanh(s / c)` (Gemma 2), or none.
+        softcap: Option<f32>,
     },
     /// Element-wise sum of two values of the same shape.
     Add {
@@ -120,10 +172,29 @@ pub enum Op {
         /// Right operand.
         b: NodeId,
     },
+    /// `x` [rows, n] plus the weight vector `bias` [n] on every row.
+    AddBias {
+        /// Input.
+        x: NodeId,
+        /// Bias vector (a weight).
+        bias: NodeId,
+    },
     /// GELU, tanh approximation.
     Gelu {
         /// Input.
         x: NodeId,
+    },
+    /// SiLU: `x * sigmoid(x)`.
+    Silu {
+        /// Input.
+        x: NodeId,
+    },
+    /// Soft-capping: `cap * tanh(x / cap)`.
+    SoftCap {
+        /// Input.
+        x: NodeId,
+        /// The cap (> 0).
+        cap: f32,
     },
     /// Same data, new shape (same row count, same element count).
     Reshape {
@@ -153,7 +224,15 @@ impl Op {
             Op::Rope { x, positions, .. } => vec![x, positions],
             Op::Attention { q, k, v, .. } => vec![q, k, v],
             Op::Add { a, b } | Op::Mul { a, b } => vec![a, b],
-            Op::Gelu { x } | Op::Reshape { x } | Op::LastRow { x } | Op::Argmax { x } => vec![x],
+            Op::AddBias { x, bias } => vec![x, bias],
+            Op::Gelu { x }
+            | Op::Silu { x }
+            | Op::Normalize { x, .. }
+            | Op::Scale { x, .. }
+            | Op::SoftCap { x, .. }
+            | Op::Reshape { x }
+            | Op::LastRow { x }
+            | Op::Argmax { x } => vec![x],
         }
     }
 }
@@ -307,6 +386,20 @@ impl GraphBuilder {
         self.push(Op::RmsNorm { x, weight, eps }, xs, DType::F32)
     }
 
+    /// RMS normalisation over the last dimension, without a weight.
+    pub fn normalize(&mut self, x: NodeId, eps: f32) -> NodeId {
+        let s = self.node(x).shape.clone();
+        self.check("normalize", s.len() >= 2, || format!("needs [rows, ..., d], got {s:?}"));
+        self.push(Op::Normalize { x, eps }, s, DType::F32)
+    }
+
+    /// `x * factor`.
+    pub fn scale(&mut self, x: NodeId, factor: f32) -> NodeId {
+        self.check("scale", factor.is_finite(), || format!("factor {factor} must be finite"));
+        let s = self.node(x).shape.clone();
+        self.push(Op::Scale { x, factor }, s, DType::F32)
+    }
+
     /// `x` [rows, k] times `w` [n, k] transposed.
     pub fn matmul(&mut self, x: NodeId, w: NodeId) -> NodeId {
         let (xs, ws) = (self.node(x).shape.clone(), self.node(w).shape.clone());
@@ -316,16 +409,42 @@ impl GraphBuilder {
         self.push(Op::MatMul { x, w }, vec![xs[0], n], DType::F32)
     }
 
-    /// Rotary embedding of `x` [rows, heads, head_dim] at `positions`.
+    /// Unscaled NeoX rotary embedding of `x` [rows, heads, head_dim] at `positions`.
     pub fn rope(&mut self, x: NodeId, positions: NodeId, theta: f32) -> NodeId {
+        self.rope_with(x, positions, RopeSpec::neox(theta))
+    }
+
+    /// Rotary embedding of `x` [rows, heads, head_dim] at `positions` as `spec` says.
+    pub fn rope_with(&mut self, x: NodeId, positions: NodeId, spec: RopeSpec) -> NodeId {
         let xs = self.node(x).shape.clone();
         let ok = xs.len() == 3 && xs[2].is_multiple_of(2) && self.node(positions).dtype == DType::I32;
         self.check("rope", ok, || format!("needs [rows, heads, even head_dim] and i32 positions, got {xs:?}"));
-        self.push(Op::Rope { x, positions, theta }, xs, DType::F32)
+        let half = xs.get(2).copied().unwrap_or(0) / 2;
+        let factors_ok = spec.freq_factors.as_ref().is_none_or(|f| f.len() == half && f.iter().all(|v| *v > 0.0));
+        self.check("rope", factors_ok, || format!("frequency factors must be {half} positive values"));
+        let scale_ok = spec.freq_scale > 0.0 && spec.freq_scale.is_finite() && spec.theta > 0.0;
+        self.check("rope", scale_ok, || format!("base {} and frequency scale {} must be positive", spec.theta, spec.freq_scale));
+        self.push(Op::Rope { x, positions, spec }, xs, DType::F32)
     }
 
     /// Causal attention over the cache of `layer` plus the new rows.
     pub fn attention(&mut self, q: NodeId, k: NodeId, v: NodeId, layer: usize, window: Option<usize>, scale: f32) -> NodeId {
+        self.attention_capped(q, k, v, layer, window, scale, None)
+    }
+
+    /// Causal attention whose scaled scores are soft-capped at `softcap` (when given).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_capped(
+        &mut self,
+        q: NodeId,
+        k: NodeId,
+        v: NodeId,
+        layer: usize,
+        window: Option<usize>,
+        scale: f32,
+        softcap: Option<f32>,
+    ) -> NodeId {
+        self.check("attention", softcap.is_none_or(|c| c > 0.0 && c.is_finite()), || format!("soft-cap {softcap:?} must be positive"));
         let (qs, ks, vs) = (self.node(q).shape.clone(), self.node(k).shape.clone(), self.node(v).shape.clone());
         let ok = qs.len() == 3
             && ks.len() == 3
@@ -336,7 +455,7 @@ impl GraphBuilder {
             && qs[1] % ks[1] == 0;
         self.check("attention", ok, || format!("q {qs:?}, k {ks:?}, v {vs:?} are not compatible"));
         let out = vec![qs[0], qs.get(1).copied().unwrap_or(0) * qs.get(2).copied().unwrap_or(0)];
-        self.push(Op::Attention { q, k, v, layer, window, scale }, out, DType::F32)
+        self.push(Op::Attention { q, k, v, layer, window, scale, softcap }, out, DType::F32)
     }
 
     fn binary(&mut self, name: &'static str, a: NodeId, b: NodeId, op: Op) -> NodeId {
@@ -355,10 +474,31 @@ impl GraphBuilder {
         self.binary("mul", a, b, Op::Mul { a, b })
     }
 
+    /// `x` [rows, n] plus the bias weight vector [n] on every row.
+    pub fn add_bias(&mut self, x: NodeId, bias: NodeId) -> NodeId {
+        let (xs, bs) = (self.node(x).shape.clone(), self.node(bias).shape.clone());
+        let ok = xs.len() == 2 && bs.len() == 1 && xs[1] == bs[0] && matches!(self.node(bias).op, Op::Weight { .. });
+        self.check("add_bias", ok, || format!("bias weight {bs:?} does not match the rows of {xs:?}"));
+        self.push(Op::AddBias { x, bias }, xs, DType::F32)
+    }
+
     /// GELU (tanh approximation).
     pub fn gelu(&mut self, x: NodeId) -> NodeId {
         let s = self.node(x).shape.clone();
         self.push(Op::Gelu { x }, s, DType::F32)
+    }
+
+    /// SiLU (`x * sigmoid(x)`).
+    pub fn silu(&mut self, x: NodeId) -> NodeId {
+        let s = self.node(x).shape.clone();
+        self.push(Op::Silu { x }, s, DType::F32)
+    }
+
+    /// Soft-capping `cap * tanh(x / cap)`.
+    pub fn soft_cap(&mut self, x: NodeId, cap: f32) -> NodeId {
+        self.check("soft_cap", cap > 0.0 && cap.is_finite(), || format!("cap {cap} must be positive"));
+        let s = self.node(x).shape.clone();
+        self.push(Op::SoftCap { x, cap }, s, DType::F32)
     }
 
     /// Reinterprets `x` with `shape` (same rows, same element count).
@@ -452,5 +592,66 @@ mod tests {
         let k = b.reshape(x, &[1, 2, 6]);
         b.attention(q, k, k, 0, None, 1.0);
         assert!(b.finish().is_err());
+    }
+
+    #[test]
+    fn new_ops_check_their_operands() {
+        let prefill = Bucket::Prefill { rows: 2 };
+        let base = |b: &mut GraphBuilder| {
+            let ids = b.input("tokens", DType::I32);
+            let table = b.weight("emb", &[10, 8]);
+            (ids, b.embed(table, ids, 1.0))
+        };
+        // A bias must be a weight vector as long as the rows.
+        let mut b = GraphBuilder::new(prefill);
+        let (_, x) = base(&mut b);
+        let bias = b.weight("b", &[8]);
+        let y = b.add_bias(x, bias);
+        let s = b.silu(y);
+        let c = b.soft_cap(s, 30.0);
+        let n = b.normalize(c, 1e-6);
+        let m = b.scale(n, 0.5);
+        b.output("out", m);
+        let g = b.finish().unwrap();
+        assert_eq!(g.node(c).shape, vec![2, 8]);
+        assert_eq!(g.node(m).op, Op::Scale { x: n, factor: 0.5 });
+        assert_eq!(g.node(y).op, Op::AddBias { x, bias });
+        let mut b = GraphBuilder::new(prefill);
+        let (_, x) = base(&mut b);
+        let bias = b.weight("b", &[7]);
+        b.add_bias(x, bias);
+        assert!(b.finish().unwrap_err().to_string().contains("add_bias"));
+        let mut b = GraphBuilder::new(prefill);
+        let (_, x) = base(&mut b);
+        b.add_bias(x, x);
+        assert!(b.finish().is_err(), "a bias must be a weight");
+        // Caps must be positive.
+        let mut b = GraphBuilder::new(prefill);
+        let (_, x) = base(&mut b);
+        b.soft_cap(x, 0.0);
+        assert!(b.finish().unwrap_err().to_string().contains("soft_cap"));
+        let mut b = GraphBuilder::new(prefill);
+        let (_, x) = base(&mut b);
+        b.scale(x, f32::NAN);
+        assert!(b.finish().unwrap_err().to_string().contains("scale"));
+        let mut b = GraphBuilder::new(prefill);
+        let (_, x) = base(&mut b);
+        let q = b.reshape(x, &[2, 2, 4]);
+        b.attention_capped(q, q, q, 0, None, 1.0, Some(-1.0));
+        assert!(b.finish().unwrap_err().to_string().contains("soft-cap"));
+        // RoPE frequency factors: one positive value per frequency.
+        let mut b = GraphBuilder::new(prefill);
+        let (ids, x) = base(&mut b);
+        let q = b.reshape(x, &[2, 2, 4]);
+        let spec = RopeSpec { theta: 1e4, mode: RopeMode::Norm, freq_scale: 0.5, freq_factors: Some(vec![1.0, 2.0]) };
+        let r = b.rope_with(q, ids, spec.clone());
+        let g = b.finish().unwrap();
+        assert_eq!(g.node(r).op, Op::Rope { x: q, positions: ids, spec });
+        let mut b = GraphBuilder::new(prefill);
+        let (ids, x) = base(&mut b);
+        let q = b.reshape(x, &[2, 2, 4]);
+        b.rope_with(q, ids, RopeSpec { freq_factors: Some(vec![1.0; 3]), ..RopeSpec::neox(1e4) });
+        assert!(b.finish().unwrap_err().to_string().contains("frequency factors"));
+        assert!(RopeSpec::neox(1e4).is_plain_neox());
     }
 }

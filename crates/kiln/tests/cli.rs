@@ -145,3 +145,32 @@ fn perplexity_matches_the_reference() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The model-family fixtures of `kiln-models` (one tiny GGUF per supported architecture).
+fn family_fixture(family: &str, ext: &str) -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tests/fixtures/families")).join(format!("{family}.{ext}"))
+}
+
+#[test]
+fn info_and_greedy_run_work_on_every_family_fixture() {
+    for family in ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma4"] {
+        let path = family_fixture(family, "gguf");
+        let path = path.to_str().unwrap();
+        let info = stdout(&kiln(&["info", path]));
+        assert!(info.contains(&format!("general.architecture = \"{family}\"")), "{family}: {info}");
+
+        // The greedy continuation of the short case, up to its first near-tie (at most 8 tokens).
+        let r: Value = serde_json::from_str(&std::fs::read_to_string(family_fixture(family, "json")).unwrap()).unwrap();
+        let case = &r["cases"][0];
+        let gaps = case["greedy_gaps"].as_array().unwrap();
+        let n = gaps.iter().position(|g| g.as_f64().unwrap() < 1e-3).unwrap_or(gaps.len()).min(8);
+        assert!(n >= 4, "{family}: near-tie at step {n}");
+        let want: Vec<u32> = case["greedy_ids"].as_array().unwrap()[..n].iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let file = kiln_gguf::GgufFile::open(std::path::Path::new(path)).unwrap();
+        let want_text = kiln_tokenizer::Tokenizer::from_gguf(&file).unwrap().decode(&want, true);
+        let text = case["text"].as_str().unwrap();
+        let out = stdout(&kiln(&["run", "--model", path, "--temperature", "0", "-n", &n.to_string(), text]));
+        assert!(!want_text.trim().is_empty(), "{family}: the continuation decodes to nothing");
+        assert_eq!(out.trim(), want_text.trim(), "{family}: greedy run");
+    }
+}

@@ -4,11 +4,8 @@ use kiln_gguf::GgufFile;
 use kiln_ir::{Bucket, Graph, OutputMode};
 use kiln_runtime::KvLayout;
 
-use crate::gemma3::Gemma3Config;
+use crate::families::config_from_gguf;
 use crate::ModelError;
-
-/// Architectures kiln runs (`general.architecture` values).
-pub const SUPPORTED: &[&str] = &["gemma3"];
 
 /// A model family: hyperparameters and the graph builder for one bucket.
 pub trait Architecture: Send + Sync {
@@ -26,8 +23,5 @@ pub trait Architecture: Send + Sync {
 
 /// Reads the architecture named by `general.architecture` and its hyperparameters.
 pub fn architecture_from_gguf(f: &GgufFile) -> Result<Box<dyn Architecture>, ModelError> {
-    match f.architecture()? {
-        "gemma3" => Ok(Box::new(Gemma3Config::from_gguf(f)?)),
-        other => Err(ModelError::UnsupportedArchitecture(other.to_string())),
-    }
+    Ok(Box::new(config_from_gguf(f)?))
 }

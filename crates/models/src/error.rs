@@ -16,7 +16,7 @@ pub enum ModelError {
     #[error(transparent)]
     Ir(#[from] kiln_ir::IrError),
     /// The file's architecture is not one kiln runs.
-    #[error("unsupported architecture '{0}' (kiln runs: {supported})", supported = crate::arch::SUPPORTED.join(", "))]
+    #[error("unsupported architecture '{0}' (kiln runs: {supported})", supported = crate::families::SUPPORTED.join(", "))]
     UnsupportedArchitecture(String),
     /// A hyperparameter in the metadata is missing or inconsistent.
     #[error("bad model metadata: {0}")]

@@ -3,15 +3,17 @@
 //! [`OutputMode`]), sampling, and the generation loop.
 
 mod arch;
+mod decoder;
 mod error;
-mod gemma3;
+mod families;
 mod generate;
 mod model;
 mod sampling;
 
 pub use arch::{architecture_from_gguf, Architecture};
 pub use error::ModelError;
-pub use gemma3::Gemma3Config;
+pub use decoder::{Activation, DecoderConfig, LayerConfig};
+pub use families::{config_from_gguf, SUPPORTED};
 pub use generate::{generate, Advance, FinishReason, GenerateParams, Generation, Generator, TextControl, TokenLogprob};
 pub use kiln_ir::OutputMode;
 pub use model::{Model, Session, StepOutput};

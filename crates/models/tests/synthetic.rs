@@ -12,7 +12,7 @@ use kiln_cpu::CpuBackend;
 use kiln_gguf::{GgufWriter, MetaArray, MetaValue};
 use kiln_ir::{Bucket, BucketPolicy};
 use kiln_models::{
-    generate, FinishReason, Gemma3Config, GenerateParams, Generation, Model, ModelError, OutputMode, Sampler, SamplingParams, Session,
+    config_from_gguf, generate, FinishReason, GenerateParams, Generation, Model, ModelError, OutputMode, Sampler, SamplingParams, Session,
     StepOutput, TextControl,
 };
 use kiln_quant::GgmlType;
@@ -384,12 +384,20 @@ fn run_generate(model: &Model, prompt: &[u32], params: &GenerateParams) -> (Gene
 #[test]
 fn config_and_tokenizer_come_from_the_metadata() {
     let model = load(config());
-    let c = Gemma3Config::from_gguf(model.file()).unwrap();
-    assert_eq!((c.layers, c.hidden, c.ffn, c.q_heads, c.kv_heads, c.head_dim), (7, HIDDEN, FFN, Q_HEADS, KV_HEADS, HEAD_DIM));
-    assert_eq!((c.vocab, c.window, c.context, c.global_every), (VOCAB, WINDOW, TRAINED_CONTEXT, 6));
+    let c = config_from_gguf(model.file()).unwrap();
+    assert_eq!((c.arch, c.n_layers(), c.hidden, c.ffn, c.q_heads), ("gemma3", 7, HIDDEN, FFN, Q_HEADS));
+    assert!(c.layers.iter().all(|l| (l.kv_heads, l.head_dim) == (KV_HEADS, HEAD_DIM)));
+    assert_eq!((c.vocab, c.context), (VOCAB, TRAINED_CONTEXT));
     assert_eq!(c.output_weight, "token_embd.weight");
     assert!((c.attn_scale - 1.0 / (HEAD_DIM as f32).sqrt()).abs() < 1e-7);
-    assert_eq!((0..7).filter(|&l| c.is_global(l)).collect::<Vec<_>>(), vec![5]);
+    assert!((c.embed_scale - (HIDDEN as f32).sqrt()).abs() < 1e-4);
+    assert!(c.post_norms && c.qk_norm && !c.qkv_bias && c.attn_softcap.is_none() && c.final_softcap.is_none());
+    // Every 6th layer is global with base 1e6; the others slide over the window with base 1e4.
+    let windows: Vec<Option<usize>> = c.layers.iter().map(|l| l.window).collect();
+    assert_eq!(windows, [Some(WINDOW), Some(WINDOW), Some(WINDOW), Some(WINDOW), Some(WINDOW), None, Some(WINDOW)]);
+    let bases: Vec<f32> = c.layers.iter().map(|l| l.rope.theta).collect();
+    assert_eq!(bases, [1e4, 1e4, 1e4, 1e4, 1e4, 1e6, 1e4]);
+    assert!(c.layers.iter().all(|l| l.rope.is_plain_neox()));
     assert_eq!(model.architecture().vocab_size(), VOCAB);
     // The default context (8192) is capped at the trained one; 0 means the trained one.
     assert_eq!(model.context(), TRAINED_CONTEXT);
@@ -552,8 +560,8 @@ fn sliding_window_limits_what_sliding_layers_see() {
     // All sliding (5 layers, window 4): position p sees positions >= p - 5 × 3 through the stack.
     let layers = 5;
     let sliding = load_with(layers, config());
-    let c = Gemma3Config::from_gguf(sliding.file()).unwrap();
-    assert!((0..layers).all(|l| !c.is_global(l)));
+    let c = config_from_gguf(sliding.file()).unwrap();
+    assert!(c.layers.iter().all(|l| l.window == Some(WINDOW)));
     let reach = layers * (WINDOW - 1);
     let (mut a, mut b) = (sliding.new_session().unwrap(), sliding.new_session().unwrap());
     let (la, lb) = (all_logits(&mut a, &base), all_logits(&mut b, &changed));

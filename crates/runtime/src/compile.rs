@@ -1,7 +1,7 @@
 //! The compiler: graph IR → fused, arena-planned [`Plan`].
 //!
 //! Passes: (1) bind weights by name and check their shapes and formats against the store;
-//! (2) fuse — `gelu(a) * b` becomes one gated-activation kernel, `r + rmsnorm(y)` one norm with a
+//! (2) fuse — `gelu(a) * b` and `silu(a) * b` become one gated-activation kernel, `r + rmsnorm(y)` one norm with a
 //! residual, `argmax(x · Wᵀ)` one greedy-head kernel that never writes the logits; reshapes become
 //! aliases; (3) plan one arena: every value gets a slot, slots of values whose lifetimes do not
 //! overlap share memory; (4) emit kernel steps with their row counts (active rows, or one row after
@@ -64,7 +64,7 @@ fn fusion_candidates(graph: &Graph, uses: &[usize]) -> Vec<bool> {
     for node in nodes {
         match node.op {
             Op::Mul { a, b } => {
-                let is_gelu = |op: &Op| matches!(op, Op::Gelu { .. });
+                let is_gelu = |op: &Op| matches!(op, Op::Gelu { .. } | Op::Silu { .. });
                 if single(a, &is_gelu) {
                     absorbed[a.0] = true;
                 } else if single(b, &is_gelu) {
@@ -193,42 +193,63 @@ impl Lowering<'_> {
                     let (k, n) = (self.width(x), self.width(id));
                     self.emit(id, |_, out| Ok(Kernel::MatMul { x: placeholder(xb), w: wid, out, k, n }))?;
                 }
-                Op::Rope { x, positions, theta } => {
+                Op::Rope { x, positions, ref spec } => {
                     let (xb, pb) = (self.read(x)?, self.read(positions)?);
                     let (heads, head_dim) = (node.shape[1], node.shape[2]);
+                    let (x, positions) = (placeholder(xb), placeholder(pb));
+                    // Unscaled NeoX RoPE keeps the plain kernel every backend has.
                     self.emit(id, |_, out| {
-                        Ok(Kernel::Rope { x: placeholder(xb), positions: placeholder(pb), out, heads, head_dim, theta })
-                    })?;
-                }
-                Op::Attention { q, k, v, layer, window, scale } => {
-                    let (qb, kb, vb) = (self.read(q)?, self.read(k)?, self.read(v)?);
-                    let (qs, ks) = (g.node(q).shape.clone(), g.node(k).shape.clone());
-                    self.emit(id, |_, out| {
-                        Ok(Kernel::Attention {
-                            q: placeholder(qb),
-                            k: placeholder(kb),
-                            v: placeholder(vb),
-                            out,
-                            layer,
-                            q_heads: qs[1],
-                            kv_heads: ks[1],
-                            head_dim: qs[2],
-                            window,
-                            scale,
+                        Ok(if spec.is_plain_neox() {
+                            Kernel::Rope { x, positions, out, heads, head_dim, theta: spec.theta }
+                        } else {
+                            Kernel::RopeScaled { x, positions, out, heads, head_dim, spec: spec.clone() }
                         })
                     })?;
+                }
+                Op::Attention { q, k, v, layer, window, scale, softcap } => {
+                    let (qb, kb, vb) = (self.read(q)?, self.read(k)?, self.read(v)?);
+                    let (qs, ks) = (g.node(q).shape.clone(), g.node(k).shape.clone());
+                    let (q, k, v) = (placeholder(qb), placeholder(kb), placeholder(vb));
+                    let (q_heads, kv_heads, head_dim) = (qs[1], ks[1], qs[2]);
+                    self.emit(id, |_, out| {
+                        Ok(match softcap {
+                            None => Kernel::Attention { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale },
+                            Some(softcap) => Kernel::AttentionSoftCap {
+                                q,
+                                k,
+                                v,
+                                out,
+                                layer,
+                                q_heads,
+                                kv_heads,
+                                head_dim,
+                                window,
+                                scale,
+                                softcap,
+                            },
+                        })
+                    })?;
+                }
+                Op::AddBias { x, bias } => {
+                    let (bid, xb, width) = (self.weight(bias)?, self.read(x)?, self.width(id));
+                    self.emit(id, |_, out| Ok(Kernel::AddBias { x: placeholder(xb), bias: bid, out, width }))?;
                 }
                 Op::Add { a, b } => self.lower_add(id, a, b)?,
                 Op::Mul { a, b } => {
                     let width = self.width(id);
-                    let gelu_operand = [a, b].into_iter().find(|o| self.absorbed[o.0]);
-                    if let Some(gate) = gelu_operand {
-                        let Op::Gelu { x: gate_in } = g.node(gate).op else {
-                            return Err(RuntimeError::Compile("fused mul operand is not a gelu".into()));
+                    let act_operand = [a, b].into_iter().find(|o| self.absorbed[o.0]);
+                    if let Some(gate) = act_operand {
+                        let (gate_in, silu) = match g.node(gate).op {
+                            Op::Gelu { x } => (x, false),
+                            Op::Silu { x } => (x, true),
+                            _ => return Err(RuntimeError::Compile("fused mul operand is not an activation".into())),
                         };
                         let up = if gate == a { b } else { a };
                         let (gb, ub) = (self.read(gate_in)?, self.read(up)?);
-                        self.emit(id, |_, out| Ok(Kernel::GeluMul { gate: placeholder(gb), up: placeholder(ub), out, width }))?;
+                        let (gate, up) = (placeholder(gb), placeholder(ub));
+                        self.emit(id, |_, out| {
+                            Ok(if silu { Kernel::SiluMul { gate, up, out, width } } else { Kernel::GeluMul { gate, up, out, width } })
+                        })?;
                     } else {
                         let (ab, bb) = (self.read(a)?, self.read(b)?);
                         self.emit(id, |_, out| Ok(Kernel::Mul { a: placeholder(ab), b: placeholder(bb), out, width }))?;
@@ -237,6 +258,22 @@ impl Lowering<'_> {
                 Op::Gelu { x } => {
                     let (xb, width) = (self.read(x)?, self.width(id));
                     self.emit(id, |_, out| Ok(Kernel::Gelu { x: placeholder(xb), out, width }))?;
+                }
+                Op::Normalize { x, eps } => {
+                    let (xb, width, group) = (self.read(x)?, self.width(id), node.shape[node.shape.len() - 1]);
+                    self.emit(id, |_, out| Ok(Kernel::Normalize { x: placeholder(xb), out, width, group, eps }))?;
+                }
+                Op::Scale { x, factor } => {
+                    let (xb, width) = (self.read(x)?, self.width(id));
+                    self.emit(id, |_, out| Ok(Kernel::Scale { x: placeholder(xb), out, width, factor }))?;
+                }
+                Op::Silu { x } => {
+                    let (xb, width) = (self.read(x)?, self.width(id));
+                    self.emit(id, |_, out| Ok(Kernel::Silu { x: placeholder(xb), out, width }))?;
+                }
+                Op::SoftCap { x, cap } => {
+                    let (xb, width) = (self.read(x)?, self.width(id));
+                    self.emit(id, |_, out| Ok(Kernel::SoftCap { x: placeholder(xb), out, width, cap }))?;
                 }
                 Op::LastRow { x } => {
                     let (xb, width) = (self.read(x)?, self.width(id));
@@ -329,13 +366,22 @@ fn for_each_slot(kernel: &mut Kernel, mut f: impl FnMut(&mut Slot)) {
             }
         }
         Kernel::MatMul { x, out, .. } | Kernel::MatMulArgmax { x, out, .. } => [x, out].into_iter().for_each(f),
-        Kernel::Rope { x, positions, out, .. } => [x, positions, out].into_iter().for_each(f),
-        Kernel::Attention { q, k, v, out, .. } => [q, k, v, out].into_iter().for_each(f),
-        Kernel::Add { a, b, out, .. } | Kernel::Mul { a, b, out, .. } => [a, b, out].into_iter().for_each(f),
-        Kernel::GeluMul { gate, up, out, .. } => [gate, up, out].into_iter().for_each(f),
-        Kernel::Gelu { x, out, .. } | Kernel::LastRow { x, out, .. } | Kernel::Argmax { x, out, .. } => {
-            [x, out].into_iter().for_each(f)
+        Kernel::Rope { x, positions, out, .. } | Kernel::RopeScaled { x, positions, out, .. } => {
+            [x, positions, out].into_iter().for_each(f)
         }
+        Kernel::Attention { q, k, v, out, .. } | Kernel::AttentionSoftCap { q, k, v, out, .. } => {
+            [q, k, v, out].into_iter().for_each(f)
+        }
+        Kernel::Add { a, b, out, .. } | Kernel::Mul { a, b, out, .. } => [a, b, out].into_iter().for_each(f),
+        Kernel::GeluMul { gate, up, out, .. } | Kernel::SiluMul { gate, up, out, .. } => [gate, up, out].into_iter().for_each(f),
+        Kernel::Gelu { x, out, .. }
+        | Kernel::Silu { x, out, .. }
+        | Kernel::SoftCap { x, out, .. }
+        | Kernel::Normalize { x, out, .. }
+        | Kernel::Scale { x, out, .. }
+        | Kernel::AddBias { x, out, .. }
+        | Kernel::LastRow { x, out, .. }
+        | Kernel::Argmax { x, out, .. } => [x, out].into_iter().for_each(f),
     }
 }
 

@@ -1,6 +1,6 @@
 //! Executable plans: a list of kernel steps over one planned arena.
 
-use kiln_ir::{Bucket, DType};
+use kiln_ir::{Bucket, DType, RopeSpec};
 
 use crate::WeightId;
 
@@ -30,6 +30,10 @@ pub enum Kernel {
     /// `out[r] = rmsnorm(x[r]) * weight (+ residual[r])`; rows of `width` elements are normalised
     /// in groups of the weight's length (one group per head for q/k norms).
     RmsNorm { x: Slot, weight: WeightId, out: Slot, width: usize, eps: f32, residual: Option<Slot> },
+    /// `out = x / rms(x)` over groups of `group` elements (no weight).
+    Normalize { x: Slot, out: Slot, width: usize, group: usize, eps: f32 },
+    /// `out = x * factor`.
+    Scale { x: Slot, out: Slot, width: usize, factor: f32 },
     /// `out[r] = x[r] · Wᵀ` with W packed [n, k].
     MatMul { x: Slot, w: WeightId, out: Slot, k: usize, n: usize },
     /// `out[r] = argmax(x[r] · Wᵀ)` without materialising the products (greedy head).
@@ -49,14 +53,38 @@ pub enum Kernel {
         window: Option<usize>,
         scale: f32,
     },
+    /// `Attention` whose scaled scores are soft-capped: `softcap * tanh(s / softcap)` (Gemma 2).
+    AttentionSoftCap {
+        q: Slot,
+        k: Slot,
+        v: Slot,
+        out: Slot,
+        layer: usize,
+        q_heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        window: Option<usize>,
+        scale: f32,
+        softcap: f32,
+    },
+    /// Rotary embedding with any pairing and frequency scaling (the plain `Rope` is unscaled NeoX).
+    RopeScaled { x: Slot, positions: Slot, out: Slot, heads: usize, head_dim: usize, spec: RopeSpec },
     /// `out = a + b`.
     Add { a: Slot, b: Slot, out: Slot, width: usize },
+    /// `out[r] = x[r] + bias` (a weight vector of `width` elements).
+    AddBias { x: Slot, bias: WeightId, out: Slot, width: usize },
     /// `out = a * b`.
     Mul { a: Slot, b: Slot, out: Slot, width: usize },
     /// `out = gelu_tanh(x)`.
     Gelu { x: Slot, out: Slot, width: usize },
     /// `out = gelu_tanh(gate) * up` (fused gated MLP activation).
     GeluMul { gate: Slot, up: Slot, out: Slot, width: usize },
+    /// `out = silu(x)`.
+    Silu { x: Slot, out: Slot, width: usize },
+    /// `out = silu(gate) * up` (fused SwiGLU activation).
+    SiluMul { gate: Slot, up: Slot, out: Slot, width: usize },
+    /// `out = cap * tanh(x / cap)`.
+    SoftCap { x: Slot, out: Slot, width: usize, cap: f32 },
     /// `out[0] = x[active - 1]`.
     LastRow { x: Slot, out: Slot, width: usize },
     /// `out[r] = argmax(x[r])` (i32).

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use kiln_gguf::{GgufFile, GgufWriter};
-use kiln_ir::{Bucket, DType, Graph, GraphBuilder};
+use kiln_ir::{Bucket, DType, Graph, GraphBuilder, RopeMode, RopeSpec};
 use kiln_quant::GgmlType;
 use kiln_runtime::{compile, Kernel, Plan, Rows, RuntimeError, Slot, WeightStore};
 
@@ -69,11 +69,19 @@ fn out_slot(k: &Kernel) -> Slot {
         | Kernel::MatMul { out, .. }
         | Kernel::MatMulArgmax { out, .. }
         | Kernel::Rope { out, .. }
+        | Kernel::RopeScaled { out, .. }
         | Kernel::Attention { out, .. }
+        | Kernel::AttentionSoftCap { out, .. }
         | Kernel::Add { out, .. }
+        | Kernel::AddBias { out, .. }
         | Kernel::Mul { out, .. }
         | Kernel::Gelu { out, .. }
         | Kernel::GeluMul { out, .. }
+        | Kernel::Silu { out, .. }
+        | Kernel::SiluMul { out, .. }
+        | Kernel::SoftCap { out, .. }
+        | Kernel::Normalize { out, .. }
+        | Kernel::Scale { out, .. }
         | Kernel::LastRow { out, .. }
         | Kernel::Argmax { out, .. } => out,
     }
@@ -85,11 +93,18 @@ fn read_slots(k: &Kernel) -> Vec<Slot> {
         Kernel::Embed { ids, .. } => vec![ids],
         Kernel::RmsNorm { x, residual, .. } => std::iter::once(x).chain(residual).collect(),
         Kernel::MatMul { x, .. } | Kernel::MatMulArgmax { x, .. } => vec![x],
-        Kernel::Rope { x, positions, .. } => vec![x, positions],
-        Kernel::Attention { q, k, v, .. } => vec![q, k, v],
+        Kernel::Rope { x, positions, .. } | Kernel::RopeScaled { x, positions, .. } => vec![x, positions],
+        Kernel::Attention { q, k, v, .. } | Kernel::AttentionSoftCap { q, k, v, .. } => vec![q, k, v],
         Kernel::Add { a, b, .. } | Kernel::Mul { a, b, .. } => vec![a, b],
-        Kernel::GeluMul { gate, up, .. } => vec![gate, up],
-        Kernel::Gelu { x, .. } | Kernel::LastRow { x, .. } | Kernel::Argmax { x, .. } => vec![x],
+        Kernel::GeluMul { gate, up, .. } | Kernel::SiluMul { gate, up, .. } => vec![gate, up],
+        Kernel::Gelu { x, .. }
+        | Kernel::Silu { x, .. }
+        | Kernel::SoftCap { x, .. }
+        | Kernel::Normalize { x, .. }
+        | Kernel::Scale { x, .. }
+        | Kernel::AddBias { x, .. }
+        | Kernel::LastRow { x, .. }
+        | Kernel::Argmax { x, .. } => vec![x],
     }
 }
 
@@ -290,6 +305,52 @@ fn no_step_overwrites_a_value_still_needed() {
         .collect();
     assert_eq!(norm_widths, [8, 4, D]);
     assert_eq!(plan.inputs.iter().map(|i| i.name.as_str()).collect::<Vec<_>>(), ["tokens", "positions"]);
+    check_arena(&plan);
+}
+
+#[test]
+fn lowers_bias_silu_soft_capping_and_scaled_rope() {
+    // q = rope_norm(x·Wqᵀ + b), attention soft-capped at 50, silu(x)·x fused, logits capped at 30.
+    let mut b = GraphBuilder::new(Bucket::Prefill { rows: ROWS });
+    let tokens = b.input("tokens", DType::I32);
+    let positions = b.input("positions", DType::I32);
+    let emb = b.weight("emb", &[VOCAB, D]);
+    let x = b.embed(emb, tokens, 1.0);
+    let (wq, bq) = (b.weight("wq", &[D, D]), b.weight("bq", &[D]));
+    let q = b.matmul(x, wq);
+    let q = b.add_bias(q, bq);
+    let q = b.reshape(q, &[ROWS, 2, 4]);
+    let spec = RopeSpec { theta: 5e5, mode: RopeMode::Norm, freq_scale: 0.25, freq_factors: Some(vec![1.0, 8.0]) };
+    let qr = b.rope_with(q, positions, spec.clone());
+    let plain = b.rope_with(q, positions, RopeSpec::neox(1e4));
+    let att = b.attention_capped(qr, plain, plain, 0, None, 0.5, Some(50.0));
+    let s = b.silu(att);
+    let m = b.mul(s, x);
+    let logits = b.matmul(m, emb);
+    let capped = b.soft_cap(logits, 30.0);
+    let v = b.reshape(x, &[ROWS, 2, 4]);
+    let vn = b.normalize(v, 1e-6);
+    let scaled = b.scale(capped, 0.5);
+    b.output("logits", scaled);
+    b.output("v", vn);
+    let plan = compile(&b.finish().unwrap(), &f32_store(&[("emb", &[VOCAB, D]), ("wq", &[D, D]), ("bq", &[D])])).unwrap();
+    let k: Vec<&Kernel> = plan.steps.iter().map(|s| &s.kernel).collect();
+    assert_eq!(k.len(), 11, "{k:#?}");
+    let bias = plan.steps.iter().find_map(|s| match s.kernel {
+        Kernel::AddBias { x, width, .. } => Some((x, width)),
+        _ => None,
+    });
+    assert_eq!(bias, Some((out_slot(k[1]), D)));
+    assert!(matches!(k[3], Kernel::RopeScaled { heads: 2, head_dim: 4, spec: s, .. } if *s == spec), "{:?}", k[3]);
+    assert!(matches!(*k[4], Kernel::Rope { heads: 2, head_dim: 4, theta: 1e4, .. }), "{:?}", k[4]);
+    assert!(matches!(*k[5], Kernel::AttentionSoftCap { softcap: 50.0, scale: 0.5, .. }), "{:?}", k[5]);
+    let Kernel::SiluMul { gate, up, .. } = *k[6] else { panic!("{:?}", k[6]) };
+    assert_eq!((gate, up), (out_slot(k[5]), out_slot(k[0])));
+    assert!(matches!(*k[7], Kernel::MatMul { .. }), "{:?}", k[7]);
+    assert!(matches!(*k[8], Kernel::SoftCap { cap: 30.0, width: VOCAB, x, .. } if x == out_slot(k[7])), "{:?}", k[8]);
+    // The value norm normalises each head of 4 on its own; the scale multiplies the capped logits.
+    assert!(matches!(*k[9], Kernel::Normalize { width: D, group: 4, x, .. } if x == out_slot(k[0])), "{:?}", k[9]);
+    assert!(matches!(*k[10], Kernel::Scale { factor: 0.5, width: VOCAB, x, .. } if x == out_slot(k[8])), "{:?}", k[10]);
     check_arena(&plan);
 }
 

@@ -13,6 +13,10 @@ const TOKENS: &str = "tokenizer.ggml.tokens";
 const SCORES: &str = "tokenizer.ggml.scores";
 /// `tokenizer.ggml.token_type`.
 const TOKEN_TYPE: &str = "tokenizer.ggml.token_type";
+/// `tokenizer.ggml.merges` (byte-level BPE).
+const MERGES: &str = "tokenizer.ggml.merges";
+/// `tokenizer.ggml.pre` (byte-level BPE pre-tokenizer name).
+const PRE: &str = "tokenizer.ggml.pre";
 
 /// Reads `key` with `get` if present; `Ok(None)` if absent.
 fn optional<'f, T>(
@@ -44,16 +48,20 @@ fn special_id(
 impl Tokenizer {
     /// Builds the tokenizer described by the `tokenizer.ggml.*` metadata of `f`.
     ///
-    /// Only `tokenizer.ggml.model = "llama"` (SentencePiece) is supported. Absent optional keys take
-    /// llama.cpp's defaults: scores 0, all tokens normal, bos 1, eos 2, unk 0, no pad, BOS added,
-    /// EOS not added, space prefix added.
+    /// `tokenizer.ggml.model = "llama"` is SentencePiece; absent optional keys take llama.cpp's
+    /// defaults: scores 0, all tokens normal, bos 1, eos 2, unk 0, no pad, BOS added, EOS not
+    /// added, space prefix added. `"gpt2"` is byte-level BPE: `tokenizer.ggml.merges` is required,
+    /// `tokenizer.ggml.pre` defaults to `"default"` (GPT-2's regex), special ids default to none,
+    /// BOS is added only when `add_bos_token` says so, and no space prefix is added.
     pub fn from_gguf(f: &GgufFile) -> Result<Tokenizer, TokenizerError> {
         let model = f
             .get_str(MODEL)
             .map_err(|source| TokenizerError::Metadata { key: MODEL, source })?;
-        if model != "llama" {
-            return Err(TokenizerError::UnsupportedModel(model.to_owned()));
-        }
+        let byte_level = match model {
+            "llama" => false,
+            "gpt2" => true,
+            other => return Err(TokenizerError::UnsupportedModel(other.to_owned())),
+        };
         let pieces = f
             .get_array(TOKENS)
             .map_err(|source| TokenizerError::Metadata {
@@ -90,17 +98,34 @@ impl Tokenizer {
         let flag = |key: &'static str, default: bool| -> Result<bool, TokenizerError> {
             Ok(optional(f, key, GgufFile::get_bool)?.unwrap_or(default))
         };
+        let spm_default = |id: u32| (!byte_level).then_some(id);
         let config = SpecialConfig {
-            bos: special_id(f, "tokenizer.ggml.bos_token_id", Some(1), n)?,
-            eos: special_id(f, "tokenizer.ggml.eos_token_id", Some(2), n)?,
-            unk: special_id(f, "tokenizer.ggml.unknown_token_id", Some(0), n)?,
+            bos: special_id(f, "tokenizer.ggml.bos_token_id", spm_default(1), n)?,
+            eos: special_id(f, "tokenizer.ggml.eos_token_id", spm_default(2), n)?,
+            unk: special_id(f, "tokenizer.ggml.unknown_token_id", spm_default(0), n)?,
             pad: special_id(f, "tokenizer.ggml.padding_token_id", None, n)?,
             eot: special_id(f, "tokenizer.ggml.eot_token_id", None, n)?,
             eom: special_id(f, "tokenizer.ggml.eom_token_id", None, n)?,
-            add_bos: flag("tokenizer.ggml.add_bos_token", true)?,
+            add_bos: flag("tokenizer.ggml.add_bos_token", !byte_level)?,
             add_eos: flag("tokenizer.ggml.add_eos_token", false)?,
-            add_space_prefix: flag("tokenizer.ggml.add_space_prefix", true)?,
+            add_space_prefix: flag("tokenizer.ggml.add_space_prefix", !byte_level)?,
         };
-        Tokenizer::from_parts(pieces, scores, type_codes, config)
+        let tokenizer = Tokenizer::from_parts(pieces, scores, type_codes, config)?;
+        if !byte_level {
+            return Ok(tokenizer);
+        }
+        let merges = f
+            .get_array(MERGES)
+            .map_err(|source| TokenizerError::Metadata {
+                key: MERGES,
+                source,
+            })?
+            .as_strings()
+            .ok_or(TokenizerError::ArrayType {
+                key: MERGES,
+                expected: "strings",
+            })?;
+        let pre = optional(f, PRE, GgufFile::get_str)?.unwrap_or("default");
+        tokenizer.into_byte_level(merges, pre)
     }
 }

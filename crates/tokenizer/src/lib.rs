@@ -4,10 +4,14 @@
 //! `tokenizer.ggml.model = "llama"`: the input is split on the texts of control and user-defined
 //! tokens (leftmost-longest match), each remaining fragment has its spaces replaced by `▁`, is split
 //! into characters and merged pairwise by highest token score, and characters outside the
-//! vocabulary fall back to `<0xXX>` byte tokens. [`StreamDecoder`] detokenizes incrementally and
+//! vocabulary fall back to `<0xXX>` byte tokens. For `tokenizer.ggml.model = "gpt2"` it is a
+//! byte-level BPE: the same special-token split, then the pre-tokenizer regex that
+//! `tokenizer.ggml.pre` names, GPT-2's byte-to-unicode alphabet and merges by rank.
+//! [`StreamDecoder`] detokenizes incrementally and
 //! [`ChatTemplate`] renders the model's Jinja chat template (or [`gemma_chat_prompt`], Gemma's
 //! turn format, when the file has none).
 
+mod bpe;
 mod chat;
 mod gguf;
 mod spm;
@@ -44,9 +48,31 @@ pub enum TokenizerError {
 
     /// The tokenizer model named by `tokenizer.ggml.model` is not implemented.
     #[error(
-        "unsupported tokenizer model `{0}` (tokenizer.ggml.model); only `llama` (SentencePiece) is supported"
+        "unsupported tokenizer model `{0}` (tokenizer.ggml.model); supported: `llama` (SentencePiece), `gpt2` (byte-level BPE)"
     )]
     UnsupportedModel(String),
+
+    /// The pre-tokenizer named by `tokenizer.ggml.pre` is not implemented.
+    #[error("unsupported BPE pre-tokenizer `{0}` (tokenizer.ggml.pre); supported: {supported}", supported = bpe::pre_tokenizer_names().join(", "))]
+    UnsupportedPreTokenizer(String),
+
+    /// A pre-tokenizer regex failed to compile (a bug in kiln, reported rather than panicking).
+    #[error("pre-tokenizer `{name}` regex: {message}")]
+    PreTokenizerRegex {
+        /// The pre-tokenizer name.
+        name: String,
+        /// The regex error.
+        message: String,
+    },
+
+    /// A merge in `tokenizer.ggml.merges` is not two vocabulary tokens separated by a space.
+    #[error("merge {rank} {text:?} in tokenizer.ggml.merges is not two vocabulary tokens separated by a space")]
+    BadMerge {
+        /// Its position (rank) in the merge list.
+        rank: u32,
+        /// Its text.
+        text: String,
+    },
 
     /// The vocabulary has no tokens.
     #[error("the vocabulary (tokenizer.ggml.tokens) is empty")]

@@ -1,5 +1,6 @@
 //! The [`Tokenizer`]: encoding (special-token split + SentencePiece merges) and decoding.
 
+use crate::bpe::{decode_token_text, Bpe};
 use crate::spm::encode_fragment;
 use crate::vocab::{Fragment, TokenKind, Vocab};
 use crate::TokenizerError;
@@ -30,11 +31,14 @@ pub(crate) struct SpecialConfig {
     pub(crate) add_space_prefix: bool,
 }
 
-/// A SentencePiece-style tokenizer built from GGUF metadata (llama.cpp's SPM algorithm).
+/// A tokenizer built from GGUF metadata: SentencePiece-style (llama.cpp's SPM algorithm) or
+/// byte-level BPE.
 #[derive(Debug)]
 pub struct Tokenizer {
     /// Token texts, scores and kinds.
     vocab: Vocab,
+    /// The byte-level BPE model; `None` for SentencePiece.
+    bpe: Option<Bpe>,
     /// Token to emit for each byte that no merged piece covers.
     byte_ids: [Option<u32>; 256],
     /// Special ids and flags.
@@ -123,10 +127,23 @@ impl Tokenizer {
         }
         Ok(Tokenizer {
             vocab,
+            bpe: None,
             byte_ids,
             config,
             eog,
         })
+    }
+
+    /// Makes this a byte-level BPE tokenizer with `merges` ("left right", in rank order) and the
+    /// pre-tokenizer named `pre`. No space prefix is added.
+    pub(crate) fn into_byte_level<S: AsRef<str>>(
+        mut self,
+        merges: &[S],
+        pre: &str,
+    ) -> Result<Tokenizer, TokenizerError> {
+        self.bpe = Some(Bpe::new(&self.vocab, merges, pre)?);
+        self.config.add_space_prefix = false;
+        Ok(self)
     }
 
     /// Encodes `text`, adding BOS/EOS as the model's metadata says (`add_bos_token`, `add_eos_token`).
@@ -149,6 +166,10 @@ impl Tokenizer {
                     after_special = true;
                 }
                 Fragment::Text(t) => {
+                    if let Some(bpe) = &self.bpe {
+                        bpe.encode_fragment(&self.vocab, t, self.config.unk, &mut out);
+                        continue;
+                    }
                     buf.clear();
                     if self.config.add_space_prefix && after_special {
                         buf.push_str(SPACE_SYMBOL);
@@ -170,7 +191,7 @@ impl Tokenizer {
         out
     }
 
-    /// Decodes `ids` to text: `▁` becomes a space, byte tokens become bytes, invalid UTF-8 is replaced
+    /// Decodes `ids` to text: `▁` becomes a space (byte-level BPE: each character its byte), byte tokens become bytes, invalid UTF-8 is replaced
     /// by U+FFFD. With `skip_special`, control, unknown and unused tokens are dropped; otherwise their
     /// text is kept. Ids outside the vocabulary are ignored.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> String {
@@ -199,6 +220,7 @@ impl Tokenizer {
         }
         let strip = std::mem::replace(at_start, false) && self.config.add_space_prefix;
         match kind {
+            TokenKind::Normal if self.bpe.is_some() => decode_token_text(text, out),
             TokenKind::Normal => {
                 let mut parts = text.split(SPACE_SYMBOL).enumerate();
                 if let Some((_, first)) = parts.next() {

@@ -1,6 +1,7 @@
 //! Kernel tests: every computable weight format, every instruction set this CPU runs, pools of one
 //! and three threads, each compared with a naive f64 reference.
 
+use kiln_ir::{RopeMode, RopeSpec};
 use kiln_quant::{dequantize, quantize, GgmlType};
 use kiln_runtime::{KvLayout, LayerKv};
 
@@ -269,6 +270,23 @@ fn reference_attention(
     window: Option<usize>,
     scale: f32,
 ) -> Vec<f64> {
+    reference_attention_capped(q, k, v, len, q_heads, kv_heads, d, window, scale, None)
+}
+
+/// [`reference_attention`] with soft-capped scores: `cap * tanh(s / cap)`.
+#[allow(clippy::too_many_arguments)]
+fn reference_attention_capped(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    len: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    d: usize,
+    window: Option<usize>,
+    scale: f32,
+    softcap: Option<f32>,
+) -> Vec<f64> {
     let group = q_heads / kv_heads;
     let mut out = vec![0f64; len * q_heads * d];
     for p in 0..len {
@@ -280,7 +298,8 @@ fn reference_attention(
                 .iter()
                 .map(|&s| {
                     let ks = &k[(s * kv_heads + g) * d..][..d];
-                    qh.iter().zip(ks).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64
+                    let s = qh.iter().zip(ks).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64;
+                    softcap.map_or(s, |c| c as f64 * (s / c as f64).tanh())
                 })
                 .collect();
             let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -334,6 +353,7 @@ fn attention_matches_f64_in_one_chunk_and_in_several() {
                                 start,
                                 layer,
                                 shape,
+                                None,
                                 &mut out[a * qw..b * qw],
                             );
                             start = b;
@@ -371,7 +391,7 @@ fn attention_of_the_first_position_returns_its_value() {
     let mut cache = CpuKvCache::new(&KvLayout { layers: vec![spec], context: 4 });
     let mut out = vec![0f32; q_heads * d];
     let shape = AttentionShape { q_heads, kv_heads, head_dim: d, window: Some(3), scale: 1.0 };
-    attention(&ThreadPool::new(1), Isa::Scalar, &q, &k, &v, 1, 0, cache.layer_mut(0).unwrap(), shape, &mut out);
+    attention(&ThreadPool::new(1), Isa::Scalar, &q, &k, &v, 1, 0, cache.layer_mut(0).unwrap(), shape, None, &mut out);
     // Query heads 0, 1 share kv head 0; heads 2, 3 share kv head 1.
     for h in 0..q_heads {
         assert_eq!(out[h * d..(h + 1) * d], v[(h / 2) * d..(h / 2 + 1) * d], "head {h}");
@@ -425,7 +445,7 @@ fn rope_rotates_every_head_by_its_position() {
     // head_dim 2: one pair per head, frequency 1, so position p rotates by p radians.
     let x = [1.0, 0.0, 0.0, 1.0, /* row 1 */ 1.0, 0.0, 2.0, 0.0];
     let mut out = [f32::NAN; 8];
-    rope(&x, &RopeTable::new(&[0, 3], 2, 10000.0), 2, &mut out);
+    rope(&x, &RopeTable::with_spec(&[0, 3], 2, &RopeSpec::neox(10000.0)), 2, &mut out);
     let (c, s) = (3f32.cos(), 3f32.sin());
     let want = [1.0, 0.0, 0.0, 1.0, c, s, 2.0 * c, 2.0 * s];
     for (i, (o, w)) in out.iter().zip(want).enumerate() {
@@ -434,7 +454,7 @@ fn rope_rotates_every_head_by_its_position() {
     // head_dim 4, theta 100: pair (0, 2) turns by p, pair (1, 3) by p / 10; norms are kept.
     let x = [0.0, 2.0, 1.0, 0.0];
     let mut out = [0f32; 4];
-    rope(&x, &RopeTable::new(&[5], 4, 100.0), 1, &mut out);
+    rope(&x, &RopeTable::with_spec(&[5], 4, &RopeSpec::neox(100.0)), 1, &mut out);
     let want = [-5f32.sin(), 2.0 * 0.5f32.cos(), 5f32.cos(), 2.0 * 0.5f32.sin()];
     for (i, (o, w)) in out.iter().zip(want).enumerate() {
         assert!((o - w).abs() < 1e-6, "out[{i}] = {o} want {w}");
@@ -452,7 +472,7 @@ fn gelu_matches_known_values() {
 fn rope_rotates_pairs() {
     let x = [1.0, 0.0, 0.0, 1.0]; // head_dim 4, pairs (0,2) and (1,3)
     let mut out = [0.0; 4];
-    rope(&x, &RopeTable::new(&[1], 4, 10000.0), 1, &mut out);
+    rope(&x, &RopeTable::with_spec(&[1], 4, &RopeSpec::neox(10000.0)), 1, &mut out);
     // pair (0,2): freq 1 -> angle 1 rad
     assert!((out[0] - 1f32.cos()).abs() < 1e-6 && (out[2] - 1f32.sin()).abs() < 1e-6);
     // pair (1,3): freq 1e-2 -> angle 0.01 rad
@@ -468,4 +488,139 @@ fn rms_norm_with_residual() {
     let rms = (12.5f32).sqrt();
     assert!((out[0] - (10.0 + 3.0 / rms)).abs() < 1e-5);
     assert!((out[1] - (10.0 + 8.0 / rms)).abs() < 1e-5);
+}
+
+#[test]
+fn silu_and_soft_cap_match_known_values() {
+    assert_eq!(silu(0.0), 0.0);
+    assert!((silu(1.0) - 0.731_058_6).abs() < 1e-6);
+    assert!((silu(-2.0) + 0.238_405_84).abs() < 1e-6);
+    assert_eq!(silu(-200.0), 0.0);
+    assert_eq!(silu(200.0), 200.0);
+    assert!((soft_cap(10.0, 30.0) - 30.0 * (1f32 / 3.0).tanh()).abs() < 1e-5);
+    assert_eq!(soft_cap(1e6, 50.0), 50.0);
+    assert_eq!(soft_cap(-1e6, 50.0), -50.0);
+    assert!((soft_cap(1e-3, 50.0) - 1e-3).abs() < 1e-9, "near zero the cap is the identity");
+}
+
+/// Naive f64 RoPE: pair `(a(i), b(i))` turns by `pos * freq_scale * theta^(-2i/d) / factor[i]`.
+fn reference_rope(x: &[f32], positions: &[i32], heads: usize, d: usize, spec: &RopeSpec) -> Vec<f64> {
+    let mut out = vec![0f64; x.len()];
+    for (r, &pos) in positions.iter().enumerate() {
+        for h in 0..heads {
+            let base = (r * heads + h) * d;
+            for i in 0..d / 2 {
+                let factor = spec.freq_factors.as_ref().map_or(1.0, |f| f[i] as f64);
+                let angle = pos as f64 * spec.freq_scale as f64 * (spec.theta as f64).powf(-(2.0 * i as f64) / d as f64) / factor;
+                let (a, b) = match spec.mode {
+                    RopeMode::Neox => (i, i + d / 2),
+                    RopeMode::Norm => (2 * i, 2 * i + 1),
+                };
+                let (x0, x1) = (x[base + a] as f64, x[base + b] as f64);
+                out[base + a] = x0 * angle.cos() - x1 * angle.sin();
+                out[base + b] = x1 * angle.cos() + x0 * angle.sin();
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn rope_modes_and_frequency_scaling_match_f64() {
+    let (heads, d) = (3, 8);
+    let positions = [0, 1, 7, 300];
+    let mut rng = Rng(0x0bad_cafe);
+    let x = rng.vec(positions.len() * heads * d);
+    let specs = [
+        RopeSpec::neox(1e4),
+        RopeSpec { mode: RopeMode::Norm, ..RopeSpec::neox(5e5) },
+        RopeSpec { theta: 1e4, mode: RopeMode::Norm, freq_scale: 0.25, freq_factors: None },
+        RopeSpec { theta: 5e5, mode: RopeMode::Norm, freq_scale: 1.0, freq_factors: Some(vec![1.0, 1.5, 8.0, 32.0]) },
+        // Proportional RoPE leaves frequencies with a huge factor unrotated.
+        RopeSpec { theta: 1e6, mode: RopeMode::Neox, freq_scale: 1.0, freq_factors: Some(vec![1.0, 1.0, 1e30, 1e30]) },
+    ];
+    let mut outs = Vec::new();
+    for spec in &specs {
+        let table = RopeTable::with_spec(&positions, d, spec);
+        assert!(table.serves_spec(spec, d) && !table.serves_spec(spec, d + 2));
+        let mut out = vec![f32::NAN; x.len()];
+        rope_mode(&x, &table, heads, spec.mode, &mut out);
+        let want = reference_rope(&x, &positions, heads, d, spec);
+        for (i, (o, w)) in out.iter().zip(&want).enumerate() {
+            assert!((*o as f64 - w).abs() < 1e-5, "{spec:?}: out[{i}] = {o} want {w}");
+        }
+        outs.push(out);
+    }
+    // Every spec rotates differently; the pairing alone does not change the table.
+    for i in 0..outs.len() {
+        for j in i + 1..outs.len() {
+            assert_ne!(outs[i], outs[j], "specs {i} and {j}");
+        }
+    }
+    let norm = RopeSpec { mode: RopeMode::Norm, ..RopeSpec::neox(1e4) };
+    assert!(RopeTable::with_spec(&positions, d, &RopeSpec::neox(1e4)).serves_spec(&norm, d));
+    assert!(!RopeTable::with_spec(&positions, d, &specs[2]).serves_spec(&RopeSpec::neox(1e4), d));
+    // Unrotated frequencies of proportional RoPE keep their values.
+    let last = &outs[4];
+    for (r, &p) in positions.iter().enumerate() {
+        for h in 0..heads {
+            let base = (r * heads + h) * d;
+            for e in [2, 3, 6, 7] {
+                assert!((last[base + e] - x[base + e]).abs() < 1e-6, "position {p} element {e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn soft_capped_attention_matches_f64() {
+    let (len, d, q_heads, kv_heads, scale, cap) = (9, 8, 4, 2, 0.9, 3.0);
+    let mut rng = Rng(0x5eed_50f7);
+    for window in [None, Some(4)] {
+        // Large queries: many scores exceed the cap, so capping changes the result.
+        let q: Vec<f32> = rng.vec(len * q_heads * d).iter().map(|v| v * 4.0).collect();
+        let k: Vec<f32> = rng.vec(len * kv_heads * d).iter().map(|v| v * 2.0).collect();
+        let v = rng.vec(len * kv_heads * d);
+        let want = reference_attention_capped(&q, &k, &v, len, q_heads, kv_heads, d, window, scale, Some(cap));
+        let uncapped = reference_attention(&q, &k, &v, len, q_heads, kv_heads, d, window, scale);
+        let differs = want.iter().zip(&uncapped).map(|(a, b)| (a - b).abs()).fold(0f64, f64::max);
+        assert!(differs > 1e-2, "the cap must matter in this test (max difference {differs})");
+        let spec = LayerKv { kv_heads, head_dim_k: d, head_dim_v: d, window };
+        let shape = AttentionShape { q_heads, kv_heads, head_dim: d, window, scale };
+        let (qw, kw) = (q_heads * d, kv_heads * d);
+        for isa in Isa::supported() {
+            for pool in &pools() {
+                for chunks in [&[9usize][..], &[4, 1, 4]] {
+                    let mut cache = CpuKvCache::new(&KvLayout { layers: vec![spec], context: 16 });
+                    let layer = cache.layer_mut(0).unwrap();
+                    let mut out = vec![f32::NAN; len * qw];
+                    let mut start = 0;
+                    for &rows in chunks {
+                        let (a, b) = (start, start + rows);
+                        let (qs, ks, vs) = (&q[a * qw..b * qw], &k[a * kw..b * kw], &v[a * kw..b * kw]);
+                        attention(pool, isa, qs, ks, vs, rows, start, layer, shape, Some(cap), &mut out[a * qw..b * qw]);
+                        start = b;
+                    }
+                    for (e, (&got, &w)) in out.iter().zip(&want).enumerate() {
+                        assert!((got as f64 - w).abs() < 1e-5, "{window:?} {isa:?} {chunks:?}: out[{e}] = {got} want {w}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rms_normalize_matches_rms_norm_with_unit_weights() {
+    let mut rng = Rng(0x00dd_ba11);
+    let x = rng.vec(3 * 8);
+    let (mut a, mut b) = (vec![0f32; x.len()], vec![0f32; x.len()]);
+    rms_normalize(&x, 4, 1e-6, &mut a);
+    rms_norm(&x, &[1.0; 4], 1e-6, None, &mut b);
+    assert_eq!(a, b);
+    // Each group of 4 has unit mean square.
+    for g in a.chunks_exact(4) {
+        let ms: f32 = g.iter().map(|v| v * v).sum::<f32>() / 4.0;
+        assert!((ms - 1.0).abs() < 1e-4, "{ms}");
+    }
 }
