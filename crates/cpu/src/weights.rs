@@ -32,9 +32,14 @@ pub struct PackedMatrix<'a> {
 }
 
 impl PackedMatrix<'_> {
+    /// The packed bytes of row `r`.
+    pub fn row(&self, r: usize) -> &[u8] {
+        &self.bytes[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+
     /// Dequantizes row `r` into `dst` (`k` elements).
     pub fn row_into(&self, r: usize, dst: &mut [f32]) {
-        let src = &self.bytes[r * self.row_bytes..(r + 1) * self.row_bytes];
+        let src = self.row(r);
         // Formats and sizes are validated when the weights are loaded (CpuWeights::new).
         dequantize(self.ty, src, &mut dst[..self.k]).expect("weight layout validated at load");
     }
