@@ -194,7 +194,8 @@ impl CpuExecutable {
                 let m = w.matrix(wid)?;
                 let (x, out) = (a.f32(x, rows * k), a.i32_mut(out, rows));
                 if self.fast(&m) {
-                    fast::matmul_argmax(pool, isa, x, rows, &m, out);
+                    let screen = w.screening_copy(wid, pool)?;
+                    fast::matmul_argmax(pool, isa, x, rows, &m, screen.as_ref(), out);
                 } else {
                     kernels::matmul_argmax(pool, isa, x, rows, &m, out);
                 }
@@ -246,10 +247,17 @@ impl CpuExecutable {
                 let len = rows * width;
                 let (g, u, o) = (a.f32(gate, len), a.f32(up, len), a.f32_mut(out, len));
                 let op = kernels::SharedMut(o.as_mut_ptr());
+                let fast = self.kernels == KernelPrecision::Fast;
                 pool.for_chunks(len, 4096, &|range| {
-                    for i in range {
+                    if fast {
                         // SAFETY: each chunk writes its own elements.
-                        *op.ptr().add(i) = kernels::gelu_tanh(g[i]) * u[i];
+                        let o = std::slice::from_raw_parts_mut(op.ptr().add(range.start), range.len());
+                        crate::simd::gelu_mul_fast(isa, &g[range.clone()], &u[range], o);
+                    } else {
+                        for i in range {
+                            // SAFETY: each chunk writes its own elements.
+                            *op.ptr().add(i) = kernels::gelu_tanh(g[i]) * u[i];
+                        }
                     }
                 });
             }

@@ -2,7 +2,7 @@
 //! (norm weights) expanded to f32 once.
 
 use std::any::Any;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use kiln_quant::{dequantize, GgmlType};
 use kiln_runtime::{DeviceWeights, RuntimeError, WeightId, WeightStore};
@@ -15,6 +15,8 @@ pub struct CpuWeights {
     store: Arc<WeightStore>,
     /// Small tensors expanded to f32, by weight id.
     expanded: Vec<Option<Vec<f32>>>,
+    /// Q4_0 screening copies of greedy-head matrices (fast kernels), made on first use, by weight id.
+    screens: Vec<OnceLock<Vec<u8>>>,
 }
 
 /// A packed weight matrix: `n` rows of `k` elements in block format `ty`.
@@ -76,7 +78,8 @@ impl CpuWeights {
                 expanded.push(None);
             }
         }
-        Ok(CpuWeights { store, expanded })
+        let screens = (0..expanded.len()).map(|_| OnceLock::new()).collect();
+        Ok(CpuWeights { store, expanded, screens })
     }
 
     /// A small tensor as f32 (norm weights), if it was expanded.
@@ -102,9 +105,23 @@ impl CpuWeights {
     }
 }
 
+impl CpuWeights {
+    /// The Q4_0 screening copy of greedy-head matrix `id` (made now if needed), when the fast
+    /// kernels want one for it.
+    pub fn screening_copy(&self, id: WeightId, pool: &crate::pool::ThreadPool) -> Result<Option<PackedMatrix<'_>>, RuntimeError> {
+        let m = self.matrix(id)?;
+        if !crate::fast::wants_screening_copy(&m) {
+            return Ok(None);
+        }
+        let bytes = self.screens[id.0].get_or_init(|| crate::fast::make_screening_copy(pool, &m));
+        let row_bytes = GgmlType::Q4_0.row_bytes(m.k)?;
+        Ok(Some(PackedMatrix { bytes, ty: GgmlType::Q4_0, k: m.k, n: m.n, row_bytes }))
+    }
+}
+
 impl DeviceWeights for CpuWeights {
     fn device_bytes(&self) -> usize {
-        self.expanded.iter().flatten().map(|v| v.len() * 4).sum()
+        self.expanded.iter().flatten().map(|v| v.len() * 4).sum::<usize>() + self.screens.iter().filter_map(|s| s.get()).map(Vec::len).sum::<usize>()
     }
 
     fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {

@@ -5,7 +5,7 @@ use std::arch::x86_64::*;
 
 use kiln_quant::{f16_to_f32, GgmlType};
 
-use super::{scalar, ActRow, KRow, KRowMut, LegacyRow};
+use super::{scalar, ActRow, KRow, KRowMut, LegacyRow, Unpacked, ROW_GROUP};
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -162,9 +162,26 @@ pub unsafe fn unpack_k(ty: GgmlType, src: &[u8], out: KRowMut<'_>) {
     }
 }
 
-/// Products of one unpacked 32-block row with `R` Q8_0 activation rows.
+/// Products of every unpacked 32-block row of `tile` (`out.len()` of them) with `R` Q8_0 rows.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn legacy_dot<const R: usize>(w: LegacyRow<'_>, a: [ActRow<'_>; R]) -> [f32; R] {
+pub unsafe fn legacy_tile<const R: usize>(tile: &Unpacked, k: usize, a: [ActRow<'_>; R], out: &mut [[f32; ROW_GROUP]]) {
+    for (j, o) in out.iter_mut().enumerate() {
+        o[..R].copy_from_slice(&legacy_dot(tile.legacy(j, k), a));
+    }
+}
+
+/// Products of every unpacked K-quant row of `tile` (`out.len()` of them) with `R` Q8_K rows.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn k_tile<const R: usize>(tile: &Unpacked, k: usize, a: [ActRow<'_>; R], out: &mut [[f32; ROW_GROUP]]) {
+    for (j, o) in out.iter_mut().enumerate() {
+        o[..R].copy_from_slice(&k_dot(tile.kquant(j, k), a));
+    }
+}
+
+/// Products of one unpacked 32-block row with `R` Q8_0 activation rows.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn legacy_dot<const R: usize>(w: LegacyRow<'_>, a: [ActRow<'_>; R]) -> [f32; R] {
     let nb = w.d.len();
     assert!(w.qs.len() == 32 * nb && a.iter().all(|a| a.qs.len() == 32 * nb && a.d.len() == nb));
     let ones = _mm256_set1_epi16(1);
@@ -187,8 +204,9 @@ pub unsafe fn legacy_dot<const R: usize>(w: LegacyRow<'_>, a: [ActRow<'_>; R]) -
 }
 
 /// Products of one unpacked K-quant row with `R` Q8_K activation rows.
+#[inline]
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn k_dot<const R: usize>(w: KRow<'_>, a: [ActRow<'_>; R]) -> [f32; R] {
+unsafe fn k_dot<const R: usize>(w: KRow<'_>, a: [ActRow<'_>; R]) -> [f32; R] {
     let nb = w.d.len();
     assert!(w.q.len() == 256 * nb && w.sc.len() == 16 * nb && w.corr.len() == 16 * nb && w.dcorr.len() == nb);
     assert!(a.iter().all(|a| a.qs.len() == 256 * nb && a.d.len() == nb && a.sums.len() == 16 * nb));

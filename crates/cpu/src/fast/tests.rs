@@ -65,11 +65,16 @@ fn activation_quantization_rounds_to_nearest_level() {
                     // An all-zero block quantizes to zeros.
                     x[32..64].fill(0.0);
                 }
-                let q = QuantizedRows::new(&pool, isa, &x, rows, k, block);
+                let q = QuantizedRows::new(&pool, isa, &x, rows, k, block, 1);
                 let back = q.dequantized();
                 for (i, (&a, &b)) in x.iter().zip(&back).enumerate() {
                     let amax = x[i / block * block..(i / block + 1) * block].iter().fold(0f32, |m, v| m.max(v.abs()));
                     assert!((a - b).abs() <= amax / 127.0 * 0.5001 + 1e-7, "{isa:?} block={block} x[{i}]={a} back={b}");
+                }
+                let two = QuantizedRows::new(&pool, isa, &x, rows, k, block, 2).dequantized();
+                for (i, (&a, &b)) in x.iter().zip(&two).enumerate() {
+                    let amax = x[i / block * block..(i / block + 1) * block].iter().fold(0f32, |m, v| m.max(v.abs()));
+                    assert!((a - b).abs() <= amax / (127.0 * 127.0) + 1e-6 * amax, "{isa:?} block={block} x[{i}]={a} two passes={b}");
                 }
                 for r in 0..rows {
                     let row = q.row(r);
@@ -118,7 +123,7 @@ fn matmul_matches_f64_for_every_fast_format_isa_and_pool() {
                     let x = rng.vec(rows * k);
                     for isa in Isa::supported() {
                         let block = family(ty).unwrap().act_block();
-                        let xq = QuantizedRows::new(&pools[0], isa, &x, rows, k, block).dequantized();
+                        let xq = QuantizedRows::new(&pools[0], isa, &x, rows, k, block, PASSES).dequantized();
                         let (want, mag) = reference(&deq, &xq, rows, k, n);
                         for pool in &pools {
                             let what = format!("{ty} k={k} n={n} rows={rows} {isa:?} threads={}", pool.threads());
@@ -131,7 +136,7 @@ fn matmul_matches_f64_for_every_fast_format_isa_and_pool() {
                             }
                             assert_eq!(out[rows * n..], [7.5, 7.5], "{what}: wrote past the output");
                             let mut best = vec![-2i32; rows];
-                            matmul_argmax(pool, isa, &x, rows, &m, &mut best);
+                            matmul_argmax(pool, isa, &x, rows, &m, None, &mut best);
                             for r in 0..rows {
                                 let row = &out[r * n..(r + 1) * n];
                                 let want = (0..n).fold(0, |b, j| if row[j] > row[b] { j } else { b });
@@ -183,8 +188,36 @@ fn non_finite_products_give_minus_one() {
         x[3] = bad;
         for isa in Isa::supported() {
             let mut out = [0i32];
-            matmul_argmax(&pool, isa, &x, 1, &m, &mut out);
+            matmul_argmax(&pool, isa, &x, 1, &m, None, &mut out);
             assert_eq!(out, [-1], "{isa:?} {bad}");
+            let copy = make_screening_copy(&pool, &m);
+            let screen = PackedMatrix::from_bytes(&copy, GgmlType::Q4_0, k, 4);
+            matmul_argmax(&pool, isa, &x, 1, &m, Some(&screen), &mut out);
+            assert_eq!(out, [-1], "{isa:?} {bad} screened");
+        }
+    }
+}
+
+#[test]
+fn screened_argmax_equals_the_full_one() {
+    let mut rng = Rng(0x5c12_ee4e);
+    let pools = pools();
+    for (ty, k, n) in [(GgmlType::Q8_0, 64, screen::MIN_ROWS), (GgmlType::Q6_K, 256, 3000), (GgmlType::Q5_0, 96, 777)] {
+        let packed = quantize(ty, &rng.vec(k * n)).unwrap();
+        let m = PackedMatrix::from_bytes(&packed, ty, k, n);
+        assert_eq!(wants_screening_copy(&m), n >= screen::MIN_ROWS);
+        let copy = make_screening_copy(&pools[1], &m);
+        let screen = PackedMatrix::from_bytes(&copy, GgmlType::Q4_0, k, n);
+        for rows in 1..=screen::MAX_ACT_ROWS {
+            let x = rng.vec(rows * k);
+            for isa in Isa::supported() {
+                for pool in &pools {
+                    let (mut full, mut screened) = (vec![0i32; rows], vec![0i32; rows]);
+                    matmul_argmax(pool, isa, &x, rows, &m, None, &mut full);
+                    matmul_argmax(pool, isa, &x, rows, &m, Some(&screen), &mut screened);
+                    assert_eq!(screened, full, "{ty} n={n} rows={rows} {isa:?} threads={}", pool.threads());
+                }
+            }
         }
     }
 }
