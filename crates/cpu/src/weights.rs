@@ -34,6 +34,11 @@ pub struct PackedMatrix<'a> {
 }
 
 impl PackedMatrix<'_> {
+    /// The packed bytes of rows `rows`.
+    pub fn rows_bytes(&self, rows: std::ops::Range<usize>) -> &[u8] {
+        &self.bytes[rows.start * self.row_bytes..rows.end * self.row_bytes]
+    }
+
     /// The packed bytes of row `r`.
     pub fn row(&self, r: usize) -> &[u8] {
         &self.bytes[r * self.row_bytes..(r + 1) * self.row_bytes]
@@ -113,7 +118,11 @@ impl CpuWeights {
         if !crate::fast::wants_screening_copy(&m) {
             return Ok(None);
         }
-        let bytes = self.screens[id.0].get_or_init(|| crate::fast::make_screening_copy(pool, &m));
+        let bytes = self.screens[id.0].get_or_init(|| {
+            crate::fast::make_screening_copy(pool, &m, &|b| {
+                self.store.release_pages(b);
+            })
+        });
         let row_bytes = GgmlType::Q4_0.row_bytes(m.k)?;
         Ok(Some(PackedMatrix { bytes, ty: GgmlType::Q4_0, k: m.k, n: m.n, row_bytes }))
     }

@@ -22,21 +22,32 @@ pub const MIN_ROWS: usize = 32768;
 /// Most activation rows screened at once (decode and the last prompt row).
 pub const MAX_ACT_ROWS: usize = 4;
 
-/// Makes the Q4_0 copy of `w` (rows of a multiple of 32 elements), in parallel.
-pub fn make_copy(pool: &ThreadPool, w: &PackedMatrix<'_>) -> Vec<u8> {
+/// Rows read between two calls of `release` while making a copy.
+const RELEASE_ROWS: usize = 1024;
+
+/// Makes the Q4_0 copy of `w` (rows of a multiple of 32 elements), in parallel, handing every
+/// stretch of `w`'s bytes it has read to `release` (so a memory-mapped matrix read only for the
+/// copy does not stay resident next to it).
+pub fn make_copy(pool: &ThreadPool, w: &PackedMatrix<'_>, release: &(dyn Fn(&[u8]) + Sync)) -> Vec<u8> {
     let k = w.k;
     let row_bytes = k / 32 * GgmlType::Q4_0.type_size();
     let mut out = vec![0u8; w.n * row_bytes];
     let op = SharedMut(out.as_mut_ptr());
     pool.for_chunks(w.n, 256, &|range| {
         let mut row = vec![0f32; k];
-        for r in range {
+        let mut done = range.start;
+        for r in range.clone() {
+            if r - done == RELEASE_ROWS {
+                release(w.rows_bytes(done..r));
+                done = r;
+            }
             dequantize(w.ty, w.row(r), &mut row).expect("weight layout validated at load");
             // Weights are finite and small, so Q4_0 cannot overflow its f16 scale.
             let q = quantize(GgmlType::Q4_0, &row).expect("finite weights quantize");
             // SAFETY: row r of the copy is written by this task only.
             unsafe { std::ptr::copy_nonoverlapping(q.as_ptr(), op.ptr().add(r * row_bytes), row_bytes) };
         }
+        release(w.rows_bytes(done..range.end));
     });
     out
 }

@@ -190,7 +190,7 @@ fn non_finite_products_give_minus_one() {
             let mut out = [0i32];
             matmul_argmax(&pool, isa, &x, 1, &m, None, &mut out);
             assert_eq!(out, [-1], "{isa:?} {bad}");
-            let copy = make_screening_copy(&pool, &m);
+            let copy = make_screening_copy(&pool, &m, &|_| {});
             let screen = PackedMatrix::from_bytes(&copy, GgmlType::Q4_0, k, 4);
             matmul_argmax(&pool, isa, &x, 1, &m, Some(&screen), &mut out);
             assert_eq!(out, [-1], "{isa:?} {bad} screened");
@@ -206,7 +206,11 @@ fn screened_argmax_equals_the_full_one() {
         let packed = quantize(ty, &rng.vec(k * n)).unwrap();
         let m = PackedMatrix::from_bytes(&packed, ty, k, n);
         assert_eq!(wants_screening_copy(&m), n >= screen::MIN_ROWS);
-        let copy = make_screening_copy(&pools[1], &m);
+        let released = std::sync::atomic::AtomicUsize::new(0);
+        let copy = make_screening_copy(&pools[1], &m, &|b| {
+            released.fetch_add(b.len(), std::sync::atomic::Ordering::Relaxed);
+        });
+        assert_eq!(released.into_inner(), packed.len(), "every byte read is handed to release once");
         let screen = PackedMatrix::from_bytes(&copy, GgmlType::Q4_0, k, n);
         for rows in 1..=screen::MAX_ACT_ROWS {
             let x = rng.vec(rows * k);
