@@ -31,9 +31,9 @@ pub const ROW_GROUP: usize = 4;
 
 /// Quantization passes of the activations of every product: the 8-bit row plus its 8-bit
 /// residual. With one pass (as ggml) Gemma 3's logits end 3e-2..7e-2 (relative L2) from the
-/// float32 reference, and still 1e-2..4e-2 with two passes for the K-quant products only; two
-/// passes everywhere bring them to about 1e-4 at twice the integer work (decode, memory-bound,
-/// barely notices).
+/// float32 reference; two passes for the K-quant products only leave 1e-2..4e-2, for the 32-block
+/// ones only 2e-2..1.2e-1; two passes everywhere bring them to about 1e-4, at twice the integer
+/// work (decode, memory-bound, barely notices).
 pub const PASSES: usize = 2;
 
 
