@@ -9,10 +9,10 @@
 //! exact kernels instead (see [`supports`]).
 
 mod act;
-mod scalar;
-mod screen;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+mod scalar;
+mod screen;
 
 use std::cell::RefCell;
 
@@ -35,8 +35,6 @@ pub const ROW_GROUP: usize = 4;
 /// ones only 2e-2..1.2e-1; two passes everywhere bring them to about 1e-4, at twice the integer
 /// work (decode, memory-bound, barely notices).
 pub const PASSES: usize = 2;
-
-
 
 /// Which unpacked representation a weight format uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -12,9 +12,7 @@ mod weights;
 
 use std::sync::Arc;
 
-use kiln_runtime::{
-    Backend, DeviceWeights, EngineConfig, Executable, KernelPrecision, KvCache, KvLayout, Plan, RuntimeError, WeightStore,
-};
+use kiln_runtime::{Backend, DeviceWeights, EngineConfig, Executable, KernelPrecision, KvCache, KvLayout, Plan, RuntimeError, WeightStore};
 
 pub use exec::CpuExecutable;
 pub use kv::CpuKvCache;

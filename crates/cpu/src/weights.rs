@@ -89,10 +89,9 @@ impl CpuWeights {
 
     /// A small tensor as f32 (norm weights), if it was expanded.
     pub fn vector(&self, id: WeightId) -> Result<&[f32], RuntimeError> {
-        self.expanded[id.0].as_deref().ok_or_else(|| RuntimeError::Compile(format!(
-            "tensor '{}' is used as a vector but is too large or not computable",
-            self.store.info(id).name
-        )))
+        self.expanded[id.0].as_deref().ok_or_else(|| {
+            RuntimeError::Compile(format!("tensor '{}' is used as a vector but is too large or not computable", self.store.info(id).name))
+        })
     }
 
     /// A weight matrix in packed form.
@@ -104,7 +103,12 @@ impl CpuWeights {
         let row_bytes = info.ty.row_bytes(info.row_len)?;
         let bytes = self.store.bytes(id);
         if bytes.len() != row_bytes * info.n_rows {
-            return Err(RuntimeError::Compile(format!("tensor '{}' has {} bytes, expected {}", info.name, bytes.len(), row_bytes * info.n_rows)));
+            return Err(RuntimeError::Compile(format!(
+                "tensor '{}' has {} bytes, expected {}",
+                info.name,
+                bytes.len(),
+                row_bytes * info.n_rows
+            )));
         }
         Ok(PackedMatrix { bytes, ty: info.ty, k: info.row_len, n: info.n_rows, row_bytes })
     }
@@ -130,7 +134,8 @@ impl CpuWeights {
 
 impl DeviceWeights for CpuWeights {
     fn device_bytes(&self) -> usize {
-        self.expanded.iter().flatten().map(|v| v.len() * 4).sum::<usize>() + self.screens.iter().filter_map(|s| s.get()).map(Vec::len).sum::<usize>()
+        self.expanded.iter().flatten().map(|v| v.len() * 4).sum::<usize>()
+            + self.screens.iter().filter_map(|s| s.get()).map(Vec::len).sum::<usize>()
     }
 
     fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {

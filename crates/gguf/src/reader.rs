@@ -416,7 +416,13 @@ impl GgufFile {
                 // SAFETY: the map is read-only and private and never written, so dropping its pages
                 // only makes later reads fault the same file contents back in; every reference into
                 // it stays valid because the mapping itself stays.
-                let advised = unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start - base, bytes.len()) };
+                let advised = unsafe {
+                    m.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        start - base,
+                        bytes.len(),
+                    )
+                };
                 return advised.is_ok();
             }
         }

@@ -126,10 +126,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let size_label = file.get_str("general.size_label").map(|s| format!(" {s}")).unwrap_or_default();
     let ftype = file.get_u32("general.file_type").map(|f| format!(" {}", file_type_name(f))).unwrap_or_default();
     let model_type = format!("{arch}{size_label}{ftype}");
-    let model_filename = a.model.model.as_ref().map_or_else(
-        || kiln_hub::ensure_default_model().map(|p| p.display().to_string()).unwrap_or_default(),
-        |p| p.display().to_string(),
-    );
+    let model_filename = a
+        .model
+        .model
+        .as_ref()
+        .map_or_else(|| kiln_hub::ensure_default_model().map(|p| p.display().to_string()).unwrap_or_default(), |p| p.display().to_string());
     let backend = model.backend_name();
     let threads = if a.model.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { a.model.threads };
 

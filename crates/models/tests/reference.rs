@@ -39,14 +39,8 @@ const EXACT: Tolerances = Tolerances {
     mode_diff: 1e-3,
 };
 
-const FAST: Tolerances = Tolerances {
-    kernels: KernelPrecision::Fast,
-    logits_rel_l2: 2e-2,
-    loglik: 0.05,
-    loglik_mean: true,
-    greedy_gap: 5e-2,
-    mode_diff: 1e-3,
-};
+const FAST: Tolerances =
+    Tolerances { kernels: KernelPrecision::Fast, logits_rel_l2: 2e-2, loglik: 0.05, loglik_mean: true, greedy_gap: 5e-2, mode_diff: 1e-3 };
 
 fn model(kernels: KernelPrecision) -> &'static Model {
     static EXACT_MODEL: OnceLock<Model> = OnceLock::new();

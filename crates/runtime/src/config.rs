@@ -32,6 +32,13 @@ pub enum KernelPrecision {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { threads: 0, context: 8192, max_prefill_rows: 512, max_logit_rows: 64, plan_cache_capacity: 16, kernels: KernelPrecision::Fast }
+        EngineConfig {
+            threads: 0,
+            context: 8192,
+            max_prefill_rows: 512,
+            max_logit_rows: 64,
+            plan_cache_capacity: 16,
+            kernels: KernelPrecision::Fast,
+        }
     }
 }

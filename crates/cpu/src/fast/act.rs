@@ -26,15 +26,8 @@ impl QuantizedRows {
         let nb = k / block;
         let ng = if block == 256 { k / 16 } else { 0 };
         let stored = rows * passes;
-        let mut q = QuantizedRows {
-            k,
-            rows,
-            passes,
-            block,
-            qs: vec![0; stored * k],
-            d: vec![0.0; stored * nb],
-            sums: vec![0; stored * ng],
-        };
+        let mut q =
+            QuantizedRows { k, rows, passes, block, qs: vec![0; stored * k], d: vec![0.0; stored * nb], sums: vec![0; stored * ng] };
         let (qp, dp, sp) = (SharedMut(q.qs.as_mut_ptr()), SharedMut(q.d.as_mut_ptr()), SharedMut(q.sums.as_mut_ptr()));
         let each = |r: usize| {
             let mut residual = Vec::new();

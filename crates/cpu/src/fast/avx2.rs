@@ -149,7 +149,8 @@ pub unsafe fn unpack_k(ty: GgmlType, src: &[u8], out: KRowMut<'_>) {
                     let o0 = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4));
                     let o1 = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2b), 2));
                     let o2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(h, m30));
-                    let o3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+                    let o3 =
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
                     let qo = out.q.as_mut_ptr().add(256 * i + 128 * n);
                     _mm256_storeu_si256(qo as *mut __m256i, o0);
                     _mm256_storeu_si256(qo.add(32) as *mut __m256i, o1);

@@ -80,7 +80,15 @@ impl TopK {
 
 /// `out[r] = argmax_j q8(x[r]) · w[j]` through the screening copy `screen` of `w` (see the module
 /// doc); `-1` for a row with a non-finite value.
-pub fn argmax(pool: &ThreadPool, isa: Isa, acts: &QuantizedRows, acts4: &QuantizedRows, w: &PackedMatrix<'_>, screen: &PackedMatrix<'_>, out: &mut [i32]) {
+pub fn argmax(
+    pool: &ThreadPool,
+    isa: Isa,
+    acts: &QuantizedRows,
+    acts4: &QuantizedRows,
+    w: &PackedMatrix<'_>,
+    screen: &PackedMatrix<'_>,
+    out: &mut [i32],
+) {
     let rows = acts.rows();
     let n = w.n;
     let tasks = (pool.threads() * 4).min(n.div_ceil(256)).max(1);
