@@ -34,6 +34,8 @@ pub enum Command {
     Pull,
     /// Measure prompt processing and token generation speed (llama-bench style).
     Bench(BenchArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API, batching concurrent requests.
+    Serve(ServeArgs),
 }
 
 /// Which model and how to run it.
@@ -189,4 +191,33 @@ pub struct BenchArgs {
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value_t = BenchOutput::Md)]
     pub output: BenchOutput,
+}
+
+/// `kiln serve`.
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// The model.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Most requests generated at once (their decode steps run as one batch).
+    #[arg(long, default_value_t = 16)]
+    pub parallel: usize,
+    /// Most requests waiting for a free slot; more are answered 429.
+    #[arg(long, default_value_t = 64)]
+    pub queue: usize,
+    /// Most prompt tokens prefilled between two decode steps (keeps running streams flowing).
+    #[arg(long, default_value_t = 64)]
+    pub prefill_chunk: usize,
+    /// Compiled plans kept (prefill chunks and batched decode buckets).
+    #[arg(long, default_value_t = 64)]
+    pub plan_cache: usize,
+    /// The model id clients use (default: the model file's name without extension).
+    #[arg(long)]
+    pub model_id: Option<String>,
 }

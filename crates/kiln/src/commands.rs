@@ -12,7 +12,7 @@ use kiln_models::{generate, GenerateParams, Generation, Model, OutputMode, Sampl
 use kiln_tokenizer::{gemma_chat_prompt, ChatMessage, Tokenizer};
 use serde_json::json;
 
-use crate::cli::{ChatArgs, Command, InfoArgs, ModelArgs, PerplexityArgs, RunArgs, SamplingArgs, TokenizeArgs};
+use crate::cli::{ChatArgs, Command, InfoArgs, ModelArgs, PerplexityArgs, RunArgs, SamplingArgs, ServeArgs, TokenizeArgs};
 
 /// Runs one subcommand.
 pub fn dispatch(cmd: Command) -> Result<()> {
@@ -23,6 +23,7 @@ pub fn dispatch(cmd: Command) -> Result<()> {
         Command::Perplexity(a) => perplexity(a),
         Command::Info(a) => info(a),
         Command::Bench(a) => crate::bench::bench(a),
+        Command::Serve(a) => serve(a),
         Command::Pull => {
             println!("{}", default_model()?.display());
             Ok(())
@@ -41,10 +42,14 @@ fn model_path(p: &Option<PathBuf>) -> Result<PathBuf> {
     }
 }
 
-/// Loads the model the flags name on the backend they describe (the one place a backend is built).
+/// Loads the model the flags name on the backend they describe.
 pub fn load(args: &ModelArgs) -> Result<Model> {
+    load_with(args, args.config())
+}
+
+/// Loads the model with `config` (the one place a backend is built).
+fn load_with(args: &ModelArgs, config: kiln_runtime::EngineConfig) -> Result<Model> {
     let path = model_path(&args.model)?;
-    let config = args.config();
     let backend = Arc::new(CpuBackend::from_config(&config));
     Model::load(&path, backend, config).with_context(|| format!("loading {}", path.display()))
 }
@@ -247,5 +252,25 @@ fn print_info(path: &Path, items: usize) -> Result<()> {
         (n, el, by) = (n + c, el + e, by + b);
     }
     println!("  {:<8} {n:>7} {el:>16} {:>12.2}", "total", by as f64 / (1 << 20) as f64);
+    Ok(())
+}
+
+fn serve(a: ServeArgs) -> Result<()> {
+    let path = model_path(&a.model.model)?;
+    let model = load_with(&a.model, kiln_runtime::EngineConfig { plan_cache_capacity: a.plan_cache.max(1), ..a.model.config() })?;
+    let model_id =
+        a.model_id.clone().unwrap_or_else(|| path.file_stem().map_or_else(|| "kiln".to_string(), |s| s.to_string_lossy().into_owned()));
+    let config = kiln_server::ServerConfig {
+        host: a.host.clone(),
+        port: a.port,
+        parallel: a.parallel.max(1),
+        queue: a.queue,
+        prefill_chunk: a.prefill_chunk.max(1),
+        model_id: model_id.clone(),
+        ..kiln_server::ServerConfig::default()
+    };
+    let server = kiln_server::Server::start(model, config)?;
+    eprintln!("kiln serve: model '{model_id}' on http://{} (Ctrl-C stops)", server.addr());
+    server.wait()?;
     Ok(())
 }
