@@ -3,8 +3,9 @@
 use std::sync::Arc;
 
 use kiln_ir::{Bucket, DType, RopeSpec};
-use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KvCache, Plan, Rows, RuntimeError, Slot, StepInputs};
+use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KernelPrecision, KvCache, Plan, Rows, RuntimeError, Slot, StepInputs};
 
+use crate::fast;
 use crate::kernels::{self, AttentionShape, RopeTable};
 use crate::kv::CpuKvCache;
 use crate::pool::ThreadPool;
@@ -17,12 +18,19 @@ pub struct CpuExecutable {
     weights: Arc<CpuWeights>,
     pool: Arc<ThreadPool>,
     isa: Isa,
+    kernels: KernelPrecision,
     arena: Vec<f32>,
 }
 
 impl CpuExecutable {
     /// Binds `plan` to `weights`, checking every weight it uses.
-    pub fn new(plan: Arc<Plan>, weights: Arc<CpuWeights>, pool: Arc<ThreadPool>, isa: Isa) -> Result<Self, RuntimeError> {
+    pub fn new(
+        plan: Arc<Plan>,
+        weights: Arc<CpuWeights>,
+        pool: Arc<ThreadPool>,
+        isa: Isa,
+        kernels: KernelPrecision,
+    ) -> Result<Self, RuntimeError> {
         for step in &plan.steps {
             match &step.kernel {
                 Kernel::Embed { table: w, .. } | Kernel::MatMul { w, .. } | Kernel::MatMulArgmax { w, .. } => {
@@ -35,7 +43,7 @@ impl CpuExecutable {
             }
         }
         let arena = vec![0f32; plan.arena_words];
-        Ok(CpuExecutable { plan, weights, pool, isa, arena })
+        Ok(CpuExecutable { plan, weights, pool, isa, kernels, arena })
     }
 }
 
@@ -175,6 +183,11 @@ impl CpuExecutable {
 }
 
 impl CpuExecutable {
+    /// Whether products with `m` run the fast kernels (fast precision and a format they handle).
+    fn fast(&self, m: &crate::weights::PackedMatrix<'_>) -> bool {
+        self.kernels == KernelPrecision::Fast && fast::supports(m.ty)
+    }
+
     /// Runs one kernel over `rows` rows (`active` is the step's active row count, split into the
     /// sequences of `segments`).
     ///
@@ -213,11 +226,22 @@ impl CpuExecutable {
             }
             Kernel::MatMul { x, w: wid, out, k, n } => {
                 let m = w.matrix(wid)?;
-                kernels::matmul(pool, isa, a.f32(x, rows * k), rows, &m, a.f32_mut(out, rows * n));
+                let (x, out) = (a.f32(x, rows * k), a.f32_mut(out, rows * n));
+                if self.fast(&m) {
+                    fast::matmul(pool, isa, x, rows, &m, out);
+                } else {
+                    kernels::matmul(pool, isa, x, rows, &m, out);
+                }
             }
             Kernel::MatMulArgmax { x, w: wid, out, k, .. } => {
                 let m = w.matrix(wid)?;
-                kernels::matmul_argmax(pool, isa, a.f32(x, rows * k), rows, &m, a.i32_mut(out, rows));
+                let (x, out) = (a.f32(x, rows * k), a.i32_mut(out, rows));
+                if self.fast(&m) {
+                    let screen = w.screening_copy(wid, pool)?;
+                    fast::matmul_argmax(pool, isa, x, rows, &m, screen.as_ref(), out);
+                } else {
+                    kernels::matmul_argmax(pool, isa, x, rows, &m, out);
+                }
             }
             Kernel::Rope { x, out, heads, head_dim, theta, .. } => {
                 let len = rows * heads * head_dim;
@@ -326,10 +350,17 @@ impl CpuExecutable {
                 let len = rows * width;
                 let (g, u, o) = (a.f32(gate, len), a.f32(up, len), a.f32_mut(out, len));
                 let op = kernels::SharedMut(o.as_mut_ptr());
+                let fast = self.kernels == KernelPrecision::Fast;
                 pool.for_chunks(len, 4096, &|range| {
-                    for i in range {
+                    if fast {
                         // SAFETY: each chunk writes its own elements.
-                        *op.ptr().add(i) = kernels::gelu_tanh(g[i]) * u[i];
+                        let o = std::slice::from_raw_parts_mut(op.ptr().add(range.start), range.len());
+                        crate::simd::gelu_mul_fast(isa, &g[range.clone()], &u[range], o);
+                    } else {
+                        for i in range {
+                            // SAFETY: each chunk writes its own elements.
+                            *op.ptr().add(i) = kernels::gelu_tanh(g[i]) * u[i];
+                        }
                     }
                 });
             }

@@ -99,6 +99,12 @@ pub fn matmul_argmax(pool: &ThreadPool, isa: Isa, x: &[f32], rows: usize, w: &Pa
             }
         });
     });
+    reduce_argmax(&best, tasks, rows, out);
+}
+
+/// Merges per-task `(best value, index, saw a non-finite value)` entries (`tasks × rows`) into
+/// each row's argmax: the lowest index among equal maxima, `-1` for a row with a non-finite value.
+pub fn reduce_argmax(best: &[(f32, usize, bool)], tasks: usize, rows: usize, out: &mut [i32]) {
     for (r, o) in out.iter_mut().take(rows).enumerate() {
         let mut b = (f32::NEG_INFINITY, usize::MAX);
         let mut bad = false;

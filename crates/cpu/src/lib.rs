@@ -1,7 +1,9 @@
-//! kiln's CPU backend: exact kernels over packed weights, a low-overhead thread pool, a
-//! host-resident KV cache, and the executor that runs compiled plans.
+//! kiln's CPU backend: exact and fast (8-bit activation, integer dot product) kernels over packed
+//! weights, a low-overhead thread pool, a host-resident KV cache, and the executor that runs
+//! compiled plans.
 
 mod exec;
+mod fast;
 mod kernels;
 mod kv;
 mod pool;
@@ -10,7 +12,7 @@ mod weights;
 
 use std::sync::Arc;
 
-use kiln_runtime::{Backend, DeviceWeights, Executable, KvCache, KvLayout, Plan, RuntimeError, WeightStore};
+use kiln_runtime::{Backend, DeviceWeights, EngineConfig, Executable, KernelPrecision, KvCache, KvLayout, Plan, RuntimeError, WeightStore};
 
 pub use exec::CpuExecutable;
 pub use kv::CpuKvCache;
@@ -22,23 +24,30 @@ pub use weights::CpuWeights;
 pub struct CpuBackend {
     pool: Arc<ThreadPool>,
     isa: Isa,
+    kernels: KernelPrecision,
 }
 
 impl CpuBackend {
-    /// A CPU backend with `threads` threads (0: one per core), using the best instruction set.
+    /// A CPU backend with `threads` threads (0: one per core) running the exact kernels with the
+    /// best instruction set.
     pub fn new(threads: usize) -> Self {
-        CpuBackend { pool: Arc::new(ThreadPool::new(threads)), isa: simd::active_isa() }
+        Self::with_isa(threads, simd::active_isa(), KernelPrecision::Exact)
     }
 
-    /// Same, forcing instruction-set variant `isa` (for tests and comparisons).
-    pub fn with_isa(threads: usize, isa: Isa) -> Self {
-        CpuBackend { pool: Arc::new(ThreadPool::new(threads)), isa }
+    /// The backend `config` asks for: its thread count and kernel precision, the best instruction set.
+    pub fn from_config(config: &EngineConfig) -> Self {
+        Self::with_isa(config.threads, simd::active_isa(), config.kernels)
+    }
+
+    /// Forcing instruction-set variant `isa` and kernel family `kernels` (tests and comparisons).
+    pub fn with_isa(threads: usize, isa: Isa, kernels: KernelPrecision) -> Self {
+        CpuBackend { pool: Arc::new(ThreadPool::new(threads)), isa, kernels }
     }
 }
 
 impl Backend for CpuBackend {
     fn name(&self) -> String {
-        format!("cpu ({:?}, {} threads)", self.isa, self.pool.threads())
+        format!("cpu ({:?}, {:?} kernels, {} threads)", self.isa, self.kernels, self.pool.threads())
     }
 
     fn load_weights(&self, store: &Arc<WeightStore>) -> Result<Arc<dyn DeviceWeights>, RuntimeError> {
@@ -47,7 +56,7 @@ impl Backend for CpuBackend {
 
     fn prepare(&self, plan: Arc<Plan>, weights: &Arc<dyn DeviceWeights>) -> Result<Box<dyn Executable>, RuntimeError> {
         let weights = weights_of(weights)?;
-        Ok(Box::new(CpuExecutable::new(plan, weights, self.pool.clone(), self.isa)?))
+        Ok(Box::new(CpuExecutable::new(plan, weights, self.pool.clone(), self.isa, self.kernels)?))
     }
 
     fn new_kv_cache(&self, layout: &KvLayout) -> Result<Box<dyn KvCache>, RuntimeError> {

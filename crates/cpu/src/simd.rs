@@ -71,6 +71,18 @@ pub fn axpy(isa: Isa, y: &mut [f32], a: f32, x: &[f32]) {
     }
 }
 
+/// `out = gelu_tanh(gate) * up` with a polynomial `exp` (a few ulp from libm's `tanh`; the fast
+/// kernels' GELU).
+pub fn gelu_mul_fast(isa: Isa, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(gate.len() == out.len() && up.len() == out.len());
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in dot4.
+        Isa::Avx2Fma => unsafe { avx2::gelu_mul(gate, up, out) },
+        _ => out.iter_mut().zip(gate.iter().zip(up)).for_each(|(o, (g, u))| *o = crate::kernels::gelu_tanh(*g) * u),
+    }
+}
+
 fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let chunks = a.len() / 8 * 8;
@@ -146,6 +158,46 @@ mod avx2 {
         s
     }
 
+    /// `exp(x)` for 8 lanes: range reduction by ln 2 and a degree-6 polynomial (Cephes `expf`),
+    /// clamped to the finite range of f32 (so `exp(large)` is the largest float, then 1/inf-safe).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn exp(x: __m256) -> __m256 {
+        let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3)), _mm256_set1_ps(88.7));
+        let n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5e-1] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        let p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+        let scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+        _mm256_mul_ps(p, scale)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn gelu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        let n = out.len();
+        let body = n / 8 * 8;
+        let (c0, c1) = (_mm256_set1_ps(2.0 * 0.797_884_6), _mm256_set1_ps(0.044715));
+        let (one, two, half) = (_mm256_set1_ps(1.0), _mm256_set1_ps(2.0), _mm256_set1_ps(0.5));
+        let mut i = 0;
+        while i < body {
+            let x = _mm256_loadu_ps(gate.as_ptr().add(i));
+            // tanh(u) = 1 - 2 / (1 + exp(2u)), u = sqrt(2/pi) (x + 0.044715 x^3).
+            let x2 = _mm256_mul_ps(x, x);
+            let u2 = _mm256_mul_ps(c0, _mm256_fmadd_ps(_mm256_mul_ps(c1, x2), x, x));
+            let t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(one, exp(u2))));
+            let g = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, t));
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(g, _mm256_loadu_ps(up.as_ptr().add(i))));
+            i += 8;
+        }
+        for j in body..n {
+            out[j] = crate::kernels::gelu_tanh(gate[j]) * up[j];
+        }
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
         let n = y.len();
@@ -191,6 +243,13 @@ mod tests {
                     assert!((*g as f64 - exact(r)).abs() < 1e-4 * (n as f64).sqrt(), "{isa:?} n={n}");
                 }
                 assert!((dot(isa, &rows[0], &x) as f64 - exact(&rows[0])).abs() < 1e-4 * (n as f64).sqrt());
+                let mut g = vec![0f32; n];
+                let gate: Vec<f32> = x.iter().map(|v| v * 12.0).collect();
+                gelu_mul_fast(isa, &gate, &rows[2], &mut g);
+                for i in 0..n {
+                    let want = crate::kernels::gelu_tanh(gate[i]) * rows[2][i];
+                    assert!((g[i] - want).abs() <= 1e-6 * (1.0 + gate[i].abs()), "{isa:?} gelu({}) = {} want {want}", gate[i], g[i]);
+                }
                 let mut y = rows[1].clone();
                 axpy(isa, &mut y, 0.5, &x);
                 for i in 0..n {

@@ -2,7 +2,7 @@
 //! (norm weights) expanded to f32 once.
 
 use std::any::Any;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use kiln_quant::{dequantize, GgmlType};
 use kiln_runtime::{DeviceWeights, RuntimeError, WeightId, WeightStore};
@@ -15,6 +15,8 @@ pub struct CpuWeights {
     store: Arc<WeightStore>,
     /// Small tensors expanded to f32, by weight id.
     expanded: Vec<Option<Vec<f32>>>,
+    /// Q4_0 screening copies of greedy-head matrices (fast kernels), made on first use, by weight id.
+    screens: Vec<OnceLock<Vec<u8>>>,
 }
 
 /// A packed weight matrix: `n` rows of `k` elements in block format `ty`.
@@ -32,9 +34,19 @@ pub struct PackedMatrix<'a> {
 }
 
 impl PackedMatrix<'_> {
+    /// The packed bytes of rows `rows`.
+    pub fn rows_bytes(&self, rows: std::ops::Range<usize>) -> &[u8] {
+        &self.bytes[rows.start * self.row_bytes..rows.end * self.row_bytes]
+    }
+
+    /// The packed bytes of row `r`.
+    pub fn row(&self, r: usize) -> &[u8] {
+        &self.bytes[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+
     /// Dequantizes row `r` into `dst` (`k` elements).
     pub fn row_into(&self, r: usize, dst: &mut [f32]) {
-        let src = &self.bytes[r * self.row_bytes..(r + 1) * self.row_bytes];
+        let src = self.row(r);
         // Formats and sizes are validated when the weights are loaded (CpuWeights::new).
         dequantize(self.ty, src, &mut dst[..self.k]).expect("weight layout validated at load");
     }
@@ -71,15 +83,15 @@ impl CpuWeights {
                 expanded.push(None);
             }
         }
-        Ok(CpuWeights { store, expanded })
+        let screens = (0..expanded.len()).map(|_| OnceLock::new()).collect();
+        Ok(CpuWeights { store, expanded, screens })
     }
 
     /// A small tensor as f32 (norm weights), if it was expanded.
     pub fn vector(&self, id: WeightId) -> Result<&[f32], RuntimeError> {
-        self.expanded[id.0].as_deref().ok_or_else(|| RuntimeError::Compile(format!(
-            "tensor '{}' is used as a vector but is too large or not computable",
-            self.store.info(id).name
-        )))
+        self.expanded[id.0].as_deref().ok_or_else(|| {
+            RuntimeError::Compile(format!("tensor '{}' is used as a vector but is too large or not computable", self.store.info(id).name))
+        })
     }
 
     /// A weight matrix in packed form.
@@ -91,15 +103,39 @@ impl CpuWeights {
         let row_bytes = info.ty.row_bytes(info.row_len)?;
         let bytes = self.store.bytes(id);
         if bytes.len() != row_bytes * info.n_rows {
-            return Err(RuntimeError::Compile(format!("tensor '{}' has {} bytes, expected {}", info.name, bytes.len(), row_bytes * info.n_rows)));
+            return Err(RuntimeError::Compile(format!(
+                "tensor '{}' has {} bytes, expected {}",
+                info.name,
+                bytes.len(),
+                row_bytes * info.n_rows
+            )));
         }
         Ok(PackedMatrix { bytes, ty: info.ty, k: info.row_len, n: info.n_rows, row_bytes })
     }
 }
 
+impl CpuWeights {
+    /// The Q4_0 screening copy of greedy-head matrix `id` (made now if needed), when the fast
+    /// kernels want one for it.
+    pub fn screening_copy(&self, id: WeightId, pool: &crate::pool::ThreadPool) -> Result<Option<PackedMatrix<'_>>, RuntimeError> {
+        let m = self.matrix(id)?;
+        if !crate::fast::wants_screening_copy(&m) {
+            return Ok(None);
+        }
+        let bytes = self.screens[id.0].get_or_init(|| {
+            crate::fast::make_screening_copy(pool, &m, &|b| {
+                self.store.release_pages(b);
+            })
+        });
+        let row_bytes = GgmlType::Q4_0.row_bytes(m.k)?;
+        Ok(Some(PackedMatrix { bytes, ty: GgmlType::Q4_0, k: m.k, n: m.n, row_bytes }))
+    }
+}
+
 impl DeviceWeights for CpuWeights {
     fn device_bytes(&self) -> usize {
-        self.expanded.iter().flatten().map(|v| v.len() * 4).sum()
+        self.expanded.iter().flatten().map(|v| v.len() * 4).sum::<usize>()
+            + self.screens.iter().filter_map(|s| s.get()).map(Vec::len).sum::<usize>()
     }
 
     fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {

@@ -405,6 +405,30 @@ impl GgufFile {
         Self::from_storage(storage)
     }
 
+    /// Drops the resident pages of `bytes` (a view of this file's data) from the process's memory
+    /// when the file is memory-mapped (the next read faults them back in from the file, unchanged);
+    /// returns whether it did. For data read once, e.g. to build a derived copy.
+    pub fn release_pages(&self, bytes: &[u8]) -> bool {
+        #[cfg(unix)]
+        if let Storage::Mapped(m) = &self.storage {
+            let (base, start) = (m.as_ptr() as usize, bytes.as_ptr() as usize);
+            if start >= base && start + bytes.len() <= base + m.len() {
+                // SAFETY: the map is read-only and private and never written, so dropping its pages
+                // only makes later reads fault the same file contents back in; every reference into
+                // it stays valid because the mapping itself stays.
+                let advised = unsafe {
+                    m.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        start - base,
+                        bytes.len(),
+                    )
+                };
+                return advised.is_ok();
+            }
+        }
+        false
+    }
+
     /// Validates a GGUF file held in memory.
     pub fn from_bytes(bytes: Vec<u8>) -> Result<GgufFile, GgufError> {
         Self::from_storage(Storage::Owned(bytes))

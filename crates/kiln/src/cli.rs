@@ -2,8 +2,8 @@
 
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
-use kiln_runtime::EngineConfig;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use kiln_runtime::{EngineConfig, KernelPrecision};
 
 /// kiln: run quantized language models from GGUF files.
 #[derive(Parser, Debug)]
@@ -32,6 +32,8 @@ pub enum Command {
     Info(InfoArgs),
     /// Download the default model into the cache and print its path.
     Pull,
+    /// Measure prompt processing and token generation speed (llama-bench style).
+    Bench(BenchArgs),
     /// Serve the model over an OpenAI-compatible HTTP API, batching concurrent requests.
     Serve(ServeArgs),
 }
@@ -51,6 +53,9 @@ pub struct ModelArgs {
     /// Most tokens per prefill step (longer prompts run in chunks).
     #[arg(long, default_value_t = EngineConfig::default().max_prefill_rows)]
     pub batch_size: usize,
+    /// Run the exact (reference) kernels: weights dequantized to f32, f32 activations; slower.
+    #[arg(long)]
+    pub exact: bool,
 }
 
 impl ModelArgs {
@@ -60,6 +65,7 @@ impl ModelArgs {
             threads: self.threads,
             context: self.context,
             max_prefill_rows: self.batch_size.max(1),
+            kernels: if self.exact { KernelPrecision::Exact } else { KernelPrecision::Fast },
             ..EngineConfig::default()
         }
     }
@@ -156,6 +162,35 @@ pub struct InfoArgs {
     /// Array elements shown per metadata array.
     #[arg(long, default_value_t = 8)]
     pub array_items: usize,
+}
+
+/// `kiln bench` output formats.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BenchOutput {
+    /// A markdown table.
+    Md,
+    /// A JSON array of records with llama-bench's field names.
+    Json,
+}
+
+/// `kiln bench`.
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// The model.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt lengths to process (comma-separated; 0 skips prompt processing).
+    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "512")]
+    pub n_prompt: Vec<usize>,
+    /// Token counts to generate (comma-separated; 0 skips generation).
+    #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "128")]
+    pub n_gen: Vec<usize>,
+    /// Repetitions of each test (after one warm-up run).
+    #[arg(short = 'r', long, default_value_t = 5)]
+    pub repetitions: usize,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value_t = BenchOutput::Md)]
+    pub output: BenchOutput,
 }
 
 /// `kiln serve`.

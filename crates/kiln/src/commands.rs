@@ -22,6 +22,7 @@ pub fn dispatch(cmd: Command) -> Result<()> {
         Command::Tokenize(a) => tokenize(a),
         Command::Perplexity(a) => perplexity(a),
         Command::Info(a) => info(a),
+        Command::Bench(a) => crate::bench::bench(a),
         Command::Serve(a) => serve(a),
         Command::Pull => {
             println!("{}", default_model()?.display());
@@ -41,13 +42,15 @@ fn model_path(p: &Option<PathBuf>) -> Result<PathBuf> {
     }
 }
 
-fn load(args: &ModelArgs) -> Result<Model> {
+/// Loads the model the flags name on the backend they describe.
+pub fn load(args: &ModelArgs) -> Result<Model> {
     load_with(args, args.config())
 }
 
+/// Loads the model with `config` (the one place a backend is built).
 fn load_with(args: &ModelArgs, config: kiln_runtime::EngineConfig) -> Result<Model> {
     let path = model_path(&args.model)?;
-    let backend = Arc::new(CpuBackend::new(config.threads));
+    let backend = Arc::new(CpuBackend::from_config(&config));
     Model::load(&path, backend, config).with_context(|| format!("loading {}", path.display()))
 }
 

@@ -1,5 +1,6 @@
 //! The `kiln` command line.
 
+mod bench;
 mod cli;
 mod commands;
 

@@ -174,3 +174,52 @@ fn info_and_greedy_run_work_on_every_family_fixture() {
         assert_eq!(out.trim(), want_text.trim(), "{family}: greedy run");
     }
 }
+
+#[test]
+fn bench_json_has_llama_bench_fields() {
+    let m = model();
+    let out = stdout(&kiln(&["bench", "-m", m.to_str().unwrap(), "-t", "2", "-p", "8", "-n", "3", "-r", "2", "-o", "json"]));
+    let records: Value = serde_json::from_str(&out).expect("a JSON array");
+    let records = records.as_array().expect("an array of records");
+    assert_eq!(records.len(), 2);
+    for (r, (n_prompt, n_gen)) in records.iter().zip([(8, 0), (0, 3)]) {
+        assert_eq!((r["n_prompt"].as_u64(), r["n_gen"].as_u64()), (Some(n_prompt), Some(n_gen)), "{r}");
+        assert_eq!(r["n_threads"], 2);
+        assert_eq!(r["model_filename"], m.to_str().unwrap());
+        assert!(r["model_type"].as_str().unwrap().starts_with("gemma3"), "{r}");
+        assert!(r["model_size"].as_u64().unwrap() > 200_000_000 && r["model_n_params"].as_u64().unwrap() > 200_000_000);
+        assert_eq!(r["samples_ns"].as_array().unwrap().len(), 2);
+        assert_eq!(r["samples_ts"].as_array().unwrap().len(), 2);
+        assert!(r["avg_ts"].as_f64().unwrap() > 0.0 && r["stddev_ts"].as_f64().unwrap() >= 0.0);
+        assert!(r["avg_ns"].as_u64().unwrap() > 0 && r["test_time"].as_str().unwrap().ends_with('Z'));
+    }
+}
+
+#[test]
+fn bench_prints_a_table_and_runs_the_exact_kernels_on_request() {
+    let m = model();
+    let out = stdout(&kiln(&["bench", "-m", m.to_str().unwrap(), "--exact", "-p", "4,6", "-n", "2", "-r", "1"]));
+    assert!(out.starts_with("| model |"), "{out}");
+    for test in ["| pp4 |", "| pp6 |", "| tg2 |"] {
+        assert!(out.contains(test), "{test} missing: {out}");
+    }
+    assert!(out.contains("Exact kernels"), "{out}");
+}
+
+#[test]
+fn bench_rejects_bad_arguments_clearly() {
+    let m = model();
+    for (args, needle) in [
+        (&["-r", "0"][..], "repetitions"),
+        (&["-p", "0", "-n", "0"][..], "nothing to measure"),
+        (&["-p", "100", "-n", "0", "-c", "50"][..], "context"),
+        (&["-o", "xml"][..], "xml"),
+    ] {
+        let mut all = vec!["bench", "-m", m.to_str().unwrap()];
+        all.extend_from_slice(args);
+        let out = kiln(&all);
+        assert!(!out.status.success(), "{args:?} should fail");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+}

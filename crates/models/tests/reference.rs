@@ -1,24 +1,55 @@
-//! Numerics of the exact CPU path against the Hugging Face float32 reference
+//! Numerics of the CPU paths against the Hugging Face float32 reference
 //! (`../shared/refs`, see its README): token ids, last-position logits, per-token
-//! log-likelihoods and greedy continuations, for every reference prompt.
+//! log-likelihoods and greedy continuations, for every reference prompt; the exact kernels with
+//! tight tolerances, the fast (8-bit activation) kernels with the looser ones of issue 3.
 
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use kiln_cpu::CpuBackend;
 use kiln_models::{Model, OutputMode, StepOutput};
-use kiln_runtime::EngineConfig;
+use kiln_runtime::{EngineConfig, KernelPrecision};
 use serde_json::Value;
 
 fn refs() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/refs"))
 }
 
-fn model() -> &'static Model {
-    static MODEL: OnceLock<Model> = OnceLock::new();
-    MODEL.get_or_init(|| {
+/// What one kernel family must achieve against the reference.
+struct Tolerances {
+    kernels: KernelPrecision,
+    /// Relative L2 error of the last-position logits.
+    logits_rel_l2: f64,
+    /// Per-token log-likelihood difference (nats): the worst one for exact, the mean for fast.
+    loglik: f64,
+    /// Whether `loglik` bounds the mean (else the worst) difference.
+    loglik_mean: bool,
+    /// Greedy steps are compared up to the first one whose reference top-1/top-2 gap is below this.
+    greedy_gap: f64,
+    /// Largest difference between the logits and all-logits output modes.
+    mode_diff: f32,
+}
+
+const EXACT: Tolerances = Tolerances {
+    kernels: KernelPrecision::Exact,
+    logits_rel_l2: 1e-3,
+    loglik: 1e-2,
+    loglik_mean: false,
+    greedy_gap: 1e-3,
+    mode_diff: 1e-3,
+};
+
+const FAST: Tolerances =
+    Tolerances { kernels: KernelPrecision::Fast, logits_rel_l2: 2e-2, loglik: 0.05, loglik_mean: true, greedy_gap: 5e-2, mode_diff: 1e-3 };
+
+fn model(kernels: KernelPrecision) -> &'static Model {
+    static EXACT_MODEL: OnceLock<Model> = OnceLock::new();
+    static FAST_MODEL: OnceLock<Model> = OnceLock::new();
+    let cell = if kernels == KernelPrecision::Exact { &EXACT_MODEL } else { &FAST_MODEL };
+    cell.get_or_init(|| {
         let path = kiln_hub::ensure_default_model().expect("default model");
-        Model::load(&path, Arc::new(CpuBackend::new(0)), EngineConfig::default()).expect("load model")
+        let config = EngineConfig { kernels, ..EngineConfig::default() };
+        Model::load(&path, Arc::new(CpuBackend::from_config(&config)), config).expect("load model")
     })
 }
 
@@ -54,9 +85,11 @@ fn log_softmax_at(logits: &[f32], id: usize) -> f64 {
     logits[id] as f64 - lse
 }
 
-fn check_prompt(name: &str) {
+fn check_prompt(name: &str, tol: &Tolerances) {
     let r = reference(name);
-    let m = model();
+    let m = model(tol.kernels);
+    let file = name;
+    let name = &format!("{name} ({:?})", tol.kernels);
     let vocab = m.architecture().vocab_size();
 
     // Token ids.
@@ -69,33 +102,38 @@ fn check_prompt(name: &str) {
     let StepOutput::AllLogits { rows, data } = s.forward(&want_ids, OutputMode::AllLogits).unwrap() else { panic!() };
     assert_eq!(rows, want_ids.len());
     let last = &data[(rows - 1) * vocab..];
-    let want = read_npy_f32(&refs().join(format!("{name}_last_logits.npy")));
+    let want = read_npy_f32(&refs().join(format!("{file}_last_logits.npy")));
     let err: f64 = last.iter().zip(&want).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>().sqrt();
     let norm: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().sqrt();
     println!("{name}: last logits relative L2 error {:.2e}", err / norm);
-    assert!(err / norm < 1e-3, "{name}: relative L2 error {}", err / norm);
+    assert!(err / norm < tol.logits_rel_l2, "{name}: relative L2 error {}", err / norm);
     assert_eq!(argmax(last), argmax(&want), "{name}: top-1");
-    let mut worst = 0f64;
+    let (mut worst, mut sum, mut count) = (0f64, 0f64, 0usize);
     for t in r["per_token_nll"].as_array().unwrap() {
         let pos = t["pos"].as_u64().unwrap() as usize;
         let id = t["id"].as_u64().unwrap() as usize;
         let lp = log_softmax_at(&data[(pos - 1) * vocab..pos * vocab], id);
-        worst = worst.max((lp - t["logprob"].as_f64().unwrap()).abs());
+        let diff = (lp - t["logprob"].as_f64().unwrap()).abs();
+        worst = worst.max(diff);
+        sum += diff;
+        count += 1;
     }
-    println!("{name}: worst per-token log-likelihood difference {worst:.2e} nats");
-    assert!(worst < 1e-2, "{name}: log-likelihood off by {worst}");
+    let mean = sum / count.max(1) as f64;
+    println!("{name}: per-token log-likelihood difference: worst {worst:.2e}, mean {mean:.2e} nats");
+    let judged = if tol.loglik_mean { mean } else { worst };
+    assert!(judged < tol.loglik, "{name}: log-likelihood off by {judged}");
 
     // The last-logits output mode agrees with the all-rows one.
     let mut s = m.new_session().unwrap();
     let StepOutput::Logits(l) = s.forward(&want_ids, OutputMode::Logits).unwrap() else { panic!() };
     let diff = l.iter().zip(last).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-    assert!(diff < 1e-3, "{name}: logits mode differs from all-logits mode by {diff}");
+    assert!(diff < tol.mode_diff, "{name}: logits mode differs from all-logits mode by {diff}");
 
     // Greedy continuation, up to the first near-tie.
     let g = &r["greedy"];
     let want_greedy = ids(&g["ids"]);
     let steps = g["steps"].as_array().unwrap();
-    let trusted = steps.iter().position(|st| st["gap_top1_top2"].as_f64().unwrap() < 1e-3).unwrap_or(steps.len());
+    let trusted = steps.iter().position(|st| st["gap_top1_top2"].as_f64().unwrap() < tol.greedy_gap).unwrap_or(steps.len());
     let mut s = m.new_session().unwrap();
     let mut out = s.forward(&want_ids, OutputMode::NextToken).unwrap();
     let mut got = Vec::new();
@@ -108,12 +146,22 @@ fn check_prompt(name: &str) {
 }
 
 macro_rules! prompts {
-    ($($name:ident),*) => {$(
+    ($tol:ident: $($name:ident),*) => {$(
         #[test]
         fn $name() {
-            check_prompt(stringify!($name));
+            check_prompt(stringify!($name), &super::$tol);
         }
     )*};
 }
 
-prompts!(p0, p1, p2, p3, p4, p5, p6, p7, p8, long);
+/// The exact (reference) kernels.
+mod exact {
+    use super::check_prompt;
+    prompts!(EXACT: p0, p1, p2, p3, p4, p5, p6, p7, p8, long);
+}
+
+/// The fast kernels (the default).
+mod fast {
+    use super::check_prompt;
+    prompts!(FAST: p0, p1, p2, p3, p4, p5, p6, p7, p8, long);
+}

@@ -21,7 +21,7 @@ const QK_K: usize = 256;
 
 /// Unpacks the 8 six-bit scales and 8 six-bit mins of Q4_K/Q5_K (ggml's `get_scale_min_k4`).
 #[inline(always)]
-fn unpack_scale_min_k4(s: &[u8]) -> ([u8; 8], [u8; 8]) {
+pub fn unpack_scale_min_k4(s: &[u8]) -> ([u8; 8], [u8; 8]) {
     let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
     for j in 0..4 {
         sc[j] = s[j] & 63;
@@ -45,7 +45,7 @@ fn pack_scale_min_k4(sc: &[u8], mn: &[u8]) -> [u8; 12] {
 
 /// Unpacks Q3_K's 16 six-bit scales, minus their bias of 32.
 #[inline(always)]
-fn unpack_q3_scales(s: &[u8]) -> [i32; 16] {
+pub fn unpack_q3_scales(s: &[u8]) -> [i32; 16] {
     let mut out = [0i32; 16];
     for (i, v) in out.iter_mut().enumerate() {
         let low = if i < 8 { s[i] & 0x0f } else { s[i - 8] >> 4 };

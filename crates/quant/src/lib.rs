@@ -12,6 +12,7 @@ mod simple;
 mod types;
 
 pub use half::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+pub use kquants::{unpack_q3_scales, unpack_scale_min_k4};
 pub use types::GgmlType;
 
 /// Errors from sizing, dequantizing or quantizing GGML data.

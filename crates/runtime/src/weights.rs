@@ -78,6 +78,12 @@ impl WeightStore {
         &self.infos
     }
 
+    /// Drops the resident pages of `bytes` (a view of a tensor's data) when the file is mapped;
+    /// see [`GgufFile::release_pages`].
+    pub fn release_pages(&self, bytes: &[u8]) -> bool {
+        self.file.release_pages(bytes)
+    }
+
     /// The packed bytes of a tensor (a view of the mapped file).
     pub fn bytes(&self, id: WeightId) -> &[u8] {
         // Ids are indices into the file's tensor table (see `new`).

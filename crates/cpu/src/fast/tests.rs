@@ -1,0 +1,227 @@
+//! Fast-kernel tests: every fast format, every instruction set this CPU runs, pools of one and
+//! three threads, odd sizes; each compared with an f64 product of the exactly dequantized weights
+//! and the dequantized 8-bit activations (so only rounding separates them).
+
+use kiln_quant::{dequantize, quantize, GgmlType};
+
+use super::*;
+
+/// xorshift64.
+struct Rng(u64);
+
+impl Rng {
+    fn uniform(&mut self) -> f32 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.uniform()).collect()
+    }
+}
+
+/// The model's formats and the other common ones.
+const FAST: [GgmlType; 8] =
+    [GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K];
+
+/// Error allowed relative to the sum of the products' magnitudes (f32 scales and accumulation,
+/// and the K-quants' correction terms that cancel part of the sum).
+const REL_TOL: f64 = 1e-5;
+
+const NS: [usize; 4] = [1, 5, 37, 131];
+const ROWS: [usize; 4] = [1, 3, 5, 9];
+
+fn pools() -> [ThreadPool; 2] {
+    [ThreadPool::new(1), ThreadPool::new(3)]
+}
+
+#[test]
+fn fast_formats_are_exactly_these() {
+    let fast: Vec<GgmlType> = GgmlType::ALL.iter().copied().filter(|&t| supports(t)).collect();
+    assert_eq!(fast, {
+        let mut f = FAST.to_vec();
+        f.sort_by_key(|t| t.id());
+        f
+    });
+    for t in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q4_1, GgmlType::Q5_1, GgmlType::Q8_K] {
+        assert!(!supports(t), "{t} falls back to the exact kernels");
+    }
+}
+
+#[test]
+fn activation_quantization_rounds_to_nearest_level() {
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    let pool = ThreadPool::new(3);
+    for isa in Isa::supported() {
+        for (block, k) in [(32, 32), (32, 96), (256, 256), (256, 768)] {
+            for rows in [1, 7, 200] {
+                let mut x = rng.vec(rows * k);
+                x[0] = 0.0;
+                if k == 96 {
+                    // An all-zero block quantizes to zeros.
+                    x[32..64].fill(0.0);
+                }
+                let q = QuantizedRows::new(&pool, isa, &x, rows, k, block, 1);
+                let back = q.dequantized();
+                for (i, (&a, &b)) in x.iter().zip(&back).enumerate() {
+                    let amax = x[i / block * block..(i / block + 1) * block].iter().fold(0f32, |m, v| m.max(v.abs()));
+                    assert!((a - b).abs() <= amax / 127.0 * 0.5001 + 1e-7, "{isa:?} block={block} x[{i}]={a} back={b}");
+                }
+                let two = QuantizedRows::new(&pool, isa, &x, rows, k, block, 2).dequantized();
+                for (i, (&a, &b)) in x.iter().zip(&two).enumerate() {
+                    let amax = x[i / block * block..(i / block + 1) * block].iter().fold(0f32, |m, v| m.max(v.abs()));
+                    assert!((a - b).abs() <= amax / (127.0 * 127.0) + 1e-6 * amax, "{isa:?} block={block} x[{i}]={a} two passes={b}");
+                }
+                for r in 0..rows {
+                    let row = q.row(r);
+                    assert!(row.qs.iter().all(|&v| v >= -127));
+                    if block == 256 {
+                        for (g, &s) in row.sums.iter().enumerate() {
+                            assert_eq!(s, row.qs[16 * g..16 * g + 16].iter().map(|&v| i16::from(v)).sum::<i16>());
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `(x · Wᵀ, |x| · |W|ᵀ)` in f64.
+fn reference(deq: &[f32], x: &[f32], rows: usize, k: usize, n: usize) -> (Vec<f64>, Vec<f64>) {
+    let (mut v, mut m) = (vec![0f64; rows * n], vec![0f64; rows * n]);
+    for r in 0..rows {
+        for j in 0..n {
+            for i in 0..k {
+                let p = deq[j * k + i] as f64 * x[r * k + i] as f64;
+                v[r * n + j] += p;
+                m[r * n + j] += p.abs();
+            }
+        }
+    }
+    (v, m)
+}
+
+#[test]
+fn matmul_matches_f64_for_every_fast_format_isa_and_pool() {
+    let mut rng = Rng(0x243f_6a88_85a3_08d3);
+    let pools = pools();
+    let mut checked = 0;
+    for ty in FAST {
+        let bs = ty.block_size();
+        for k in [bs, 3 * bs] {
+            for n in NS {
+                let w = rng.vec(k * n);
+                let packed = quantize(ty, &w).unwrap();
+                let mut deq = vec![0f32; k * n];
+                dequantize(ty, &packed, &mut deq).unwrap();
+                let m = PackedMatrix::from_bytes(&packed, ty, k, n);
+                for rows in ROWS {
+                    let x = rng.vec(rows * k);
+                    for isa in Isa::supported() {
+                        let block = family(ty).unwrap().act_block();
+                        let xq = QuantizedRows::new(&pools[0], isa, &x, rows, k, block, PASSES).dequantized();
+                        let (want, mag) = reference(&deq, &xq, rows, k, n);
+                        for pool in &pools {
+                            let what = format!("{ty} k={k} n={n} rows={rows} {isa:?} threads={}", pool.threads());
+                            let mut out = vec![f32::NAN; rows * n + 2];
+                            out[rows * n..].fill(7.5);
+                            matmul(pool, isa, &x, rows, &m, &mut out);
+                            for e in 0..rows * n {
+                                let err = (out[e] as f64 - want[e]).abs();
+                                assert!(err <= REL_TOL * mag[e] + 1e-30, "{what}: out[{e}] = {} want {}", out[e], want[e]);
+                            }
+                            assert_eq!(out[rows * n..], [7.5, 7.5], "{what}: wrote past the output");
+                            let mut best = vec![-2i32; rows];
+                            matmul_argmax(pool, isa, &x, rows, &m, None, &mut best);
+                            for r in 0..rows {
+                                let row = &out[r * n..(r + 1) * n];
+                                let want = (0..n).fold(0, |b, j| if row[j] > row[b] { j } else { b });
+                                assert_eq!(best[r], want as i32, "{what}: argmax of row {r}");
+                            }
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked >= FAST.len() * 2 * NS.len() * ROWS.len() * 2);
+}
+
+#[test]
+fn simd_unpack_and_cores_equal_the_scalar_ones() {
+    let mut rng = Rng(0x0dd_5eed);
+    for ty in FAST {
+        let k = 3 * ty.block_size().max(256);
+        let packed = quantize(ty, &rng.vec(k * 3)).unwrap();
+        let m = PackedMatrix::from_bytes(&packed, ty, k, 3);
+        let x = rng.vec(5 * k);
+        let pool = ThreadPool::new(1);
+        let results: Vec<Vec<f32>> = Isa::supported()
+            .into_iter()
+            .map(|isa| {
+                let mut out = vec![0f32; 5 * 3];
+                matmul(&pool, isa, &x, 5, &m, &mut out);
+                out
+            })
+            .collect();
+        for r in &results[1..] {
+            for (a, b) in r.iter().zip(&results[0]) {
+                assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{ty}: {a} vs scalar {b}");
+            }
+        }
+    }
+}
+
+#[test]
+fn non_finite_products_give_minus_one() {
+    let pool = ThreadPool::new(2);
+    let k = 32;
+    let packed = quantize(GgmlType::Q8_0, &vec![0.5f32; k * 4]).unwrap();
+    let m = PackedMatrix::from_bytes(&packed, GgmlType::Q8_0, k, 4);
+    for bad in [f32::INFINITY, f32::NAN] {
+        let mut x = vec![1f32; k];
+        x[3] = bad;
+        for isa in Isa::supported() {
+            let mut out = [0i32];
+            matmul_argmax(&pool, isa, &x, 1, &m, None, &mut out);
+            assert_eq!(out, [-1], "{isa:?} {bad}");
+            let copy = make_screening_copy(&pool, &m, &|_| {});
+            let screen = PackedMatrix::from_bytes(&copy, GgmlType::Q4_0, k, 4);
+            matmul_argmax(&pool, isa, &x, 1, &m, Some(&screen), &mut out);
+            assert_eq!(out, [-1], "{isa:?} {bad} screened");
+        }
+    }
+}
+
+#[test]
+fn screened_argmax_equals_the_full_one() {
+    let mut rng = Rng(0x5c12_ee4e);
+    let pools = pools();
+    for (ty, k, n) in [(GgmlType::Q8_0, 64, screen::MIN_ROWS), (GgmlType::Q6_K, 256, 3000), (GgmlType::Q5_0, 96, 777)] {
+        let packed = quantize(ty, &rng.vec(k * n)).unwrap();
+        let m = PackedMatrix::from_bytes(&packed, ty, k, n);
+        assert_eq!(wants_screening_copy(&m), n >= screen::MIN_ROWS);
+        let released = std::sync::atomic::AtomicUsize::new(0);
+        let copy = make_screening_copy(&pools[1], &m, &|b| {
+            released.fetch_add(b.len(), std::sync::atomic::Ordering::Relaxed);
+        });
+        assert_eq!(released.into_inner(), packed.len(), "every byte read is handed to release once");
+        let screen = PackedMatrix::from_bytes(&copy, GgmlType::Q4_0, k, n);
+        for rows in 1..=screen::MAX_ACT_ROWS {
+            let x = rng.vec(rows * k);
+            for isa in Isa::supported() {
+                for pool in &pools {
+                    let (mut full, mut screened) = (vec![0i32; rows], vec![0i32; rows]);
+                    matmul_argmax(pool, isa, &x, rows, &m, None, &mut full);
+                    matmul_argmax(pool, isa, &x, rows, &m, Some(&screen), &mut screened);
+                    assert_eq!(screened, full, "{ty} n={n} rows={rows} {isa:?} threads={}", pool.threads());
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,222 @@
+//! `kiln bench`: llama-bench style throughput of prompt processing (`pp N`: N tokens from an empty
+//! cache in one forward call) and token generation (`tg N`: N greedy decode steps from an empty
+//! cache), mean and standard deviation over repetitions after a warm-up; a markdown table or
+//! JSON records with llama-bench's field names.
+
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Result};
+use kiln_models::{Model, OutputMode, StepOutput};
+use serde_json::{json, Value};
+
+use crate::cli::{BenchArgs, BenchOutput};
+
+/// One test: `n_prompt` tokens processed at once, or `n_gen` tokens generated one by one.
+#[derive(Clone, Copy, Debug)]
+struct Test {
+    n_prompt: usize,
+    n_gen: usize,
+}
+
+impl Test {
+    fn name(&self) -> String {
+        if self.n_prompt > 0 {
+            format!("pp{}", self.n_prompt)
+        } else {
+            format!("tg{}", self.n_gen)
+        }
+    }
+
+    fn tokens(&self) -> usize {
+        self.n_prompt + self.n_gen
+    }
+}
+
+/// Deterministic prompt tokens spread over the vocabulary, avoiding the first (special) ids.
+fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
+    let span = vocab.saturating_sub(1000).max(1);
+    (0..n).map(|i| (1000 + (i * 7919 + 13) % span).min(vocab - 1) as u32).collect()
+}
+
+/// Runs `test` once and returns its duration in nanoseconds.
+fn run_once(model: &Model, test: Test) -> Result<u128> {
+    let vocab = model.architecture().vocab_size();
+    let mut session = model.new_session()?;
+    let t0 = Instant::now();
+    if test.n_prompt > 0 {
+        session.forward(&prompt_tokens(test.n_prompt, vocab), OutputMode::NextToken)?;
+    } else {
+        let mut token = model.tokenizer().bos_id().unwrap_or(2);
+        for _ in 0..test.n_gen {
+            match session.forward(&[token], OutputMode::NextToken)? {
+                StepOutput::Token(t) => token = t,
+                other => bail!("a greedy step returned {other:?} instead of a token"),
+            }
+        }
+    }
+    Ok(t0.elapsed().as_nanos())
+}
+
+fn mean_std(v: &[f64]) -> (f64, f64) {
+    let n = v.len() as f64;
+    let mean = v.iter().sum::<f64>() / n;
+    let var = if v.len() > 1 { v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0) } else { 0.0 };
+    (mean, var.sqrt())
+}
+
+/// llama.cpp's name for `general.file_type`.
+fn file_type_name(ftype: u32) -> String {
+    match ftype {
+        0 => "all F32".into(),
+        1 => "F16".into(),
+        2 => "Q4_0".into(),
+        3 => "Q4_1".into(),
+        7 => "Q8_0".into(),
+        8 => "Q5_0".into(),
+        9 => "Q5_1".into(),
+        10 => "Q2_K - Medium".into(),
+        11 => "Q3_K - Small".into(),
+        12 => "Q3_K - Medium".into(),
+        13 => "Q3_K - Large".into(),
+        14 => "Q4_K - Small".into(),
+        15 => "Q4_K - Medium".into(),
+        16 => "Q5_K - Small".into(),
+        17 => "Q5_K - Medium".into(),
+        18 => "Q6_K".into(),
+        32 => "BF16".into(),
+        n => format!("file type {n}"),
+    }
+}
+
+/// UTC time as ISO 8601 (`2026-01-31T12:34:56Z`), as llama-bench's `test_time`.
+fn iso8601_now() -> String {
+    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86400, secs % 86400);
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem / 60 % 60, rem % 60)
+}
+
+/// Runs `kiln bench`.
+pub fn bench(a: BenchArgs) -> Result<()> {
+    if a.repetitions == 0 {
+        bail!("-r/--repetitions must be at least 1");
+    }
+    let mut tests: Vec<Test> = a.n_prompt.iter().filter(|&&n| n > 0).map(|&n| Test { n_prompt: n, n_gen: 0 }).collect();
+    tests.extend(a.n_gen.iter().filter(|&&n| n > 0).map(|&n| Test { n_prompt: 0, n_gen: n }));
+    if tests.is_empty() {
+        bail!("nothing to measure: give a positive -p or -n");
+    }
+    let model = crate::commands::load(&a.model)?;
+    if let Some(t) = tests.iter().find(|t| t.tokens() > model.context()) {
+        bail!("{} needs {} tokens but the context holds {} (raise -c)", t.name(), t.tokens(), model.context());
+    }
+    let file = model.file();
+    let model_size: u64 = file.tensors().iter().map(|t| file.tensor_data(t).len() as u64).sum();
+    let n_params: u64 = file.tensors().iter().map(|t| t.n_elements()).sum();
+    let arch = file.architecture().unwrap_or("unknown").to_string();
+    let size_label = file.get_str("general.size_label").map(|s| format!(" {s}")).unwrap_or_default();
+    let ftype = file.get_u32("general.file_type").map(|f| format!(" {}", file_type_name(f))).unwrap_or_default();
+    let model_type = format!("{arch}{size_label}{ftype}");
+    let model_filename = a
+        .model
+        .model
+        .as_ref()
+        .map_or_else(|| kiln_hub::ensure_default_model().map(|p| p.display().to_string()).unwrap_or_default(), |p| p.display().to_string());
+    let backend = model.backend_name();
+    let threads = if a.model.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { a.model.threads };
+
+    let mut records = Vec::new();
+    if a.output == BenchOutput::Md {
+        println!("| model | size | params | backend | threads | test | t/s |");
+        println!("| --- | ---: | ---: | --- | ---: | ---: | ---: |");
+    }
+    for test in tests {
+        run_once(&model, test)?; // warm-up: compiles the plans and faults in the weights
+        let mut samples_ns = Vec::with_capacity(a.repetitions);
+        for _ in 0..a.repetitions {
+            samples_ns.push(run_once(&model, test)?);
+        }
+        let ns: Vec<f64> = samples_ns.iter().map(|&n| n as f64).collect();
+        let ts: Vec<f64> = ns.iter().map(|&n| test.tokens() as f64 * 1e9 / n).collect();
+        let ((avg_ns, stddev_ns), (avg_ts, stddev_ts)) = (mean_std(&ns), mean_std(&ts));
+        match a.output {
+            BenchOutput::Md => println!(
+                "| {model_type} | {:.2} MiB | {:.2} M | {backend} | {threads} | {} | {avg_ts:.2} ± {stddev_ts:.2} |",
+                model_size as f64 / (1u64 << 20) as f64,
+                n_params as f64 / 1e6,
+                test.name()
+            ),
+            BenchOutput::Json => records.push(json!({
+                "build_commit": Value::Null,
+                "build_number": Value::Null,
+                "cpu_info": std::env::consts::ARCH,
+                "backends": "CPU",
+                "model_filename": model_filename,
+                "model_type": model_type,
+                "model_size": model_size,
+                "model_n_params": n_params,
+                "n_batch": a.model.batch_size,
+                "n_ubatch": a.model.batch_size,
+                "n_threads": threads,
+                "kernels": if a.model.exact { "exact" } else { "fast" },
+                "n_prompt": test.n_prompt,
+                "n_gen": test.n_gen,
+                "test_time": iso8601_now(),
+                "avg_ns": avg_ns as u64,
+                "stddev_ns": stddev_ns as u64,
+                "avg_ts": avg_ts,
+                "stddev_ts": stddev_ts,
+                "samples_ns": samples_ns,
+                "samples_ts": ts,
+            })),
+        }
+    }
+    if a.output == BenchOutput::Json {
+        println!("{}", serde_json::to_string_pretty(&records)?);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statistics_use_the_sample_deviation() {
+        let (m, s) = mean_std(&[2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0]);
+        assert_eq!(m, 5.0);
+        assert!((s - 2.138_089_935).abs() < 1e-6);
+        assert_eq!(mean_std(&[3.0]), (3.0, 0.0));
+    }
+
+    #[test]
+    fn test_names_follow_llama_bench() {
+        assert_eq!(Test { n_prompt: 512, n_gen: 0 }.name(), "pp512");
+        assert_eq!(Test { n_prompt: 0, n_gen: 128 }.name(), "tg128");
+    }
+
+    #[test]
+    fn prompt_tokens_stay_in_the_vocabulary() {
+        for vocab in [50, 1001, 262_144] {
+            let t = prompt_tokens(700, vocab);
+            assert_eq!(t.len(), 700);
+            assert!(t.iter().all(|&id| (id as usize) < vocab));
+        }
+    }
+
+    #[test]
+    fn timestamps_are_iso8601_utc() {
+        let t = iso8601_now();
+        assert_eq!(t.len(), 20, "{t}");
+        assert!(t.starts_with("20") && t.ends_with('Z') && &t[10..11] == "T", "{t}");
+    }
+}
