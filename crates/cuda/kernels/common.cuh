@@ -4,6 +4,7 @@ typedef signed char i8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
+#define INFINITY __int_as_float(0x7f800000)
 
 __device__ __forceinline__ float half_at(const u8* p) {
     unsigned short h = (unsigned short)p[0] | ((unsigned short)p[1] << 8);

@@ -83,7 +83,7 @@ extern "C" __global__ void argmax_partial(const float* x, float* pval, int* pidx
     int idx = 0x7fffffff, bad = 0;
     for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < width; j += blocks * blockDim.x) {
         float v = row[j];
-        if (!isfinite(v)) bad = 1;
+        if (!(fabsf(v) <= 3.402823466e38f)) bad = 1;
         better(best, idx, v, j);
     }
     if (threadIdx.x == 0) sbad = 0;

@@ -265,8 +265,8 @@ pub(crate) fn read_bandwidth(d: &Device, bytes: usize, reps: usize) -> Result<f6
     d.launch("read_bandwidth", grid, 512, &args)?;
     let mut times = Vec::with_capacity(reps);
     for _ in 0..reps.max(1) {
-        let start = d.ctx.new_event(None).map_err(cuda_err)?;
-        let end = d.ctx.new_event(None).map_err(cuda_err)?;
+        let start = d.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(cuda_err)?;
+        let end = d.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(cuda_err)?;
         start.record(&d.stream).map_err(cuda_err)?;
         d.launch("read_bandwidth", grid, 512, &args)?;
         end.record(&d.stream).map_err(cuda_err)?;

@@ -8,6 +8,7 @@ mod gemma3;
 mod generate;
 mod model;
 mod sampling;
+pub mod synth;
 
 pub use arch::{architecture_from_gguf, Architecture};
 pub use error::ModelError;
