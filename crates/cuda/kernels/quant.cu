@@ -197,11 +197,81 @@ template <> __device__ __forceinline__ void sub32<F_Q6_K>(const u8* row, int s, 
     }
 }
 
+// Decodes elements 8u..8u+8 of a packed row into v. Formats without their own decoder decode
+// the whole 32-element sub-block and keep a quarter (constant indices: no local memory).
+template <int T> __device__ __forceinline__ void sub8(const u8* row, int u, float* v) {
+    float t[32];
+    sub32<T>(row, u >> 2, t);
+    int q = u & 3;
+#pragma unroll
+    for (int i = 0; i < 32; i++)
+        if ((i >> 3) == q) v[i & 7] = t[i];
+}
+template <> __device__ __forceinline__ void sub8<F_Q8_0>(const u8* row, int u, float* v) {
+    const u8* b = row + 34 * (u >> 2);
+    float d = half_at(b);
+    const u16* q = (const u16*)(b + 2 + 8 * (u & 3));
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u16 w = q[i];
+        v[2 * i] = (float)(i8)(w & 0xff) * d;
+        v[2 * i + 1] = (float)(i8)(w >> 8) * d;
+    }
+}
+template <> __device__ __forceinline__ void sub8<F_Q5_0>(const u8* row, int u, float* v) {
+    const u8* b = row + 22 * (u >> 2);
+    float d = half_at(b);
+    const u16* h = (const u16*)(b + 2);
+    u32 qh = (u32)h[0] | ((u32)h[1] << 16);
+    int q = u & 3, hi = q >> 1;
+    const u16* p = (const u16*)(b + 6 + 8 * (q & 1));
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u16 w = p[i];
+#pragma unroll
+        for (int c = 0; c < 2; c++) {
+            u32 byte = (w >> (8 * c)) & 0xff;
+            int e = 2 * i + c;
+            int lv = (int)(hi ? (byte >> 4) : (byte & 15)) | (int)(((qh >> (8 * q + e)) & 1) << 4);
+            v[e] = (float)(lv - 16) * d;
+        }
+    }
+}
+template <> __device__ __forceinline__ void sub8<F_Q4_K>(const u8* row, int u, float* v) {
+    int s = u >> 2;
+    const u8* b = row + 144 * (s >> 3);
+    int sub = s & 7, j = sub >> 1, hi = sub & 1;
+    int sc, mn;
+    scale_min_k4(b + 4, sub, &sc, &mn);
+    float d1 = half_at(b) * (float)sc, m1 = half_at(b + 2) * (float)mn;
+    uint2 w = *(const uint2*)(b + 16 + 32 * j + 8 * (u & 3));
+#pragma unroll
+    for (int t = 0; t < 8; t++) {
+        u32 byte = ((t < 4 ? w.x : w.y) >> (8 * (t & 3))) & 0xff;
+        v[t] = d1 * (float)(hi ? (byte >> 4) : (byte & 15)) - m1;
+    }
+}
+template <> __device__ __forceinline__ void sub8<F_Q6_K>(const u8* row, int u, float* v) {
+    int s = u >> 2;
+    const u8* b = row + 210 * (s >> 3);
+    int sub = s & 7, n = sub >> 2, g = sub & 3, l0 = 8 * (u & 3);
+    float d = half_at(b + 208) * (float)((const i8*)(b + 192 + 8 * n))[(l0 >> 4) + 2 * g];
+    const u8* ql = b + 64 * n + 32 * (g & 1) + l0;
+    const u8* qh = b + 128 + 32 * n + l0;
+    int nib = 4 * (g >> 1), hs = 2 * g;
+#pragma unroll
+    for (int l = 0; l < 8; l++) {
+        int q = ((ql[l] >> nib) & 15) | (((qh[l] >> hs) & 3) << 4);
+        v[l] = d * (float)(q - 32);
+    }
+}
+
 // Most activation rows one matvec launch multiplies (the weights are read once for all of them).
 #define MV_ROWS 8
 
-// out[r, o] = x[r, :] . W[o, :] for r < rows (<= MV_ROWS): one warp per output row, each lane
-// decoding whole 32-element sub-blocks, activations read through the cache as float4.
+// out[r, o] = x[r, :] . W[o, :] for r < rows (<= MV_ROWS): one warp per output row; lane i
+// decodes elements 8u..8u+8 for u = i, i + 32, ... so a warp reads contiguous bytes of its row;
+// activations are read through the cache as float4.
 template <int T>
 __device__ __forceinline__ void matvec(const u8* w, u64 row_bytes, const float* x, float* out, int k, int n, int rows) {
     int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -211,21 +281,17 @@ __device__ __forceinline__ void matvec(const u8* w, u64 row_bytes, const float* 
     float acc[MV_ROWS];
 #pragma unroll
     for (int r = 0; r < MV_ROWS; r++) acc[r] = 0.f;
-    int subs = k >> 5;
-    for (int s = lane; s < subs; s += 32) {
-        float v[32];
-        sub32<T>(row, s, v);
+    int units = k >> 3;
+    for (int u = lane; u < units; u += 32) {
+        float v[8];
+        sub8<T>(row, u, v);
 #pragma unroll
         for (int r = 0; r < MV_ROWS; r++) {
             if (r < rows) {
-                const float4* xp = (const float4*)(x + (u64)r * k + 32 * s);
-                float a = 0.f;
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    float4 xv = __ldg(xp + i);
-                    a += v[4 * i] * xv.x + v[4 * i + 1] * xv.y + v[4 * i + 2] * xv.z + v[4 * i + 3] * xv.w;
-                }
-                acc[r] += a;
+                const float4* xp = (const float4*)(x + (u64)r * k + 8 * u);
+                float4 a = __ldg(xp), b = __ldg(xp + 1);
+                acc[r] += v[0] * a.x + v[1] * a.y + v[2] * a.z + v[3] * a.w + v[4] * b.x + v[5] * b.y + v[6] * b.z +
+                          v[7] * b.w;
             }
         }
     }
@@ -268,7 +334,7 @@ __device__ __forceinline__ void dequant(const u8* w, u64 row_bytes, float* out, 
 }
 
 #define KILN_FORMAT(NAME, T)                                                                                   \
-    extern "C" __global__ void matvec_##NAME(const u8* w, u64 rb, const float* x, float* out, int k, int n,    \
+    extern "C" __global__ void __launch_bounds__(256) matvec_##NAME(const u8* w, u64 rb, const float* x, float* out, int k, int n,    \
                                              int rows) {                                                       \
         matvec<T>(w, rb, x, out, k, n, rows);                                                                  \
     }                                                                                                          \

@@ -148,9 +148,16 @@ impl Device {
         Ok(())
     }
 
-    /// Blocks until the stream is idle.
+    /// Blocks until the stream is idle (the caller holds `lock`).
     pub(crate) fn sync(&self) -> Result<(), RuntimeError> {
         self.stream.synchronize().map_err(cuda_err)
+    }
+
+    /// Blocks until the stream is idle, first waiting for any run in progress on another thread
+    /// (a stream may not be synchronised while a graph is being captured on it).
+    pub(crate) fn sync_exclusive(&self) -> Result<(), RuntimeError> {
+        let _guard = self.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
+        self.sync()
     }
 }
 

@@ -388,6 +388,6 @@ impl Executable for CudaExecutable {
 
 impl Drop for CudaExecutable {
     fn drop(&mut self) {
-        let _ = self.device.sync();
+        let _ = self.device.sync_exclusive();
     }
 }

@@ -65,6 +65,6 @@ impl KvCache for CudaKvCache {
 impl Drop for CudaKvCache {
     fn drop(&mut self) {
         // The buffers may still be read by queued work.
-        let _ = self.device.sync();
+        let _ = self.device.sync_exclusive();
     }
 }

@@ -56,6 +56,8 @@ impl CudaWeights {
     /// Uploads every tensor of `store` that the kernels can read.
     pub(crate) fn upload(device: Arc<Device>, store: Arc<WeightStore>) -> Result<Self, RuntimeError> {
         let (mut matrices, mut vectors, mut bytes) = (Vec::new(), Vec::new(), 0);
+        // Synchronous copies may not run while another thread captures a graph.
+        let guard = device.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
         device.ctx.bind_to_thread().map_err(cuda_err)?;
         for (i, info) in store.infos().iter().enumerate() {
             let src = store.bytes(WeightId(i));
@@ -79,6 +81,7 @@ impl CudaWeights {
             matrices.push(matrix);
         }
         device.sync()?;
+        drop(guard);
         Ok(CudaWeights { device, store, matrices, vectors, bytes })
     }
 
