@@ -269,52 +269,39 @@ template <> __device__ __forceinline__ void sub8<F_Q6_K>(const u8* row, int u, f
 // Most activation rows one matvec launch multiplies (the weights are read once for all of them).
 #define MV_ROWS 8
 
-// out[r, o] = x[r, :] . W[o, :] for r < rows (<= ROWS): each warp computes OUTS consecutive output
-// rows; lane i decodes elements 8u..8u+8 of each for u = i, i + 32, ... so a warp reads contiguous
-// bytes of its rows, and each activation load serves OUTS rows. Activations go through the cache.
-template <int T, int ROWS, int OUTS>
+// out[r, o] = x[r, :] . W[o, :] for r < rows (<= MV_ROWS): one warp per output row; lane i
+// decodes elements 8u..8u+8 for u = i, i + 32, ... so a warp reads contiguous bytes of its row;
+// activations are read through the cache as float4.
+template <int T>
 __device__ __forceinline__ void matvec(const u8* w, u64 row_bytes, const float* x, float* out, int k, int n, int rows) {
-    int o0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * OUTS;
+    int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
-    if (o0 >= n) return;
-    float acc[OUTS][ROWS];
+    if (o >= n) return;
+    const u8* row = w + (u64)o * row_bytes;
+    float acc[MV_ROWS];
 #pragma unroll
-    for (int j = 0; j < OUTS; j++)
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) acc[j][r] = 0.f;
+    for (int r = 0; r < MV_ROWS; r++) acc[r] = 0.f;
     int units = k >> 3;
     for (int u = lane; u < units; u += 32) {
-        float v[OUTS][8];
+        float v[8];
+        sub8<T>(row, u, v);
 #pragma unroll
-        for (int j = 0; j < OUTS; j++) {
-            if (o0 + j < n) {
-                sub8<T>(w + (u64)(o0 + j) * row_bytes, u, v[j]);
-            } else {
-#pragma unroll
-                for (int i = 0; i < 8; i++) v[j][i] = 0.f;
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
+        for (int r = 0; r < MV_ROWS; r++) {
             if (r < rows) {
                 const float4* xp = (const float4*)(x + (u64)r * k + 8 * u);
                 float4 a = __ldg(xp), b = __ldg(xp + 1);
-#pragma unroll
-                for (int j = 0; j < OUTS; j++)
-                    acc[j][r] += v[j][0] * a.x + v[j][1] * a.y + v[j][2] * a.z + v[j][3] * a.w + v[j][4] * b.x +
-                                 v[j][5] * b.y + v[j][6] * b.z + v[j][7] * b.w;
+                acc[r] += v[0] * a.x + v[1] * a.y + v[2] * a.z + v[3] * a.w + v[4] * b.x + v[5] * b.y + v[6] * b.z +
+                          v[7] * b.w;
             }
         }
     }
 #pragma unroll
-    for (int j = 0; j < OUTS; j++)
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            if (r < rows) {
-                float a = warp_sum(acc[j][r]);
-                if (lane == 0 && o0 + j < n) out[(u64)r * n + o0 + j] = a;
-            }
+    for (int r = 0; r < MV_ROWS; r++) {
+        if (r < rows) {
+            float a = warp_sum(acc[r]);
+            if (lane == 0) out[(u64)r * n + o] = a;
         }
+    }
 }
 
 // out[r, :] = dequant(W[ids[r], :]) * scale; one block per row, one thread per sub-block.
@@ -347,13 +334,9 @@ __device__ __forceinline__ void dequant(const u8* w, u64 row_bytes, float* out, 
 }
 
 #define KILN_FORMAT(NAME, T)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256) matvec_##NAME(const u8* w, u64 rb, const float* x,          \
-                                                                    float* out, int k, int n, int rows) {      \
-        matvec<T, MV_ROWS, 1>(w, rb, x, out, k, n, rows);                                                      \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256) matvec1_##NAME(const u8* w, u64 rb, const float* x,         \
-                                                                     float* out, int k, int n, int rows) {     \
-        matvec<T, 1, 4>(w, rb, x, out, k, n, rows);                                                            \
+    extern "C" __global__ void __launch_bounds__(256) matvec_##NAME(const u8* w, u64 rb, const float* x, float* out, int k, int n,    \
+                                             int rows) {                                                       \
+        matvec<T>(w, rb, x, out, k, n, rows);                                                                  \
     }                                                                                                          \
     extern "C" __global__ void embed_##NAME(const u8* w, u64 rb, const int* ids, float* out, int k,            \
                                             float scale) {                                                     \

@@ -120,11 +120,9 @@ impl CudaExecutable {
         let m = self.weights.matrix(w)?;
         let fmt = format_name(m.ty).ok_or_else(|| cuda_err(format!("no kernels for {:?}", m.ty)))?;
         if rows <= MATVEC_ROWS {
-            // One activation row: each warp computes 4 output rows (8 warps a block).
-            let (name, rows_per_block) = if rows == 1 { (format!("matvec1_{fmt}"), 32) } else { (format!("matvec_{fmt}"), 8) };
             return d.launch(
-                &name,
-                (m.n.div_ceil(rows_per_block) as u32, 1),
+                &format!("matvec_{fmt}"),
+                (m.n.div_ceil(8) as u32, 1),
                 256,
                 &[
                     Arg::U64(m.buf.ptr()),
