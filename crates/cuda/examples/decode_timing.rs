@@ -24,7 +24,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let reps: usize = args.get(4).map_or(Ok(5), |s| s.parse())?;
     let backend = Arc::new(CudaBackend::new(0)?);
     let t = Instant::now();
-    let model = Model::load(std::path::Path::new(path), backend.clone(), EngineConfig { max_prefill_rows: pp.max(1), ..Default::default() })?;
+    let model =
+        Model::load(std::path::Path::new(path), backend.clone(), EngineConfig { max_prefill_rows: pp.max(1), ..Default::default() })?;
     println!("model {path}: loaded in {:.2} s on {}", t.elapsed().as_secs_f64(), backend.device_name());
     // Bytes a decode step reads: every matrix once (the tied embedding as the output head).
     let weight_bytes: usize = model.file().tensors().iter().map(|t| model.file().tensor_data(t).len()).sum();

@@ -241,23 +241,6 @@ fn cache_path(family: &str, key: &str) -> Option<PathBuf> {
     kiln_hub::cache_dir().ok().map(|d| d.join("cuda").join(format!("{family}-{key}.ptx")))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn kernel_names_are_found_in_every_family() {
-        let quant = kernel_names(FAMILIES[0].1);
-        assert!(quant.contains(&"matvec_q4_k".to_string()) && quant.contains(&"dequant_q8_0".to_string()));
-        assert_eq!(quant.len(), 13 * 3);
-        let ops = kernel_names(FAMILIES[1].1);
-        for k in ["set_inputs", "rms_norm", "rope", "elementwise", "copy_row", "argmax_partial", "argmax_final"] {
-            assert!(ops.contains(&k.to_string()), "{k}");
-        }
-        assert_eq!(kernel_names(FAMILIES[2].1), vec!["attention".to_string(), "kv_append".to_string()]);
-    }
-}
-
 /// Median read bandwidth (bytes/s) over `reps` reads of a `bytes` buffer, timed with events.
 pub(crate) fn read_bandwidth(d: &Device, bytes: usize, reps: usize) -> Result<f64, RuntimeError> {
     let _guard = d.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
@@ -282,4 +265,21 @@ pub(crate) fn read_bandwidth(d: &Device, bytes: usize, reps: usize) -> Result<f6
     }
     times.sort_by(f64::total_cmp);
     Ok((words * 16) as f64 / times[times.len() / 2])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_names_are_found_in_every_family() {
+        let quant = kernel_names(FAMILIES[0].1);
+        assert!(quant.contains(&"matvec_q4_k".to_string()) && quant.contains(&"dequant_q8_0".to_string()));
+        assert_eq!(quant.len(), 13 * 3);
+        let ops = kernel_names(FAMILIES[1].1);
+        for k in ["set_inputs", "rms_norm", "rope", "elementwise", "copy_row", "argmax_partial", "argmax_final"] {
+            assert!(ops.contains(&k.to_string()), "{k}");
+        }
+        assert_eq!(kernel_names(FAMILIES[2].1), vec!["attention".to_string(), "kv_append".to_string()]);
+    }
 }

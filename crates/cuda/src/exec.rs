@@ -71,7 +71,7 @@ impl CudaExecutable {
                     weights.vector(*weight)?;
                 }
                 Kernel::Attention { head_dim, q_heads, kv_heads, .. } => {
-                    if *head_dim > 256 || head_dim % 32 != 0 || *kv_heads == 0 || q_heads % kv_heads != 0 {
+                    if *head_dim > 256 || !head_dim.is_multiple_of(32) || *kv_heads == 0 || !q_heads.is_multiple_of(*kv_heads) {
                         return Err(cuda_err(format!(
                             "attention with head size {head_dim}, {q_heads} query / {kv_heads} key heads is not supported (head size must be a multiple of 32, at most 256)"
                         )));
@@ -173,7 +173,12 @@ impl CudaExecutable {
         let pval = self.head.ptr() + 4 * self.head_values as u64;
         let pidx = pval + 4 * (ARGMAX_BLOCKS * self.plan.rows()) as u64;
         let blocks = ARGMAX_BLOCKS.min(width.div_ceil(256)).max(1);
-        d.launch("argmax_partial", (blocks as u32, rows as u32), 256, &[Arg::U64(x), Arg::U64(pval), Arg::U64(pidx), Arg::I32(width as i32)])?;
+        d.launch(
+            "argmax_partial",
+            (blocks as u32, rows as u32),
+            256,
+            &[Arg::U64(x), Arg::U64(pval), Arg::U64(pidx), Arg::I32(width as i32)],
+        )?;
         d.launch("argmax_final", (rows as u32, 1), 32, &[Arg::U64(pval), Arg::U64(pidx), Arg::U64(out), Arg::I32(blocks as i32)])
     }
 
@@ -182,7 +187,14 @@ impl CudaExecutable {
         self.device.launch("elementwise", (blocks, 1), 256, &[Arg::U64(a), Arg::U64(b), Arg::U64(out), Arg::U64(len as u64), Arg::I32(op)])
     }
 
-    fn enqueue_step(&self, kernel: &Kernel, rows: usize, active: usize, kv: &CudaKvCache, scratch: &mut Scratch) -> Result<(), RuntimeError> {
+    fn enqueue_step(
+        &self,
+        kernel: &Kernel,
+        rows: usize,
+        active: usize,
+        kv: &CudaKvCache,
+        scratch: &mut Scratch,
+    ) -> Result<(), RuntimeError> {
         let d = &*self.device;
         let w = &*self.weights;
         #[allow(unreachable_patterns)]
@@ -309,7 +321,8 @@ impl CudaExecutable {
             let stream = self.device.stream.clone();
             stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(cuda_err)?;
             let enqueued = self.enqueue(1, kv, scratch);
-            let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(|e| cuda_err(format!("capturing a decode graph: {e}")));
+            let graph =
+                stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(|e| cuda_err(format!("capturing a decode graph: {e}")));
             enqueued?;
             let graph = graph?.ok_or_else(|| cuda_err("capturing a decode graph gave no graph"))?;
             self.graph = Some(CapturedStep { kv_id: kv.id, graph });

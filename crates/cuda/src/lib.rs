@@ -65,11 +65,8 @@ impl Backend for CudaBackend {
     }
 
     fn prepare(&self, plan: Arc<Plan>, weights: &Arc<dyn DeviceWeights>) -> Result<Box<dyn Executable>, RuntimeError> {
-        let weights = weights
-            .clone()
-            .into_any()
-            .downcast::<CudaWeights>()
-            .map_err(|_| device::cuda_err("weights were loaded by another backend"))?;
+        let weights =
+            weights.clone().into_any().downcast::<CudaWeights>().map_err(|_| device::cuda_err("weights were loaded by another backend"))?;
         if !Arc::ptr_eq(&weights.device, &self.device) {
             return Err(device::cuda_err("weights were loaded on another CUDA device"));
         }

@@ -71,7 +71,7 @@ impl CudaWeights {
             } else {
                 None
             };
-            let matrix = if consistent && !info.is_vector() && format_name(info.ty).is_some() && info.row_len % 32 == 0 {
+            let matrix = if consistent && !info.is_vector() && format_name(info.ty).is_some() && info.row_len.is_multiple_of(32) {
                 Some(DeviceMatrix { buf: upload_bytes(&device, src)?, ty: info.ty, k: info.row_len, n: info.n_rows, row_bytes })
             } else {
                 None

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use kiln_cpu::CpuBackend;
 use kiln_gguf::GgufFile;
+use kiln_models::{generate, GenerateParams, Generation, Model, OutputMode, SamplingParams, Session, StepOutput, TextControl};
 use kiln_quant::GgmlType;
 use kiln_runtime::Backend;
-use kiln_models::{generate, GenerateParams, Generation, Model, OutputMode, SamplingParams, Session, StepOutput, TextControl};
 use kiln_tokenizer::{gemma_chat_prompt, ChatMessage, Tokenizer};
 use serde_json::json;
 

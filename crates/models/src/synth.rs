@@ -250,7 +250,7 @@ impl FormatMix {
             FormatMix::All(t) => t,
         };
         let block = ty.block_size();
-        if k % block == 0 {
+        if k.is_multiple_of(block) {
             ty
         } else if matches!(ty, GgmlType::Q6_K | GgmlType::Q5_K) {
             GgmlType::Q8_0
@@ -362,7 +362,8 @@ mod tests {
 
     #[test]
     fn small_model_loads_and_has_every_tensor() {
-        let shape = Gemma3Shape { hidden: 256, layers: 2, q_heads: 2, kv_heads: 1, head_dim: 64, ffn: 512, vocab: 300, window: 8, context: 64 };
+        let shape =
+            Gemma3Shape { hidden: 256, layers: 2, q_heads: 2, kv_heads: 1, head_dim: 64, ffn: 512, vocab: 300, window: 8, context: 64 };
         let m = gemma3(&shape, FormatMix::Q4KM, 1);
         assert_eq!(m.tensors.len(), 1 + 2 * 13 + 1);
         let path = std::env::temp_dir().join(format!("kiln-synth-unit-{}.gguf", std::process::id()));
