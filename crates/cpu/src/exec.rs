@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use kiln_ir::DType;
+use kiln_ir::{Bucket, DType};
 use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KvCache, Plan, Rows, RuntimeError, Slot, StepInputs};
 
 use crate::kernels::{self, AttentionShape, RopeTable};
@@ -65,43 +65,84 @@ impl Arena {
     }
 }
 
+/// The rows of one sequence in a step: its KV cache, its first position, how many rows.
+struct Segment<'k> {
+    kv: &'k mut CpuKvCache,
+    start: usize,
+    rows: usize,
+}
+
+/// Recovers the CPU cache behind a `dyn KvCache`.
+fn cpu_kv(kv: &mut dyn KvCache) -> Result<&mut CpuKvCache, RuntimeError> {
+    kv.as_any_mut()
+        .downcast_mut::<CpuKvCache>()
+        .ok_or_else(|| RuntimeError::StepShape("the KV cache does not belong to the CPU backend".into()))
+}
+
 impl Executable for CpuExecutable {
     fn plan(&self) -> &Plan {
         &self.plan
     }
 
     fn run(&mut self, inputs: StepInputs<'_>, kv: &mut dyn KvCache) -> Result<Vec<HostTensor>, RuntimeError> {
-        let n = inputs.tokens.len();
-        if n == 0 || n > self.plan.rows() {
-            return Err(RuntimeError::StepShape(format!("{n} tokens for a plan of {} rows", self.plan.rows())));
-        }
-        let kv = kv
-            .as_any_mut()
-            .downcast_mut::<CpuKvCache>()
-            .ok_or_else(|| RuntimeError::StepShape("the KV cache does not belong to the CPU backend".into()))?;
+        let kv = cpu_kv(kv)?;
         if kv.len() != inputs.start_pos {
             return Err(RuntimeError::StepShape(format!("step starts at {} but the KV cache holds {}", inputs.start_pos, kv.len())));
         }
-        if inputs.start_pos + n > kv.context() {
-            return Err(RuntimeError::KvFull { capacity: kv.context(), needed: inputs.start_pos + n });
+        let rows = inputs.tokens.len();
+        self.execute(inputs.tokens, &mut [Segment { kv, start: inputs.start_pos, rows }])
+    }
+
+    fn run_batch(&mut self, tokens: &[u32], kvs: &mut [&mut dyn KvCache]) -> Result<Vec<HostTensor>, RuntimeError> {
+        if !matches!(self.plan.bucket, Bucket::Decode { .. }) {
+            return Err(RuntimeError::StepShape("several sequences need a decode plan".into()));
+        }
+        if kvs.len() != tokens.len() {
+            return Err(RuntimeError::StepShape(format!("{} tokens for {} sequences", tokens.len(), kvs.len())));
+        }
+        let mut segments = Vec::with_capacity(kvs.len());
+        for kv in kvs.iter_mut() {
+            let kv = cpu_kv(&mut **kv)?;
+            let start = kv.len();
+            segments.push(Segment { kv, start, rows: 1 });
+        }
+        self.execute(tokens, &mut segments)
+    }
+}
+
+impl CpuExecutable {
+    /// Runs the plan over `tokens`, split into `segments` (consecutive rows of one sequence each),
+    /// and copies the outputs back.
+    fn execute(&mut self, tokens: &[u32], segments: &mut [Segment<'_>]) -> Result<Vec<HostTensor>, RuntimeError> {
+        let n = tokens.len();
+        if n == 0 || n > self.plan.rows() {
+            return Err(RuntimeError::StepShape(format!("{n} tokens for a plan of {} rows", self.plan.rows())));
+        }
+        for seg in segments.iter() {
+            if seg.start + seg.rows > seg.kv.context() {
+                return Err(RuntimeError::KvFull { capacity: seg.kv.context(), needed: seg.start + seg.rows });
+            }
+        }
+        let positions: Vec<i32> = segments.iter().flat_map(|s| (s.start..s.start + s.rows).map(|p| p as i32)).collect();
+        if positions.len() != n {
+            return Err(RuntimeError::StepShape(format!("{n} tokens for {} rows of sequences", positions.len())));
         }
         let arena = Arena(self.arena.as_mut_ptr());
         for input in &self.plan.inputs {
             // SAFETY: input slots are inside the arena; nothing else is borrowed yet.
             let dst = unsafe { arena.i32_mut(input.slot, n) };
             match input.name.as_str() {
-                "tokens" => dst.iter_mut().zip(inputs.tokens).for_each(|(d, t)| *d = *t as i32),
-                "positions" => dst.iter_mut().enumerate().for_each(|(i, d)| *d = (inputs.start_pos + i) as i32),
+                "tokens" => dst.iter_mut().zip(tokens).for_each(|(d, t)| *d = *t as i32),
+                "positions" => dst.copy_from_slice(&positions),
                 other => return Err(RuntimeError::StepShape(format!("unknown plan input '{other}'"))),
             }
         }
         // One cos/sin table per distinct RoPE base, shared by the queries and keys of every layer.
         let mut rope_tables: Vec<RopeTable> = Vec::new();
         for step in &self.plan.steps {
-            if let Kernel::Rope { positions, head_dim, theta, .. } = step.kernel {
+            if let Kernel::Rope { head_dim, theta, .. } = step.kernel {
                 if !rope_tables.iter().any(|t| t.serves(theta, head_dim)) {
-                    // SAFETY: the positions slot was written above; no step is running.
-                    rope_tables.push(RopeTable::new(unsafe { arena.i32(positions, n) }, head_dim, theta));
+                    rope_tables.push(RopeTable::new(&positions, head_dim, theta));
                 }
             }
         }
@@ -111,7 +152,7 @@ impl Executable for CpuExecutable {
                 Rows::One => 1,
             };
             // SAFETY: see `Arena`.
-            unsafe { self.step(&arena, &step.kernel, rows, n, inputs.start_pos, kv, &rope_tables)? };
+            unsafe { self.step(&arena, &step.kernel, rows, n, segments, &rope_tables)? };
         }
         let mut outs = Vec::with_capacity(self.plan.outputs.len());
         for o in &self.plan.outputs {
@@ -131,18 +172,17 @@ impl Executable for CpuExecutable {
 }
 
 impl CpuExecutable {
-    /// Runs one kernel over `rows` rows (`active` is the step's active row count).
+    /// Runs one kernel over `rows` rows (`active` is the step's active row count, split into the
+    /// sequences of `segments`).
     ///
     /// SAFETY: the slots of `kernel` come from the compiler's arena plan for this executable.
-    #[allow(clippy::too_many_arguments)]
     unsafe fn step(
         &self,
         a: &Arena,
         kernel: &Kernel,
         rows: usize,
         active: usize,
-        start: usize,
-        kv: &mut CpuKvCache,
+        segments: &mut [Segment<'_>],
         rope_tables: &[RopeTable],
     ) -> Result<(), RuntimeError> {
         let (pool, isa, w) = (&*self.pool, self.isa, &*self.weights);
@@ -185,24 +225,33 @@ impl CpuExecutable {
                 kernels::rope(a.f32(x, len), table, heads, a.f32_mut(out, len));
             }
             Kernel::Attention { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale } => {
-                let store = kv.layer_mut(layer).ok_or_else(|| RuntimeError::StepShape(format!("the KV cache has no layer {layer}")))?;
-                if store.len() != start || store.spec().k_width() != kv_heads * head_dim {
-                    return Err(RuntimeError::StepShape(format!("KV cache layer {layer} does not match the plan")));
-                }
                 let shape = AttentionShape { q_heads, kv_heads, head_dim, window, scale };
                 let (kw, qw) = (kv_heads * head_dim, q_heads * head_dim);
-                kernels::attention(
-                    pool,
-                    isa,
-                    a.f32(q, active * qw),
-                    a.f32(k, active * kw),
-                    a.f32(v, active * kw),
-                    active,
-                    start,
-                    store,
-                    shape,
-                    a.f32_mut(out, active * qw),
-                );
+                let (q, k, v) = (a.f32(q, active * qw), a.f32(k, active * kw), a.f32(v, active * kw));
+                let out = a.f32_mut(out, active * qw);
+                // Each sequence's rows attend to its own cache.
+                let mut row = 0;
+                for seg in segments.iter_mut() {
+                    let store =
+                        seg.kv.layer_mut(layer).ok_or_else(|| RuntimeError::StepShape(format!("the KV cache has no layer {layer}")))?;
+                    if store.len() != seg.start || store.spec().k_width() != kw {
+                        return Err(RuntimeError::StepShape(format!("KV cache layer {layer} does not match the plan")));
+                    }
+                    let (lo, hi) = (row, row + seg.rows);
+                    kernels::attention(
+                        pool,
+                        isa,
+                        &q[lo * qw..hi * qw],
+                        &k[lo * kw..hi * kw],
+                        &v[lo * kw..hi * kw],
+                        seg.rows,
+                        seg.start,
+                        store,
+                        shape,
+                        &mut out[lo * qw..hi * qw],
+                    );
+                    row = hi;
+                }
             }
             Kernel::Add { a: l, b: r, out, width } => {
                 let len = rows * width;

@@ -8,10 +8,13 @@ pub enum Bucket {
         /// Row capacity of the plan (active rows may be fewer).
         rows: usize,
     },
-    /// One new token per sequence, attending to at most `past` earlier positions.
+    /// One new token for each of up to `seqs` sequences (row r is sequence r, with its own KV
+    /// cache and position), each attending to at most `past` earlier positions.
     Decode {
         /// Upper bound on the past length (a power of two, or the context size).
         past: usize,
+        /// Row capacity: sequences decoded together in one step (a power of two).
+        seqs: usize,
     },
 }
 
@@ -20,7 +23,7 @@ impl Bucket {
     pub fn rows(&self) -> usize {
         match *self {
             Bucket::Prefill { rows } => rows,
-            Bucket::Decode { .. } => 1,
+            Bucket::Decode { seqs, .. } => seqs,
         }
     }
 
@@ -28,7 +31,7 @@ impl Bucket {
     pub fn max_past(&self, context: usize) -> usize {
         match *self {
             Bucket::Prefill { rows } => context.saturating_sub(rows),
-            Bucket::Decode { past } => past,
+            Bucket::Decode { past, .. } => past,
         }
     }
 }
@@ -36,8 +39,9 @@ impl Bucket {
 /// The one bucket policy: maps real lengths to buckets.
 ///
 /// Prefill: the next power of two when it wastes at most 1/8 of the rows, else the exact length,
-/// capped at the context size. Decode: a power-of-two ladder over the past length (starting at
-/// `min_decode_past`), capped at the context size.
+/// capped at the context size. Decode: a power-of-two ladder over the longest past length of the
+/// batch (starting at `min_decode_past`), capped at the context size, and a power-of-two ladder
+/// over the number of sequences decoded together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BucketPolicy {
     /// Context size (the cap of every bucket).
@@ -61,10 +65,16 @@ impl BucketPolicy {
         Bucket::Prefill { rows: rows.min(self.context.max(n)) }
     }
 
-    /// The decode bucket for a step whose KV cache already holds `past` positions.
+    /// The decode bucket for one sequence whose KV cache already holds `past` positions.
     pub fn decode(&self, past: usize) -> Bucket {
-        let need = (past + 1).max(self.min_decode_past);
-        Bucket::Decode { past: need.next_power_of_two().min(self.context.max(need)) }
+        self.decode_batch(past, 1)
+    }
+
+    /// The decode bucket for `seqs` sequences (`seqs >= 1`) decoded in one step, the longest of
+    /// which already holds `max_past` positions.
+    pub fn decode_batch(&self, max_past: usize, seqs: usize) -> Bucket {
+        let need = (max_past + 1).max(self.min_decode_past);
+        Bucket::Decode { past: need.next_power_of_two().min(self.context.max(need)), seqs: seqs.max(1).next_power_of_two() }
     }
 }
 
@@ -96,13 +106,25 @@ mod tests {
     #[test]
     fn decode_ladder() {
         let p = BucketPolicy::new(1000);
-        assert_eq!(p.decode(0), Bucket::Decode { past: 64 });
-        assert_eq!(p.decode(63), Bucket::Decode { past: 64 });
-        assert_eq!(p.decode(64), Bucket::Decode { past: 128 });
-        assert_eq!(p.decode(600), Bucket::Decode { past: 1000 });
+        assert_eq!(p.decode(0), Bucket::Decode { past: 64, seqs: 1 });
+        assert_eq!(p.decode(63), Bucket::Decode { past: 64, seqs: 1 });
+        assert_eq!(p.decode(64), Bucket::Decode { past: 128, seqs: 1 });
+        assert_eq!(p.decode(600), Bucket::Decode { past: 1000, seqs: 1 });
         for past in 0..999 {
-            let Bucket::Decode { past: upper } = p.decode(past) else { unreachable!() };
+            let Bucket::Decode { past: upper, .. } = p.decode(past) else { unreachable!() };
             assert!(upper > past && upper <= 1000);
         }
+    }
+
+    #[test]
+    fn decode_batch_ladder() {
+        let p = BucketPolicy::new(1000);
+        assert_eq!(p.decode_batch(10, 1), p.decode(10));
+        assert_eq!(p.decode_batch(10, 2), Bucket::Decode { past: 64, seqs: 2 });
+        assert_eq!(p.decode_batch(100, 3), Bucket::Decode { past: 128, seqs: 4 });
+        assert_eq!(p.decode_batch(100, 5), Bucket::Decode { past: 128, seqs: 8 });
+        assert_eq!(p.decode_batch(100, 8), Bucket::Decode { past: 128, seqs: 8 });
+        assert_eq!(p.decode_batch(0, 0).rows(), 1);
+        assert_eq!(p.decode_batch(0, 32).rows(), 32);
     }
 }

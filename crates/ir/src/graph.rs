@@ -16,15 +16,19 @@ pub enum DType {
 pub struct NodeId(pub usize);
 
 /// What a graph should hand back: one decode/prefill path, parameterised by its output.
+///
+/// "The last active row" is per sequence: a prefill step has one sequence (its last row), a decode
+/// step has one row per sequence (every active row), see [`GraphBuilder::head_rows`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum OutputMode {
-    /// Logits of the last active row (`logits`: [1, vocab]) — for sampling.
+    /// Logits of each sequence's last active row (`logits`: [sequences, vocab]) — for sampling.
     Logits,
     /// Logits of every active row (`logits`: [rows, vocab]) — for perplexity.
     AllLogits,
-    /// Greedy next token of the last active row (`next_token`: [1] i32), computed in the graph.
+    /// Greedy next token of each sequence's last active row (`next_token`: [sequences] i32),
+    /// computed in the graph.
     NextToken,
-    /// Final-norm hidden state of the last active row (`hidden`: [1, hidden]).
+    /// Final-norm hidden state of each sequence's last active row (`hidden`: [sequences, hidden]).
     Hidden,
 }
 
@@ -365,6 +369,16 @@ impl GraphBuilder {
         self.push(Op::Reshape { x }, shape.to_vec(), DType::F32)
     }
 
+    /// The rows of `x` [rows, d] that feed the output head in `mode`: every row for
+    /// [`OutputMode::AllLogits`] and in decode buckets (one row per sequence), else the last
+    /// active row (a prefill step is one sequence).
+    pub fn head_rows(&mut self, x: NodeId, mode: OutputMode) -> NodeId {
+        match self.bucket {
+            Bucket::Prefill { .. } if mode != OutputMode::AllLogits => self.last_row(x),
+            _ => x,
+        }
+    }
+
     /// Last active row of `x` [rows, d].
     pub fn last_row(&mut self, x: NodeId) -> NodeId {
         let xs = self.node(x).shape.clone();
@@ -430,7 +444,7 @@ mod tests {
 
     #[test]
     fn attention_checks_heads() {
-        let mut b = GraphBuilder::new(Bucket::Decode { past: 64 });
+        let mut b = GraphBuilder::new(Bucket::Decode { past: 64, seqs: 1 });
         let w = b.weight("x", &[1, 12]);
         let ids = b.input("tokens", DType::I32);
         let x = b.embed(w, ids, 1.0);

@@ -32,6 +32,7 @@ pub enum Command {
     Info(InfoArgs),
     /// Download the default model into the cache and print its path.
     Pull,
+<<<<<<< HEAD
     /// Write a random-weight Gemma 3 GGUF of a released shape (speed measurements without weights).
     Synth(SynthArgs),
 }
@@ -51,6 +52,10 @@ pub struct SynthArgs {
     /// Output file.
     #[arg(short, long)]
     pub output: PathBuf,
+=======
+    /// Serve the model over an OpenAI-compatible HTTP API, batching concurrent requests.
+    Serve(ServeArgs),
+>>>>>>> main
 }
 
 /// Which model and how to run it.
@@ -205,4 +210,33 @@ pub struct InfoArgs {
     /// Array elements shown per metadata array.
     #[arg(long, default_value_t = 8)]
     pub array_items: usize,
+}
+
+/// `kiln serve`.
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// The model.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Most requests generated at once (their decode steps run as one batch).
+    #[arg(long, default_value_t = 16)]
+    pub parallel: usize,
+    /// Most requests waiting for a free slot; more are answered 429.
+    #[arg(long, default_value_t = 64)]
+    pub queue: usize,
+    /// Most prompt tokens prefilled between two decode steps (keeps running streams flowing).
+    #[arg(long, default_value_t = 64)]
+    pub prefill_chunk: usize,
+    /// Compiled plans kept (prefill chunks and batched decode buckets).
+    #[arg(long, default_value_t = 64)]
+    pub plan_cache: usize,
+    /// The model id clients use (default: the model file's name without extension).
+    #[arg(long)]
+    pub model_id: Option<String>,
 }

@@ -14,7 +14,11 @@ use kiln_runtime::Backend;
 use kiln_tokenizer::{gemma_chat_prompt, ChatMessage, Tokenizer};
 use serde_json::json;
 
+<<<<<<< HEAD
 use crate::cli::{ChatArgs, Command, DeviceChoice, InfoArgs, ModelArgs, PerplexityArgs, RunArgs, SamplingArgs, SynthArgs, TokenizeArgs};
+=======
+use crate::cli::{ChatArgs, Command, InfoArgs, ModelArgs, PerplexityArgs, RunArgs, SamplingArgs, ServeArgs, TokenizeArgs};
+>>>>>>> main
 
 /// Runs one subcommand.
 pub fn dispatch(cmd: Command) -> Result<()> {
@@ -24,7 +28,11 @@ pub fn dispatch(cmd: Command) -> Result<()> {
         Command::Tokenize(a) => tokenize(a),
         Command::Perplexity(a) => perplexity(a),
         Command::Info(a) => info(a),
+<<<<<<< HEAD
         Command::Synth(a) => synth(a),
+=======
+        Command::Serve(a) => serve(a),
+>>>>>>> main
         Command::Pull => {
             println!("{}", default_model()?.display());
             Ok(())
@@ -44,10 +52,18 @@ fn model_path(p: &Option<PathBuf>) -> Result<PathBuf> {
 }
 
 fn load(args: &ModelArgs) -> Result<Model> {
+    load_with(args, args.config())
+}
+
+fn load_with(args: &ModelArgs, config: kiln_runtime::EngineConfig) -> Result<Model> {
     let path = model_path(&args.model)?;
+<<<<<<< HEAD
     let config = args.config();
     let backend = backend(args.device, config.threads)?;
     tracing::info!("device: {}", backend.name());
+=======
+    let backend = Arc::new(CpuBackend::new(config.threads));
+>>>>>>> main
     Model::load(&path, backend, config).with_context(|| format!("loading {}", path.display()))
 }
 
@@ -282,6 +298,7 @@ fn print_info(path: &Path, items: usize) -> Result<()> {
     Ok(())
 }
 
+<<<<<<< HEAD
 fn synth(a: SynthArgs) -> Result<()> {
     use kiln_models::synth::{gemma3, FormatMix, Gemma3Shape};
     let Some(shape) = Gemma3Shape::preset(&a.preset) else {
@@ -320,5 +337,24 @@ fn synth(a: SynthArgs) -> Result<()> {
         model.tensor_bytes() as f64 / 1e9,
         t.elapsed().as_secs_f64()
     );
+=======
+fn serve(a: ServeArgs) -> Result<()> {
+    let path = model_path(&a.model.model)?;
+    let model = load_with(&a.model, kiln_runtime::EngineConfig { plan_cache_capacity: a.plan_cache.max(1), ..a.model.config() })?;
+    let model_id =
+        a.model_id.clone().unwrap_or_else(|| path.file_stem().map_or_else(|| "kiln".to_string(), |s| s.to_string_lossy().into_owned()));
+    let config = kiln_server::ServerConfig {
+        host: a.host.clone(),
+        port: a.port,
+        parallel: a.parallel.max(1),
+        queue: a.queue,
+        prefill_chunk: a.prefill_chunk.max(1),
+        model_id: model_id.clone(),
+        ..kiln_server::ServerConfig::default()
+    };
+    let server = kiln_server::Server::start(model, config)?;
+    eprintln!("kiln serve: model '{model_id}' on http://{} (Ctrl-C stops)", server.addr());
+    server.wait()?;
+>>>>>>> main
     Ok(())
 }

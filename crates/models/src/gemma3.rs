@@ -152,9 +152,7 @@ impl Architecture for Gemma3Config {
             h = g.add(h, d);
         }
         let out_norm = g.weight("output_norm.weight", &[c.hidden]);
-        if mode != OutputMode::AllLogits {
-            h = g.last_row(h);
-        }
+        h = g.head_rows(h, mode);
         let hn = g.rms_norm(h, out_norm, c.eps);
         let out = match mode {
             OutputMode::Hidden => hn,

@@ -3,7 +3,7 @@
 use std::time::Instant;
 
 use kiln_ir::OutputMode;
-use kiln_tokenizer::StreamDecoder;
+use kiln_tokenizer::{StreamDecoder, Tokenizer};
 
 use crate::{ModelError, Sampler, SamplingParams, Session, StepOutput};
 
@@ -58,13 +58,13 @@ pub struct Generation {
 }
 
 /// Text released to the caller, holding back what could still become a stop string.
-struct StopFilter<'a> {
-    stops: &'a [String],
+struct StopFilter {
+    stops: Vec<String>,
     text: String,
     emitted: usize,
 }
 
-impl StopFilter<'_> {
+impl StopFilter {
     /// Adds `piece`; returns the newly releasable text and whether a stop string was found.
     fn push(&mut self, piece: &str) -> (String, bool) {
         self.text.push_str(piece);
@@ -94,13 +94,158 @@ impl StopFilter<'_> {
     }
 }
 
-/// The next token from a step's output: computed in the graph (greedy) or sampled from logits.
-fn choose(out: StepOutput, sampler: &mut Sampler) -> Result<u32, ModelError> {
-    match out {
-        StepOutput::Token(t) => Ok(t),
-        StepOutput::Logits(mut l) => Ok(sampler.sample(&mut l)),
-        _ => Err(ModelError::InvalidParameter("generation needs a token or logits output".into())),
+/// Log-probabilities of one chosen token under the model's raw distribution (log-softmax of the
+/// logits, before penalties and temperature).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    /// The chosen token's log-probability.
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What one [`Generator::advance`] produced.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Advance {
+    /// The token chosen from the step's output (may be an end-of-generation token).
+    pub token: u32,
+    /// Whether `token` is part of the generated text (false for end-of-generation, or when
+    /// `max_tokens` was already reached).
+    pub emitted: bool,
+    /// Text released by this token (held-back text is released when generation ends).
+    pub text: String,
+    /// The token's log-probabilities, when they were asked for.
+    pub logprob: Option<TokenLogprob>,
+    /// Set when generation has ended; otherwise feed `token` to the next step.
+    pub finish: Option<FinishReason>,
+}
+
+/// One sequence's generation state: sampler, incremental detokenizer, stop-string filter, stop
+/// conditions. A driver runs the model steps ([`generate`] one sequence; a batching scheduler many
+/// at once) and hands each step's output to [`Generator::advance`].
+pub struct Generator {
+    params: GenerateParams,
+    logprobs: Option<usize>,
+    sampler: Sampler,
+    decoder: StreamDecoder,
+    filter: StopFilter,
+    tokens: Vec<u32>,
+    finish: Option<FinishReason>,
+}
+
+impl Generator {
+    /// Starts generating after `prompt`, checking the parameters; `logprobs` asks for each chosen
+    /// token's log-probability and that many alternatives.
+    pub fn new(params: GenerateParams, prompt: &[u32], logprobs: Option<usize>) -> Result<Self, ModelError> {
+        let mut sampler = Sampler::new(params.sampling.clone())?;
+        if prompt.is_empty() {
+            return Err(ModelError::InvalidParameter("the prompt is empty".into()));
+        }
+        prompt.iter().for_each(|&t| sampler.observe(t));
+        let filter = StopFilter { stops: params.stop.clone(), text: String::new(), emitted: 0 };
+        Ok(Generator { params, logprobs, sampler, decoder: StreamDecoder::new(true), filter, tokens: Vec::new(), finish: None })
     }
+
+    /// The step output this sequence needs: the in-graph greedy token when nothing else is
+    /// wanted, else the logits.
+    pub fn mode(&self) -> OutputMode {
+        if self.params.sampling.is_greedy() && self.logprobs.is_none() {
+            OutputMode::NextToken
+        } else {
+            OutputMode::Logits
+        }
+    }
+
+    /// Generated tokens so far (end-of-generation token excluded).
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The text generated so far, stop string excluded (some of it may still be held back).
+    pub fn text(&self) -> &str {
+        &self.filter.text
+    }
+
+    /// Why generation ended, once it has.
+    pub fn finish_reason(&self) -> Option<FinishReason> {
+        self.finish
+    }
+
+    /// Ends generation at the caller's request; held-back text is dropped.
+    pub fn cancel(&mut self) {
+        self.finish.get_or_insert(FinishReason::Cancelled);
+    }
+
+    /// Takes the output of the step that processed the last fed token (the prompt, then each
+    /// chosen token) in a sequence now holding `position` tokens of a `context`-token context,
+    /// chooses the next token and applies the stop conditions.
+    pub fn advance(&mut self, tok: &Tokenizer, out: StepOutput, position: usize, context: usize) -> Result<Advance, ModelError> {
+        if self.finish.is_some() {
+            return Err(ModelError::InvalidParameter("generation has already ended".into()));
+        }
+        let (token, logprob) = match out {
+            StepOutput::Token(t) => (t, None),
+            StepOutput::Logits(mut l) => {
+                let lp = self.logprobs.map(|n| logprobs_of(&l, n));
+                let t = self.sampler.sample(&mut l);
+                (t, lp.map(|f| f(t)))
+            }
+            _ => return Err(ModelError::InvalidParameter("generation needs a token or logits output".into())),
+        };
+        let mut adv = Advance { token, emitted: false, text: String::new(), logprob, finish: None };
+        if self.tokens.len() >= self.params.max_tokens {
+            return Ok(self.end(adv, FinishReason::Length));
+        }
+        if tok.is_end_of_generation(token) {
+            return Ok(self.end(adv, FinishReason::Stop));
+        }
+        adv.emitted = true;
+        self.tokens.push(token);
+        self.sampler.observe(token);
+        let (text, stopped) = self.filter.push(&self.decoder.push(tok, token));
+        adv.text = text;
+        if stopped {
+            // Cut at a stop string: what was held back is part of the stop string, never released.
+            self.finish = Some(FinishReason::Stop);
+            adv.finish = self.finish;
+            return Ok(adv);
+        }
+        if self.tokens.len() >= self.params.max_tokens {
+            return Ok(self.end(adv, FinishReason::Length));
+        }
+        if position >= context {
+            return Ok(self.end(adv, FinishReason::ContextFull));
+        }
+        Ok(adv)
+    }
+
+    /// Ends generation for `reason`, releasing what is still held back.
+    fn end(&mut self, mut adv: Advance, reason: FinishReason) -> Advance {
+        let (text, _) = self.filter.push(&self.decoder.finish());
+        adv.text += &text;
+        adv.text += &self.filter.flush();
+        self.finish = Some(reason);
+        adv.finish = self.finish;
+        adv
+    }
+}
+
+/// Log-softmax of `logits`: a function from the chosen token to its log-probability and the
+/// `n` most likely tokens.
+fn logprobs_of(logits: &[f32], n: usize) -> impl FnOnce(u32) -> TokenLogprob {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = max + logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    let n = n.min(idx.len());
+    if n > 0 && n < idx.len() {
+        idx.select_nth_unstable_by(n - 1, by_logit);
+    }
+    idx.truncate(n);
+    idx.sort_unstable_by(by_logit);
+    let top: Vec<(u32, f32)> = idx.iter().map(|&i| (i, (logits[i as usize] as f64 - lse) as f32)).collect();
+    let all: Vec<f32> = logits.to_vec();
+    move |t| TokenLogprob { logprob: all.get(t as usize).map_or(f32::NEG_INFINITY, |&l| (l as f64 - lse) as f32), top }
 }
 
 /// Generates a continuation of `prompt` in `session`, streaming text to `on_text` as it is
@@ -111,67 +256,37 @@ pub fn generate(
     params: &GenerateParams,
     on_text: &mut dyn FnMut(&str) -> TextControl,
 ) -> Result<Generation, ModelError> {
-    let mut sampler = Sampler::new(params.sampling.clone())?;
-    if prompt.is_empty() {
-        return Err(ModelError::InvalidParameter("the prompt is empty".into()));
-    }
+    let mut gen = Generator::new(params.clone(), prompt, None)?;
     let model = session.model();
     let (tok, context) = (model.tokenizer(), model.context());
     if session.position() + prompt.len() > context {
         return Err(ModelError::ContextOverflow { needed: session.position() + prompt.len(), context });
     }
-    prompt.iter().for_each(|&t| sampler.observe(t));
-    let mode = if params.sampling.is_greedy() { OutputMode::NextToken } else { OutputMode::Logits };
     let t0 = Instant::now();
-    let out = session.forward(prompt, mode)?;
-    let mut next = choose(out, &mut sampler)?;
-    let prefill_secs = t0.elapsed().as_secs_f64();
-    let t1 = Instant::now();
-    let mut decoder = StreamDecoder::new(true);
-    let mut filter = StopFilter { stops: &params.stop, text: String::new(), emitted: 0 };
-    let mut tokens = Vec::new();
-    let mut stop_string_found = false;
+    let mut out = session.forward(prompt, gen.mode())?;
+    let mut prefill_secs = None;
+    let mut t1 = Instant::now();
     let finish = loop {
-        if tokens.len() >= params.max_tokens {
-            break FinishReason::Length;
+        let adv = gen.advance(tok, out, session.position(), context)?;
+        if prefill_secs.is_none() {
+            prefill_secs = Some(t0.elapsed().as_secs_f64());
+            t1 = Instant::now();
         }
-        if tok.is_end_of_generation(next) {
-            break FinishReason::Stop;
-        }
-        tokens.push(next);
-        sampler.observe(next);
-        let (text, stopped) = filter.push(&decoder.push(tok, next));
-        if !text.is_empty() && on_text(&text) == TextControl::Stop {
+        if !adv.text.is_empty() && on_text(&adv.text) == TextControl::Stop && adv.finish.is_none() {
+            gen.cancel();
             break FinishReason::Cancelled;
         }
-        if stopped {
-            stop_string_found = true;
-            break FinishReason::Stop;
+        if let Some(f) = adv.finish {
+            break f;
         }
-        if tokens.len() >= params.max_tokens {
-            break FinishReason::Length;
-        }
-        if session.position() >= context {
-            break FinishReason::ContextFull;
-        }
-        next = choose(session.forward(&[next], mode)?, &mut sampler)?;
+        out = session.forward(&[adv.token], gen.mode())?;
     };
-    // Release what is still held back (incomplete characters, possible stop-string prefixes) unless
-    // the text was cut at a stop string or the caller cancelled; an end-of-generation token
-    // releases it like `max_tokens` or a full context.
-    if !stop_string_found && finish != FinishReason::Cancelled {
-        let (text, _) = filter.push(&decoder.finish());
-        let rest = text + &filter.flush();
-        if !rest.is_empty() {
-            on_text(&rest);
-        }
-    }
     Ok(Generation {
-        tokens,
-        text: filter.text,
+        tokens: gen.tokens,
+        text: gen.filter.text,
         finish,
         prompt_tokens: prompt.len(),
-        prefill_secs,
+        prefill_secs: prefill_secs.unwrap_or_default(),
         decode_secs: t1.elapsed().as_secs_f64(),
     })
 }
@@ -182,7 +297,7 @@ mod tests {
 
     fn run(stops: &[&str], pieces: &[&str]) -> (String, String, bool) {
         let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
-        let mut f = StopFilter { stops: &stops, text: String::new(), emitted: 0 };
+        let mut f = StopFilter { stops, text: String::new(), emitted: 0 };
         let mut streamed = String::new();
         for p in pieces {
             let (t, stop) = f.push(p);

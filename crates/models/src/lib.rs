@@ -13,7 +13,7 @@ pub mod synth;
 pub use arch::{architecture_from_gguf, Architecture};
 pub use error::ModelError;
 pub use gemma3::Gemma3Config;
-pub use generate::{generate, FinishReason, GenerateParams, Generation, TextControl};
+pub use generate::{generate, Advance, FinishReason, GenerateParams, Generation, Generator, TextControl, TokenLogprob};
 pub use kiln_ir::OutputMode;
 pub use model::{Model, Session, StepOutput};
 pub use sampling::{Sampler, SamplingParams};

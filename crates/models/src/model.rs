@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use kiln_gguf::GgufFile;
 use kiln_ir::{BucketPolicy, OutputMode};
 use kiln_runtime::{
-    compile, Backend, CompileCache, DeviceWeights, EngineConfig, HostData, HostTensor, KvCache, PlanKey, StepInputs,
+    compile, Backend, CompileCache, DeviceWeights, EngineConfig, Executable, HostData, HostTensor, KvCache, PlanKey, StepInputs,
     WeightStore,
 };
 use kiln_tokenizer::Tokenizer;
@@ -104,19 +104,74 @@ impl Model {
         Ok(Session { model: self, kv })
     }
 
+    /// Decodes one token for each session in one batched step (the weights are read once for all
+    /// of them): `tokens[i]` is appended to `sessions[i]`, which attends to its own KV cache at its
+    /// own position. Returns each session's output for `mode` (`Logits` or `NextToken`); a
+    /// non-finite row is an error for its session only.
+    pub fn decode_batch(
+        &self,
+        sessions: &mut [&mut Session<'_>],
+        tokens: &[u32],
+        mode: OutputMode,
+    ) -> Result<Vec<Result<StepOutput, ModelError>>, ModelError> {
+        if sessions.is_empty() || sessions.len() != tokens.len() {
+            return Err(ModelError::InvalidParameter(format!("{} tokens for {} sequences", tokens.len(), sessions.len())));
+        }
+        if !matches!(mode, OutputMode::Logits | OutputMode::NextToken) {
+            return Err(ModelError::InvalidParameter(format!("batched decode produces logits or tokens, not {mode:?}")));
+        }
+        let vocab = self.arch.vocab_size();
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(kiln_runtime::RuntimeError::TokenOutOfRange { id: bad, vocab }.into());
+        }
+        let max_past = sessions.iter().map(|s| s.position()).max().unwrap_or(0);
+        if max_past + 1 > self.context() {
+            return Err(ModelError::ContextOverflow { needed: max_past + 1, context: self.context() });
+        }
+        let positions: Vec<usize> = sessions.iter().map(|s| s.position()).collect();
+        let key = PlanKey { mode, bucket: self.policy.decode_batch(max_past, sessions.len()) };
+        let mut kvs: Vec<&mut dyn KvCache> = sessions.iter_mut().map(|s| s.kv.as_mut() as &mut dyn KvCache).collect();
+        let out = self.with_plan(key, |exec| Ok(exec.run_batch(tokens, &mut kvs)?))?;
+        let t = out.into_iter().next().ok_or_else(|| ModelError::Metadata("plan produced no output".into()))?;
+        let width = t.shape[1];
+        let row_result = |i: usize| -> Result<StepOutput, ModelError> {
+            let position = positions[i];
+            match &t.data {
+                HostData::I32(v) => match v.get(i) {
+                    Some(&id) if id >= 0 => Ok(StepOutput::Token(id as u32)),
+                    _ => Err(ModelError::NonFinite { position }),
+                },
+                HostData::F32(v) => {
+                    let row = &v[i * width..(i + 1) * width];
+                    if row.iter().all(|x| x.is_finite()) {
+                        Ok(StepOutput::Logits(row.to_vec()))
+                    } else {
+                        Err(ModelError::NonFinite { position })
+                    }
+                }
+            }
+        };
+        Ok((0..tokens.len()).map(row_result).collect())
+    }
+
+    /// Runs `f` on the executable for `key`, compiling it on a compile-cache miss.
+    fn with_plan<T>(&self, key: PlanKey, f: impl FnOnce(&mut dyn Executable) -> Result<T, ModelError>) -> Result<T, ModelError> {
+        let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        let exec = plans.get_or_compile(key, || {
+            let graph = self.arch.build_graph(key.bucket, key.mode).map_err(|e| kiln_runtime::RuntimeError::Compile(e.to_string()))?;
+            let plan = Arc::new(compile(&graph, &self.store)?);
+            tracing::debug!(?key, steps = plan.steps.len(), arena_mb = plan.arena_words * 4 / (1 << 20), "compiled plan");
+            self.backend.prepare(plan, &self.weights)
+        })?;
+        f(exec)
+    }
+
     /// Runs one step of at most one bucket's rows through the cached plan for it.
     fn run_step(&self, kv: &mut dyn KvCache, tokens: &[u32], mode: OutputMode) -> Result<Vec<HostTensor>, ModelError> {
         let start = kv.len();
         let bucket = if tokens.len() == 1 { self.policy.decode(start) } else { self.policy.prefill(tokens.len()) };
         let key = PlanKey { mode, bucket };
-        let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
-        let exec = plans.get_or_compile(key, || {
-            let graph = self.arch.build_graph(bucket, mode).map_err(|e| kiln_runtime::RuntimeError::Compile(e.to_string()))?;
-            let plan = Arc::new(compile(&graph, &self.store)?);
-            tracing::debug!(?key, steps = plan.steps.len(), arena_mb = plan.arena_words * 4 / (1 << 20), "compiled plan");
-            self.backend.prepare(plan, &self.weights)
-        })?;
-        Ok(exec.run(StepInputs { tokens, start_pos: start }, kv)?)
+        self.with_plan(key, |exec| Ok(exec.run(StepInputs { tokens, start_pos: start }, kv)?))
     }
 }
 

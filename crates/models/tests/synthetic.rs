@@ -889,9 +889,9 @@ fn plans_are_cached_per_bucket_and_share_the_weights() {
         (Logits, Bucket::Prefill { rows: 4 }),
         (NextToken, Bucket::Prefill { rows: 8 }),
         (AllLogits, Bucket::Prefill { rows: 2 }),
-        (Logits, Bucket::Decode { past: 64 }),
-        (Logits, Bucket::Decode { past: 128 }),
-        (Hidden, Bucket::Decode { past: 64 }),
+        (Logits, Bucket::Decode { past: 64, seqs: 1 }),
+        (Logits, Bucket::Decode { past: 128, seqs: 1 }),
+        (Hidden, Bucket::Decode { past: 64, seqs: 1 }),
     ] {
         assert!(expected.contains(&k), "{k:?} not in {expected:?}");
     }
@@ -916,4 +916,56 @@ fn plans_are_cached_per_bucket_and_share_the_weights() {
     let mut want_rows: Vec<usize> = expected.iter().map(|(_, b)| b.rows()).collect();
     want_rows.sort_unstable();
     assert_eq!(rows, want_rows, "plans were compiled for the expected bucket sizes");
+}
+
+#[test]
+fn batched_decode_equals_each_sequence_alone() {
+    let model = load(config());
+    // Five sequences at different positions (past the sliding window for some), one batched step
+    // each time: every row sees only its own cache and position.
+    let prompts: Vec<Vec<u32>> = (0..5).map(|i| prompt(2 + 3 * i, 100 + i as u64)).collect();
+    let prefilled = || -> Vec<Session<'_>> {
+        prompts
+            .iter()
+            .map(|p| {
+                let mut s = model.new_session().unwrap();
+                logits(&mut s, p);
+                s
+            })
+            .collect()
+    };
+    let mut alone = prefilled();
+    let mut batched = prefilled();
+    for step in 0..6 {
+        let tokens = prompt(batched.len(), 200 + step);
+        let mut refs: Vec<&mut Session<'_>> = batched.iter_mut().collect();
+        let outs = model.decode_batch(&mut refs, &tokens, OutputMode::Logits).unwrap();
+        let greedy = model.decode_batch(&mut [], &[], OutputMode::NextToken);
+        assert!(greedy.is_err(), "an empty batch is an error");
+        for (i, out) in outs.into_iter().enumerate() {
+            let StepOutput::Logits(b) = out.unwrap() else { panic!("expected logits") };
+            let a = logits(&mut alone[i], &[tokens[i]]);
+            assert_eq!(a, b, "sequence {i}, step {step}: batched logits differ from decoding alone");
+            assert_eq!(batched[i].position(), alone[i].position());
+        }
+    }
+    // The greedy head per row equals each row's argmax, and batches of 1..5 agree.
+    for n in 1..=batched.len() {
+        let tokens = prompt(n, 300 + n as u64);
+        let mut refs: Vec<&mut Session<'_>> = batched.iter_mut().take(n).collect();
+        let outs = model.decode_batch(&mut refs, &tokens, OutputMode::NextToken).unwrap();
+        for (i, out) in outs.into_iter().enumerate() {
+            let expect = argmax(&logits(&mut alone[i], &[tokens[i]]));
+            assert_eq!(out.unwrap(), StepOutput::Token(expect), "batch of {n}, sequence {i}");
+        }
+    }
+    // Batches of 3 and 5 run in plans of 4 and 8 rows.
+    let keys = model.plans_compiled();
+    assert!(keys >= 3, "{keys} plans");
+    // A bad token or a full context is an error that names the problem.
+    let mut refs: Vec<&mut Session<'_>> = batched.iter_mut().take(2).collect();
+    let err = model.decode_batch(&mut refs, &[5, VOCAB as u32], OutputMode::Logits).unwrap_err();
+    assert!(err.to_string().contains("outside the vocabulary"), "{err}");
+    let err = model.decode_batch(&mut refs, &[5], OutputMode::Logits).unwrap_err();
+    assert!(err.to_string().contains("1 tokens for 2 sequences"), "{err}");
 }

@@ -58,13 +58,21 @@ pub trait KvCache: Send {
     fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
-/// A plan prepared for a device: runs steps against a KV cache.
+/// A plan prepared for a device: runs steps against KV caches.
 pub trait Executable: Send {
     /// The plan this executes.
     fn plan(&self) -> &Plan;
-    /// Runs one step over `inputs.tokens.len()` active rows, appending their K/V to `kv`, and
-    /// copies the outputs back.
+    /// Runs one step of one sequence over `inputs.tokens.len()` active rows, appending their K/V
+    /// to `kv`, and copies the outputs back.
     fn run(&mut self, inputs: StepInputs<'_>, kv: &mut dyn KvCache) -> Result<Vec<HostTensor>, RuntimeError>;
+    /// Runs one decode step of several sequences (a [`kiln_ir::Bucket::Decode`] plan): row `r` is
+    /// token `tokens[r]` of the sequence whose cache is `kvs[r]`, at position `kvs[r].len()`, and
+    /// attends to that cache only; each row's K/V is appended to its own cache. Outputs have one
+    /// row per sequence. Backends that cannot do this keep the default, an `Unsupported` error.
+    fn run_batch(&mut self, tokens: &[u32], kvs: &mut [&mut dyn KvCache]) -> Result<Vec<HostTensor>, RuntimeError> {
+        let _ = (tokens, kvs);
+        Err(RuntimeError::Unsupported("decoding several sequences in one step".into()))
+    }
 }
 
 /// A compute device.

@@ -139,7 +139,7 @@ mod tests {
     #[test]
     fn the_same_bucket_in_another_mode_is_another_plan() {
         let mut cache = CompileCache::new(2);
-        let greedy = PlanKey { mode: OutputMode::NextToken, bucket: Bucket::Decode { past: 64 } };
+        let greedy = PlanKey { mode: OutputMode::NextToken, bucket: Bucket::Decode { past: 64, seqs: 1 } };
         let sampled = PlanKey { mode: OutputMode::Logits, ..greedy };
         assert_eq!(get(&mut cache, greedy, 1), (1, true));
         assert_eq!(get(&mut cache, sampled, 2), (2, true));

@@ -62,6 +62,9 @@ pub enum RuntimeError {
     /// A block-format error while reading weights.
     #[error(transparent)]
     Quant(#[from] kiln_quant::QuantError),
+    /// The backend does not implement an operation.
+    #[error("{0} is not supported by this backend")]
+    Unsupported(String),
     /// The backend failed.
     #[error("{backend} backend: {msg}")]
     Backend {

@@ -173,7 +173,7 @@ fn fuses_gelu_mul_residual_norm_and_greedy_head() {
 
 #[test]
 fn fuses_with_operands_in_either_order() {
-    let mut b = GraphBuilder::new(Bucket::Decode { past: 8 });
+    let mut b = GraphBuilder::new(Bucket::Decode { past: 8, seqs: 1 });
     let tokens = b.input("tokens", DType::I32);
     let emb = b.weight("emb", &[VOCAB, D]);
     let norm = b.weight("norm", &[D]);
@@ -348,7 +348,7 @@ fn a_weight_of_the_wrong_shape_names_both_shapes() {
 #[test]
 fn a_weight_kiln_cannot_compute_with_is_rejected() {
     // IQ2_XXS data of the right size for a [2, 256] matrix: a valid file, but no codec.
-    let mut b = GraphBuilder::new(Bucket::Decode { past: 4 });
+    let mut b = GraphBuilder::new(Bucket::Decode { past: 4, seqs: 1 });
     let tokens = b.input("tokens", DType::I32);
     let emb = b.weight("token_embd.weight", &[2, 256]);
     let x = b.embed(emb, tokens, 1.0);

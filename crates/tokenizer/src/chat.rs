@@ -1,7 +1,7 @@
 //! Chat prompt formatting.
 
 /// One message of a conversation.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct ChatMessage {
     /// "system", "user" or "assistant" (written as "model"); other roles are written as given.
     pub role: String,

@@ -5,17 +5,20 @@
 //! tokens (leftmost-longest match), each remaining fragment has its spaces replaced by `▁`, is split
 //! into characters and merged pairwise by highest token score, and characters outside the
 //! vocabulary fall back to `<0xXX>` byte tokens. [`StreamDecoder`] detokenizes incrementally and
-//! [`gemma_chat_prompt`] renders Gemma's chat template.
+//! [`ChatTemplate`] renders the model's Jinja chat template (or [`gemma_chat_prompt`], Gemma's
+//! turn format, when the file has none).
 
 mod chat;
 mod gguf;
 mod spm;
 mod stream;
+mod template;
 mod tokenizer;
 mod vocab;
 
 pub use chat::{gemma_chat_prompt, ChatMessage};
 pub use stream::StreamDecoder;
+pub use template::{ChatTemplate, CHAT_TEMPLATE_KEY};
 pub use tokenizer::Tokenizer;
 
 /// Errors from building a [`Tokenizer`].
@@ -83,6 +86,10 @@ pub enum TokenizerError {
         /// The type code.
         code: i32,
     },
+
+    /// The chat template does not parse, or raised an error while rendering.
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
 
     /// A byte token (type 6) whose text is not `<0xXX>`.
     #[error("byte token {id} has text {text:?}; expected <0xXX>")]

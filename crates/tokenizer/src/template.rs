@@ -1,0 +1,222 @@
+//! Chat templates: the model's own Jinja template (`tokenizer.chat_template`), rendered with
+//! minijinja, or the built-in Gemma turn format when the file has none.
+
+use kiln_gguf::GgufFile;
+use minijinja::{context, Environment, Error, ErrorKind};
+
+use crate::{gemma_chat_prompt, ChatMessage, Tokenizer, TokenizerError};
+
+/// The metadata key holding a model's Jinja chat template.
+pub const CHAT_TEMPLATE_KEY: &str = "tokenizer.chat_template";
+
+/// How a conversation becomes prompt tokens for one model.
+#[derive(Clone, Debug)]
+pub struct ChatTemplate {
+    /// The Jinja source, or none for the built-in Gemma format.
+    source: Option<String>,
+    /// Text of the BOS token (`bos_token` in the template).
+    bos: String,
+    /// Text of the EOS token (`eos_token` in the template).
+    eos: String,
+}
+
+/// The template environment: minijinja's builtins plus `raise_exception`, as Hugging Face provides.
+fn environment() -> Environment<'static> {
+    let mut env = Environment::new();
+    env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
+        Err(Error::new(ErrorKind::InvalidOperation, msg))
+    });
+    env
+}
+
+impl ChatTemplate {
+    /// A template from Jinja `source` (checked now), or the built-in Gemma format for `None`;
+    /// `bos` and `eos` are the texts the template sees as `bos_token` and `eos_token`.
+    pub fn new(source: Option<String>, bos: &str, eos: &str) -> Result<Self, TokenizerError> {
+        if let Some(src) = &source {
+            environment().template_from_str(src).map_err(|e| {
+                TokenizerError::ChatTemplate(format!("{CHAT_TEMPLATE_KEY} does not parse: {e:#}"))
+            })?;
+        }
+        Ok(ChatTemplate {
+            source,
+            bos: bos.to_string(),
+            eos: eos.to_string(),
+        })
+    }
+
+    /// The template of a model file (`tokenizer.chat_template`, else the built-in Gemma format).
+    pub fn from_gguf(file: &GgufFile, tok: &Tokenizer) -> Result<Self, TokenizerError> {
+        let source = match file.get(CHAT_TEMPLATE_KEY) {
+            Some(_) => Some(
+                file.get_str(CHAT_TEMPLATE_KEY)
+                    .map_err(|source| TokenizerError::Metadata {
+                        key: CHAT_TEMPLATE_KEY,
+                        source,
+                    })?
+                    .to_string(),
+            ),
+            None => None,
+        };
+        let text = |id: Option<u32>| id.and_then(|i| tok.piece(i)).unwrap_or("").to_string();
+        Self::new(source, &text(tok.bos_id()), &text(tok.eos_id()))
+    }
+
+    /// Whether this is the model's own Jinja template (else the built-in Gemma format).
+    pub fn is_jinja(&self) -> bool {
+        self.source.is_some()
+    }
+
+    /// Renders `messages`; `add_generation_prompt` opens the assistant's turn. A template that
+    /// raises (e.g. roles that do not alternate) gives an error with its message.
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
+        let Some(src) = &self.source else {
+            return Ok(gemma_chat_prompt(messages, add_generation_prompt));
+        };
+        let ctx = context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos,
+            eos_token => self.eos,
+        };
+        environment().render_str(src, ctx).map_err(|e| {
+            let msg = match e.kind() {
+                ErrorKind::InvalidOperation => e
+                    .detail()
+                    .unwrap_or("the chat template raised an error")
+                    .to_string(),
+                _ => format!("{e:#}"),
+            };
+            TokenizerError::ChatTemplate(msg)
+        })
+    }
+
+    /// The prompt tokens for `messages`: rendered, then encoded. BOS is added unless the rendered
+    /// text already starts with it (templates usually write `{{ bos_token }}` themselves).
+    pub fn encode(
+        &self,
+        tok: &Tokenizer,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, TokenizerError> {
+        let text = self.render(messages, add_generation_prompt)?;
+        let has_bos = !self.bos.is_empty() && text.starts_with(&self.bos);
+        Ok(tok.encode_with(&text, !has_bos))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Gemma 3's chat template, as published with google/gemma-3-270m-it (tokenizer_config.json).
+    const GEMMA3: &str = r#"{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"#;
+
+    /// Llama 3's chat template (meta-llama/Meta-Llama-3-8B-Instruct).
+    const LLAMA3: &str = "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
+
+    /// Qwen2's chat template without tools (Qwen/Qwen2-7B-Instruct).
+    const QWEN2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    fn conversation() -> Vec<ChatMessage> {
+        vec![
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "Hi!"),
+            ChatMessage::new("assistant", "Hello."),
+            ChatMessage::new("user", " What is 2+2?\n"),
+        ]
+    }
+
+    #[test]
+    fn gemma_jinja_template_equals_the_built_in_format() {
+        let jinja = ChatTemplate::new(Some(GEMMA3.to_string()), "<bos>", "<eos>").unwrap();
+        let builtin = ChatTemplate::new(None, "<bos>", "<eos>").unwrap();
+        assert!(jinja.is_jinja() && !builtin.is_jinja());
+        for n in 1..=4 {
+            let msgs = &conversation()[..n];
+            for agp in [false, true] {
+                let j = jinja.render(msgs, agp).unwrap();
+                assert_eq!(
+                    j,
+                    format!("<bos>{}", builtin.render(msgs, agp).unwrap()),
+                    "{n} messages, {agp}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn llama3_and_qwen2_templates() {
+        let llama =
+            ChatTemplate::new(Some(LLAMA3.to_string()), "<|begin_of_text|>", "<|eot_id|>").unwrap();
+        let msgs = &conversation()[1..2];
+        assert_eq!(
+            llama.render(msgs, true).unwrap(),
+            "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+        );
+        let qwen = ChatTemplate::new(Some(QWEN2.to_string()), "", "<|im_end|>").unwrap();
+        assert_eq!(
+            qwen.render(msgs, true).unwrap(),
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn raise_exception_and_syntax_errors_are_errors() {
+        let jinja = ChatTemplate::new(Some(GEMMA3.to_string()), "<bos>", "<eos>").unwrap();
+        let bad = [ChatMessage::new("user", "a"), ChatMessage::new("user", "b")];
+        let err = jinja.render(&bad, true).unwrap_err().to_string();
+        assert!(err.contains("Conversation roles must alternate"), "{err}");
+        let err = ChatTemplate::new(Some("{% for %}".into()), "", "")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("tokenizer.chat_template does not parse"),
+            "{err}"
+        );
+    }
+}
