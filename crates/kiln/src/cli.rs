@@ -32,7 +32,8 @@ pub enum Command {
     Info(InfoArgs),
     /// Download the default model into the cache and print its path.
     Pull,
-<<<<<<< HEAD
+    /// Serve the model over an OpenAI-compatible HTTP API, batching concurrent requests.
+    Serve(ServeArgs),
     /// Write a random-weight Gemma 3 GGUF of a released shape (speed measurements without weights).
     Synth(SynthArgs),
 }
@@ -52,10 +53,6 @@ pub struct SynthArgs {
     /// Output file.
     #[arg(short, long)]
     pub output: PathBuf,
-=======
-    /// Serve the model over an OpenAI-compatible HTTP API, batching concurrent requests.
-    Serve(ServeArgs),
->>>>>>> main
 }
 
 /// Which model and how to run it.

@@ -14,11 +14,7 @@ use kiln_runtime::Backend;
 use kiln_tokenizer::{gemma_chat_prompt, ChatMessage, Tokenizer};
 use serde_json::json;
 
-<<<<<<< HEAD
-use crate::cli::{ChatArgs, Command, DeviceChoice, InfoArgs, ModelArgs, PerplexityArgs, RunArgs, SamplingArgs, SynthArgs, TokenizeArgs};
-=======
-use crate::cli::{ChatArgs, Command, InfoArgs, ModelArgs, PerplexityArgs, RunArgs, SamplingArgs, ServeArgs, TokenizeArgs};
->>>>>>> main
+use crate::cli::{ChatArgs, Command, DeviceChoice, InfoArgs, ModelArgs, PerplexityArgs, RunArgs, SamplingArgs, ServeArgs, SynthArgs, TokenizeArgs};
 
 /// Runs one subcommand.
 pub fn dispatch(cmd: Command) -> Result<()> {
@@ -28,11 +24,8 @@ pub fn dispatch(cmd: Command) -> Result<()> {
         Command::Tokenize(a) => tokenize(a),
         Command::Perplexity(a) => perplexity(a),
         Command::Info(a) => info(a),
-<<<<<<< HEAD
         Command::Synth(a) => synth(a),
-=======
         Command::Serve(a) => serve(a),
->>>>>>> main
         Command::Pull => {
             println!("{}", default_model()?.display());
             Ok(())
@@ -57,13 +50,8 @@ fn load(args: &ModelArgs) -> Result<Model> {
 
 fn load_with(args: &ModelArgs, config: kiln_runtime::EngineConfig) -> Result<Model> {
     let path = model_path(&args.model)?;
-<<<<<<< HEAD
-    let config = args.config();
     let backend = backend(args.device, config.threads)?;
     tracing::info!("device: {}", backend.name());
-=======
-    let backend = Arc::new(CpuBackend::new(config.threads));
->>>>>>> main
     Model::load(&path, backend, config).with_context(|| format!("loading {}", path.display()))
 }
 
@@ -298,7 +286,6 @@ fn print_info(path: &Path, items: usize) -> Result<()> {
     Ok(())
 }
 
-<<<<<<< HEAD
 fn synth(a: SynthArgs) -> Result<()> {
     use kiln_models::synth::{gemma3, FormatMix, Gemma3Shape};
     let Some(shape) = Gemma3Shape::preset(&a.preset) else {
@@ -337,7 +324,9 @@ fn synth(a: SynthArgs) -> Result<()> {
         model.tensor_bytes() as f64 / 1e9,
         t.elapsed().as_secs_f64()
     );
-=======
+    Ok(())
+}
+
 fn serve(a: ServeArgs) -> Result<()> {
     let path = model_path(&a.model.model)?;
     let model = load_with(&a.model, kiln_runtime::EngineConfig { plan_cache_capacity: a.plan_cache.max(1), ..a.model.config() })?;
@@ -355,6 +344,5 @@ fn serve(a: ServeArgs) -> Result<()> {
     let server = kiln_server::Server::start(model, config)?;
     eprintln!("kiln serve: model '{model_id}' on http://{} (Ctrl-C stops)", server.addr());
     server.wait()?;
->>>>>>> main
     Ok(())
 }
