@@ -36,6 +36,25 @@ pub enum Command {
     Bench(BenchArgs),
     /// Serve the model over an OpenAI-compatible HTTP API, batching concurrent requests.
     Serve(ServeArgs),
+    /// Write a random-weight Gemma 3 GGUF of a released shape (speed measurements without weights).
+    Synth(SynthArgs),
+}
+
+/// `kiln synth`.
+#[derive(Args, Debug)]
+pub struct SynthArgs {
+    /// Shape: 270m, 1b, 4b, 12b or 27b.
+    #[arg(long, default_value = "270m")]
+    pub preset: String,
+    /// Block formats: `q4_k_m` (a Q4_K_M-like mix) or one format for every matrix (`q8_0`, `q4_k`, ...).
+    #[arg(long, default_value = "q4_k_m")]
+    pub formats: String,
+    /// Random seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Output file.
+    #[arg(short, long)]
+    pub output: PathBuf,
 }
 
 /// Which model and how to run it.
@@ -56,6 +75,38 @@ pub struct ModelArgs {
     /// Run the exact (reference) kernels: weights dequantized to f32, f32 activations; slower.
     #[arg(long)]
     pub exact: bool,
+    /// Device: `cpu`, `cuda` or `cuda:N` (needs a build with the `cuda` feature), or `auto` (CUDA
+    /// when built in and a GPU is present, else the CPU).
+    #[arg(long, default_value = "auto")]
+    pub device: DeviceChoice,
+}
+
+/// Where a model runs (`--device`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceChoice {
+    /// The CPU.
+    Cpu,
+    /// CUDA device N.
+    Cuda(usize),
+    /// CUDA device 0 when available, else the CPU.
+    Auto,
+}
+
+impl std::str::FromStr for DeviceChoice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(DeviceChoice::Cpu),
+            "auto" => Ok(DeviceChoice::Auto),
+            "cuda" => Ok(DeviceChoice::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(DeviceChoice::Cuda)
+                .ok_or_else(|| format!("unknown device '{s}' (expected cpu, cuda, cuda:N or auto)")),
+        }
+    }
 }
 
 impl ModelArgs {

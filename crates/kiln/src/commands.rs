@@ -9,10 +9,12 @@ use anyhow::{bail, Context, Result};
 use kiln_cpu::CpuBackend;
 use kiln_gguf::GgufFile;
 use kiln_models::{generate, GenerateParams, Generation, Model, OutputMode, SamplingParams, Session, StepOutput, TextControl};
+use kiln_quant::GgmlType;
+use kiln_runtime::Backend;
 use kiln_tokenizer::{gemma_chat_prompt, ChatMessage, Tokenizer};
 use serde_json::json;
 
-use crate::cli::{ChatArgs, Command, InfoArgs, ModelArgs, PerplexityArgs, RunArgs, SamplingArgs, ServeArgs, TokenizeArgs};
+use crate::cli::{ChatArgs, Command, DeviceChoice, InfoArgs, ModelArgs, PerplexityArgs, RunArgs, SamplingArgs, ServeArgs, SynthArgs, TokenizeArgs};
 
 /// Runs one subcommand.
 pub fn dispatch(cmd: Command) -> Result<()> {
@@ -23,6 +25,7 @@ pub fn dispatch(cmd: Command) -> Result<()> {
         Command::Perplexity(a) => perplexity(a),
         Command::Info(a) => info(a),
         Command::Bench(a) => crate::bench::bench(a),
+        Command::Synth(a) => synth(a),
         Command::Serve(a) => serve(a),
         Command::Pull => {
             println!("{}", default_model()?.display());
@@ -50,8 +53,39 @@ pub fn load(args: &ModelArgs) -> Result<Model> {
 /// Loads the model with `config` (the one place a backend is built).
 fn load_with(args: &ModelArgs, config: kiln_runtime::EngineConfig) -> Result<Model> {
     let path = model_path(&args.model)?;
-    let backend = Arc::new(CpuBackend::from_config(&config));
+    let backend = backend(args.device, &config)?;
+    tracing::info!("device: {}", backend.name());
     Model::load(&path, backend, config).with_context(|| format!("loading {}", path.display()))
+}
+
+/// The backend `--device` asks for.
+pub(crate) fn backend(device: DeviceChoice, config: &kiln_runtime::EngineConfig) -> Result<Arc<dyn Backend>> {
+    match device {
+        DeviceChoice::Cpu => Ok(Arc::new(CpuBackend::from_config(config))),
+        DeviceChoice::Cuda(n) => cuda_backend(n),
+        DeviceChoice::Auto if cuda_available() => cuda_backend(0),
+        DeviceChoice::Auto => Ok(Arc::new(CpuBackend::from_config(config))),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_backend(ordinal: usize) -> Result<Arc<dyn Backend>> {
+    Ok(Arc::new(kiln_cuda::CudaBackend::new(ordinal).with_context(|| format!("opening CUDA device {ordinal}"))?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend(ordinal: usize) -> Result<Arc<dyn Backend>> {
+    bail!("--device cuda:{ordinal}: this kiln was built without CUDA support (rebuild with `--features cuda`)")
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_available() -> bool {
+    kiln_cuda::CudaBackend::available()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_available() -> bool {
+    false
 }
 
 impl SamplingArgs {
@@ -252,6 +286,47 @@ fn print_info(path: &Path, items: usize) -> Result<()> {
         (n, el, by) = (n + c, el + e, by + b);
     }
     println!("  {:<8} {n:>7} {el:>16} {:>12.2}", "total", by as f64 / (1 << 20) as f64);
+    Ok(())
+}
+
+fn synth(a: SynthArgs) -> Result<()> {
+    use kiln_models::synth::{gemma3, FormatMix, Gemma3Shape};
+    let Some(shape) = Gemma3Shape::preset(&a.preset) else {
+        bail!("unknown preset '{}' (expected one of {})", a.preset, Gemma3Shape::PRESETS.join(", "));
+    };
+    let mix = if a.formats.eq_ignore_ascii_case("q4_k_m") {
+        FormatMix::Q4KM
+    } else {
+        let supported = [
+            GgmlType::F32,
+            GgmlType::F16,
+            GgmlType::BF16,
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+            GgmlType::Q8_0,
+            GgmlType::Q2_K,
+            GgmlType::Q3_K,
+            GgmlType::Q4_K,
+            GgmlType::Q5_K,
+            GgmlType::Q6_K,
+        ];
+        match supported.into_iter().find(|t| t.name().eq_ignore_ascii_case(&a.formats)) {
+            Some(t) => FormatMix::All(t),
+            None => bail!("unknown formats '{}' (expected q4_k_m or one of f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k)", a.formats),
+        }
+    };
+    let t = std::time::Instant::now();
+    let model = gemma3(&shape, mix, a.seed);
+    model.write(&a.output).with_context(|| format!("writing {}", a.output.display()))?;
+    eprintln!(
+        "wrote {} ({} gemma3, {:.2} GB of weights) in {:.1} s",
+        a.output.display(),
+        a.preset,
+        model.tensor_bytes() as f64 / 1e9,
+        t.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 

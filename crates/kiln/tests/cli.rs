@@ -196,6 +196,25 @@ fn bench_json_has_llama_bench_fields() {
 }
 
 #[test]
+fn device_flag_is_checked() {
+    let out = kiln(&["run", "--device", "gpu", "x"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown device 'gpu'"));
+    // Without the `cuda` feature (or without a GPU) asking for CUDA is a clear error, never a
+    // silent fall-back to the CPU.
+    let m = model();
+    let out = kiln(&["run", "--model", m.to_str().unwrap(), "--device", "cuda:7", "-n", "1", "x"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("CUDA") || err.contains("cuda"), "{err}");
+    // `cpu` and `auto` run (auto is the CPU on a machine without CUDA).
+    for device in ["cpu", "auto"] {
+        let out = kiln(&["run", "--model", m.to_str().unwrap(), "--device", device, "--temperature", "0", "-n", "2", "Hello"]);
+        assert!(!stdout(&out).is_empty());
+    }
+}
+
+#[test]
 fn bench_prints_a_table_and_runs_the_exact_kernels_on_request() {
     let m = model();
     let out = stdout(&kiln(&["bench", "-m", m.to_str().unwrap(), "--exact", "-p", "4,6", "-n", "2", "-r", "1"]));
@@ -222,4 +241,20 @@ fn bench_rejects_bad_arguments_clearly() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(needle) && !err.contains("panicked"), "{args:?}: {err}");
     }
+}
+
+#[test]
+fn synth_writes_a_model_kiln_can_read() {
+    let path = std::env::temp_dir().join(format!("kiln-cli-synth-{}.gguf", std::process::id()));
+    let p = path.to_str().unwrap();
+    stdout(&kiln(&["synth", "--preset", "270m", "--seed", "3", "-o", p]));
+    let info = stdout(&kiln(&["info", p]));
+    assert!(info.contains("gemma3") && info.contains("Q4_K") && info.contains("Q8_0"), "{info}");
+    std::fs::remove_file(&path).unwrap();
+    let out = kiln(&["synth", "--preset", "3b", "-o", p]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown preset '3b'"));
+    let out = kiln(&["synth", "--formats", "q9_9", "-o", p]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown formats 'q9_9'"));
 }

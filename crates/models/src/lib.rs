@@ -9,6 +9,7 @@ mod families;
 mod generate;
 mod model;
 mod sampling;
+pub mod synth;
 
 pub use arch::{architecture_from_gguf, Architecture};
 pub use error::ModelError;

@@ -1,4 +1,4 @@
-//! End-to-end tests on tiny random-weight Gemma 3 models written with `GgufWriter`: the decode,
+//! End-to-end tests on tiny random-weight Gemma 3 models written with `kiln_models::synth`: the decode,
 //! chunked, padded and one-shot paths agree; output modes are consistent; the sliding window is
 //! real; bad input is an error that names the problem; generation stops for the right reasons;
 //! plans are compiled once per (mode, bucket) and share one copy of the weights.
@@ -9,8 +9,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use kiln_cpu::CpuBackend;
-use kiln_gguf::{GgufWriter, MetaArray, MetaValue};
+use kiln_gguf::{MetaArray, MetaValue};
 use kiln_ir::{Bucket, BucketPolicy};
+use kiln_models::synth::{SynthModel as Parts, SynthRng as Rng, SynthTensor as Tensor};
 use kiln_models::{
     config_from_gguf, generate, FinishReason, GenerateParams, Generation, Model, ModelError, OutputMode, Sampler, SamplingParams, Session,
     StepOutput, TextControl,
@@ -74,58 +75,17 @@ const WIDE: [GgmlType; 5] = [GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q6_K, Ggm
 /// ... and for rows of 128 (`attn_output`: q_heads × head_dim).
 const NARROW: [GgmlType; 3] = [GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::F16];
 
-/// splitmix64: reproducible weights.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut x = self.0;
-        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        x ^ (x >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    fn unit(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
-    }
-
-    /// Random sign, magnitude uniform in [0.2·a, a]: never zero.
-    fn weight(&mut self, a: f32) -> f32 {
-        let m = a * (0.2 + 0.8 * self.unit());
-        if self.next_u64() & 1 == 0 {
-            m
-        } else {
-            -m
-        }
-    }
+/// Test conveniences over the library's editable model (panicking on a missing key or tensor).
+trait PartsExt {
+    fn remove_meta(&mut self, key: &str);
+    fn remove_tensor(&mut self, name: &str);
+    fn tensor(&self, name: &str) -> &Tensor;
+    fn tensor_mut(&mut self, name: &str) -> &mut Tensor;
+    /// A tensor dequantized to f32.
+    fn dequantized(&self, name: &str) -> Vec<f32>;
 }
 
-#[derive(Clone)]
-struct Tensor {
-    name: String,
-    /// ggml order: dims[0] is the row length.
-    dims: Vec<u64>,
-    ty: GgmlType,
-    data: Vec<u8>,
-}
-
-/// The contents of a model file, editable before it is written.
-#[derive(Clone)]
-struct Parts {
-    meta: Vec<(String, MetaValue)>,
-    tensors: Vec<Tensor>,
-}
-
-impl Parts {
-    fn set_meta(&mut self, key: &str, value: MetaValue) {
-        match self.meta.iter_mut().find(|(k, _)| k == key) {
-            Some((_, v)) => *v = value,
-            None => self.meta.push((key.to_string(), value)),
-        }
-    }
-
+impl PartsExt for Parts {
     fn remove_meta(&mut self, key: &str) {
         let before = self.meta.len();
         self.meta.retain(|(k, _)| k != key);
@@ -146,7 +106,6 @@ impl Parts {
         self.tensors.iter_mut().find(|t| t.name == name).unwrap_or_else(|| panic!("no tensor {name}"))
     }
 
-    /// A tensor dequantized to f32.
     fn dequantized(&self, name: &str) -> Vec<f32> {
         let t = self.tensor(name);
         let mut out = vec![0f32; t.dims.iter().product::<u64>() as usize];
@@ -261,14 +220,7 @@ fn load_parts(parts: &Parts, backend: Arc<dyn Backend>, config: EngineConfig) ->
     static N: AtomicUsize = AtomicUsize::new(0);
     let path: PathBuf =
         std::env::temp_dir().join(format!("kiln-synthetic-{}-{}.gguf", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
-    let mut w = GgufWriter::new(3).unwrap();
-    for (k, v) in &parts.meta {
-        w.add_metadata(k.clone(), v.clone()).unwrap();
-    }
-    for t in &parts.tensors {
-        w.add_tensor(t.name.clone(), &t.dims, t.ty, t.data.clone()).unwrap();
-    }
-    w.write(&path).unwrap();
+    parts.write(&path).unwrap();
     let model = Model::load(&path, backend, config);
     std::fs::remove_file(&path).unwrap();
     model

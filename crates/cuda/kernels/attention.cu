@@ -1,0 +1,86 @@
+// Causal attention over the device-resident KV cache plus the step's new rows, and the append of
+// the new rows. The past length is read from device memory (`step[0]`), so a captured graph
+// replays for any past length of its bucket.
+
+#define ATT_WARPS 8
+#define ATT_MAX_DIM 256
+
+// One block per (new row, query head); each warp walks every ATT_WARPS-th position with an online
+// softmax, then the warps' partial results are merged. Sliding layers keep `window` rows in a ring
+// (slot = pos % window); global layers keep every position (slot = pos).
+extern "C" __global__ void attention(const float* q, const float* k_new, const float* v_new, const float* k_cache,
+                                     const float* v_cache, float* out, const int* step, int q_heads, int kv_heads,
+                                     int d, int window, float scale) {
+    __shared__ float s_acc[ATT_WARPS][ATT_MAX_DIM];
+    __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
+    int i = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
+    int g = h / (q_heads / kv_heads);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int start = step[0];
+    int p = start + i;
+    int lo = window > 0 ? max(0, p + 1 - window) : 0;
+    int kvw = kv_heads * d, per = d >> 5;
+    float qv[ATT_MAX_DIM / 32], acc[ATT_MAX_DIM / 32];
+    const float* qh = q + ((u64)i * q_heads + h) * d;
+#pragma unroll
+    for (int t = 0; t < ATT_MAX_DIM / 32; t++) {
+        qv[t] = t < per ? qh[lane + 32 * t] : 0.f;
+        acc[t] = 0.f;
+    }
+    float m = -INFINITY, l = 0.f;
+    for (int pos = lo + warp; pos <= p; pos += ATT_WARPS) {
+        const float *kr, *vr;
+        if (pos < start) {
+            u64 slot = window > 0 ? (u64)(pos % window) : (u64)pos;
+            kr = k_cache + slot * kvw + g * d;
+            vr = v_cache + slot * kvw + g * d;
+        } else {
+            kr = k_new + (u64)(pos - start) * kvw + g * d;
+            vr = v_new + (u64)(pos - start) * kvw + g * d;
+        }
+        float s = 0.f;
+#pragma unroll
+        for (int t = 0; t < ATT_MAX_DIM / 32; t++)
+            if (t < per) s += qv[t] * kr[lane + 32 * t];
+        s = warp_sum(s) * scale;
+        float mn = fmaxf(m, s);
+        float c = expf(m - mn), e = expf(s - mn);
+        l = l * c + e;
+#pragma unroll
+        for (int t = 0; t < ATT_MAX_DIM / 32; t++)
+            if (t < per) acc[t] = acc[t] * c + e * vr[lane + 32 * t];
+        m = mn;
+    }
+#pragma unroll
+    for (int t = 0; t < ATT_MAX_DIM / 32; t++)
+        if (t < per) s_acc[warp][lane + 32 * t] = acc[t];
+    if (lane == 0) {
+        s_m[warp] = m;
+        s_l[warp] = l;
+    }
+    __syncthreads();
+    float mx = -INFINITY;
+    for (int w = 0; w < ATT_WARPS; w++) mx = fmaxf(mx, s_m[w]);
+    float sum = 0.f;
+    for (int w = 0; w < ATT_WARPS; w++) sum += s_l[w] * expf(s_m[w] - mx);
+    float* o = out + ((u64)i * q_heads + h) * d;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        float a = 0.f;
+        for (int w = 0; w < ATT_WARPS; w++) a += s_acc[w][j] * expf(s_m[w] - mx);
+        o[j] = a / sum;
+    }
+}
+
+// Appends the step's new rows to one layer's cache (only the last `window` of them on a sliding
+// layer, so no two blocks write one slot). One block per new row.
+extern "C" __global__ void kv_append(const float* k_new, const float* v_new, float* k_cache, float* v_cache,
+                                     const int* step, int width, int window) {
+    int r = blockIdx.x, rows = step[1];
+    if (r >= rows || (window > 0 && r < rows - window)) return;
+    int pos = step[0] + r;
+    u64 slot = window > 0 ? (u64)(pos % window) : (u64)pos;
+    for (int j = threadIdx.x; j < width; j += blockDim.x) {
+        k_cache[slot * width + j] = k_new[(u64)r * width + j];
+        v_cache[slot * width + j] = v_new[(u64)r * width + j];
+    }
+}

@@ -1,0 +1,149 @@
+// Element-wise and row kernels: step inputs, RMS norm, RoPE, add/mul, GELU, last row, argmax.
+
+// Writes the step's token ids and positions into the arena: `step` = [start, rows, token...].
+// The past length lives in device memory, so a captured graph serves every step of its bucket.
+extern "C" __global__ void set_inputs(const int* step, int* tokens, int* positions) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= step[1]) return;
+    if (tokens) tokens[i] = step[2 + i];
+    if (positions) positions[i] = step[0] + i;
+}
+
+// out = x / rms(x) * w (+ residual) over groups of `group` elements: one block per group.
+extern "C" __global__ void rms_norm(const float* x, const float* w, const float* residual, float* out, int group,
+                                    float eps) {
+    __shared__ float scratch[32];
+    u64 base = (u64)blockIdx.x * group;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        float v = x[base + i];
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    float inv = 1.f / sqrtf(ss / (float)group + eps);
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        float v = x[base + i] * inv * w[i];
+        out[base + i] = residual ? residual[base + i] + v : v;
+    }
+}
+
+// NeoX rotary embedding: one block per (row, head), angles in double as the CPU computes them.
+extern "C" __global__ void rope(const float* x, const int* positions, float* out, int heads, int head_dim,
+                                float theta) {
+    int r = blockIdx.x / heads;
+    u64 base = (u64)blockIdx.x * head_dim;
+    int half = head_dim / 2;
+    double pos = (double)positions[r];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        double inv_freq = 1.0 / pow((double)theta, (double)(2 * i) / (double)head_dim);
+        double a = pos * inv_freq;
+        float c = (float)cos(a), s = (float)sin(a);
+        float x0 = x[base + i], x1 = x[base + i + half];
+        out[base + i] = x0 * c - x1 * s;
+        out[base + i + half] = x1 * c + x0 * s;
+    }
+}
+
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float k = 0.7978846f;
+    return 0.5f * x * (1.f + tanhf(k * (x + 0.044715f * x * x * x)));
+}
+
+// op 0: a + b, 1: a * b, 2: gelu(a), 3: gelu(a) * b.
+extern "C" __global__ void elementwise(const float* a, const float* b, float* out, u64 len, int op) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= len) return;
+    float x = a[i];
+    float y = op == 0 ? x + b[i] : op == 1 ? x * b[i] : op == 2 ? gelu_tanh(x) : gelu_tanh(x) * b[i];
+    out[i] = y;
+}
+
+extern "C" __global__ void copy_row(const float* x, float* out, int row, int width) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < width) out[i] = x[(u64)row * width + i];
+}
+
+// Better of two (value, index) candidates: larger value, lower index on ties.
+__device__ __forceinline__ void better(float& v, int& i, float v2, int i2) {
+    if (v2 > v || (v2 == v && i2 < i)) {
+        v = v2;
+        i = i2;
+    }
+}
+
+// Argmax phase 1: block b of row r reduces its share of the row into partial[(r * blocks + b)]:
+// (value, index, non-finite flag). Lowest index among equal maxima.
+extern "C" __global__ void argmax_partial(const float* x, float* pval, int* pidx, int width) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    __shared__ int sbad;
+    int r = blockIdx.y, blocks = gridDim.x;
+    const float* row = x + (u64)r * width;
+    float best = -INFINITY;
+    int idx = 0x7fffffff, bad = 0;
+    for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < width; j += blocks * blockDim.x) {
+        float v = row[j];
+        if (!(fabsf(v) <= 3.402823466e38f)) bad = 1;
+        better(best, idx, v, j);
+    }
+    if (threadIdx.x == 0) sbad = 0;
+    __syncthreads();
+    if (bad) sbad = 1;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float v2 = __shfl_xor_sync(0xffffffffu, best, o);
+        int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+        better(best, idx, v2, i2);
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    if (lane == 0) {
+        sv[warp] = best;
+        si[warp] = idx;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        best = lane < warps ? sv[lane] : -INFINITY;
+        idx = lane < warps ? si[lane] : 0x7fffffff;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float v2 = __shfl_xor_sync(0xffffffffu, best, o);
+            int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+            better(best, idx, v2, i2);
+        }
+        if (lane == 0) {
+            u64 p = (u64)r * blocks + blockIdx.x;
+            pval[p] = best;
+            pidx[p] = sbad ? -1 : idx;
+        }
+    }
+}
+
+// Argmax phase 2: one warp per row reduces its `blocks` partials; -1 when any value was non-finite.
+extern "C" __global__ void argmax_final(const float* pval, const int* pidx, int* out, int blocks) {
+    int r = blockIdx.x, lane = threadIdx.x;
+    float best = -INFINITY;
+    int idx = 0x7fffffff, bad = 0;
+    for (int b = lane; b < blocks; b += 32) {
+        u64 p = (u64)r * blocks + b;
+        if (pidx[p] < 0) bad = 1;
+        better(best, idx, pval[p], pidx[p]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float v2 = __shfl_xor_sync(0xffffffffu, best, o);
+        int i2 = __shfl_xor_sync(0xffffffffu, idx, o);
+        better(best, idx, v2, i2);
+        bad |= __shfl_xor_sync(0xffffffffu, bad, o);
+    }
+    if (lane == 0) out[r] = bad ? -1 : idx;
+}
+
+// Reads `bytes` of `src` as 16-byte words and writes their xor to `sink` (device-memory bandwidth).
+extern "C" __global__ void read_bandwidth(const uint4* src, u64 words, uint4* sink) {
+    uint4 acc = make_uint4(0, 0, 0, 0);
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x) {
+        uint4 v = src[i];
+        acc.x ^= v.x; acc.y ^= v.y; acc.z ^= v.z; acc.w ^= v.w;
+    }
+    if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) sink[0] = acc;
+}

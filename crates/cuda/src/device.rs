@@ -1,0 +1,285 @@
+//! The device: context, stream, NVRTC-compiled kernel families (cached on disk), cuBLAS, raw
+//! device buffers and the shared scratch of the GEMM path.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+use kiln_runtime::RuntimeError;
+use sha2::{Digest, Sha256};
+
+/// Shared by every family: types, f16 loads, reductions.
+const COMMON: &str = include_str!("../kernels/common.cuh");
+/// The kernel families: (name, CUDA C source).
+const FAMILIES: [(&str, &str); 3] = [
+    ("quant", include_str!("../kernels/quant.cu")),
+    ("ops", include_str!("../kernels/ops.cu")),
+    ("attention", include_str!("../kernels/attention.cu")),
+];
+
+/// A CUDA failure as a runtime error.
+pub(crate) fn cuda_err(what: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Backend { backend: "cuda".into(), msg: what.to_string() }
+}
+
+/// A plain device allocation, freed on drop.
+pub(crate) struct DeviceBuffer {
+    ctx: Arc<CudaContext>,
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+}
+
+impl DeviceBuffer {
+    /// `bytes` of uninitialised device memory (at least one byte is allocated).
+    pub(crate) fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, RuntimeError> {
+        ctx.bind_to_thread().map_err(cuda_err)?;
+        // SAFETY: a plain allocation on the bound context.
+        let ptr = unsafe { result::malloc_sync(bytes.max(1)) }.map_err(|e| cuda_err(format!("allocating {bytes} bytes: {e}")))?;
+        Ok(DeviceBuffer { ctx: ctx.clone(), ptr, bytes })
+    }
+
+    /// The device address.
+    pub(crate) fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Size in bytes.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by `new`, freed once; the stream is synchronised by whoever drops
+            // a buffer still in use (executables and caches synchronise before release).
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// Scratch of the GEMM path (not used inside captured graphs, so it may grow).
+pub(crate) struct Scratch {
+    /// Dequantized weights (f32) for cuBLAS.
+    pub(crate) dequant: Option<DeviceBuffer>,
+}
+
+impl Scratch {
+    /// A scratch buffer of at least `bytes`.
+    pub(crate) fn dequant(&mut self, ctx: &Arc<CudaContext>, bytes: usize) -> Result<u64, RuntimeError> {
+        if self.dequant.as_ref().is_none_or(|b| b.bytes() < bytes) {
+            self.dequant = None;
+            self.dequant = Some(DeviceBuffer::new(ctx, bytes)?);
+        }
+        Ok(self.dequant.as_ref().map_or(0, |b| b.ptr()))
+    }
+}
+
+/// One CUDA device as kiln uses it.
+pub struct Device {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) blas: CudaBlas,
+    functions: HashMap<String, CudaFunction>,
+    /// Serialises runs on the one stream and guards the scratch.
+    pub(crate) lock: Mutex<Scratch>,
+    pub(crate) name: String,
+    pub(crate) arch: (i32, i32),
+}
+
+// SAFETY: the cuBLAS handle is used only while `lock` is held; the other fields are thread-safe.
+unsafe impl Sync for Device {}
+// SAFETY: as above.
+unsafe impl Send for Device {}
+
+impl Device {
+    /// Opens device `ordinal`, compiles (or loads from the disk cache) every kernel family.
+    pub fn open(ordinal: usize) -> Result<Self, RuntimeError> {
+        let count = CudaContext::device_count().map_err(|e| cuda_err(format!("no usable CUDA driver: {e}")))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(cuda_err(format!("device cuda:{ordinal} does not exist ({count} CUDA devices)")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(cuda_err)?;
+        // One stream, ordered by construction: no per-buffer event bookkeeping (it cannot be
+        // captured into graphs anyway).
+        // SAFETY: no buffer of this context exists yet.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(cuda_err)?;
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_err(format!("cuBLAS: {e}")))?;
+        let arch = ctx.compute_capability().map_err(cuda_err)?;
+        let name = ctx.name().map_err(cuda_err)?;
+        let mut functions = HashMap::new();
+        for (family, src) in FAMILIES {
+            let ptx = compile_family(family, src, arch)?;
+            let module = ctx.load_module(ptx).map_err(|e| cuda_err(format!("loading kernel family '{family}': {e}")))?;
+            for f in kernel_names(src) {
+                let func = module.load_function(&f).map_err(|e| cuda_err(format!("kernel '{f}': {e}")))?;
+                functions.insert(f, func);
+            }
+        }
+        tracing::info!("cuda:{ordinal}: {name}, sm_{}{}, {} kernels", arch.0, arch.1, functions.len());
+        Ok(Device { ctx, stream, blas, functions, lock: Mutex::new(Scratch { dequant: None }), name, arch })
+    }
+
+    /// A kernel by name.
+    pub(crate) fn function(&self, name: &str) -> Result<&CudaFunction, RuntimeError> {
+        self.functions.get(name).ok_or_else(|| cuda_err(format!("no kernel named '{name}'")))
+    }
+
+    /// Launches kernel `name` with `grid` blocks of `block` threads and `args`.
+    pub(crate) fn launch(&self, name: &str, grid: (u32, u32), block: u32, args: &[Arg]) -> Result<(), RuntimeError> {
+        let f = self.function(name)?;
+        let mut b = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                Arg::U64(v) => b.arg(v),
+                Arg::I32(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+            };
+        }
+        let cfg = LaunchConfig { grid_dim: (grid.0.max(1), grid.1.max(1), 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the argument lists match the kernels' signatures (see kernels/*.cu); every
+        // pointer is a live device allocation sized by the plan.
+        unsafe { b.launch(cfg) }.map_err(|e| cuda_err(format!("launching '{name}': {e}")))?;
+        Ok(())
+    }
+
+    /// Blocks until the stream is idle (the caller holds `lock`).
+    pub(crate) fn sync(&self) -> Result<(), RuntimeError> {
+        self.stream.synchronize().map_err(cuda_err)
+    }
+
+    /// Blocks until the stream is idle, first waiting for any run in progress on another thread
+    /// (a stream may not be synchronised while a graph is being captured on it).
+    pub(crate) fn sync_exclusive(&self) -> Result<(), RuntimeError> {
+        let _guard = self.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
+        self.sync()
+    }
+}
+
+/// A kernel argument.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Arg {
+    /// A pointer or 64-bit count.
+    U64(u64),
+    /// A 32-bit integer.
+    I32(i32),
+    /// A float.
+    F32(f32),
+}
+
+/// Every `extern "C" __global__ void NAME(` of a source, with `KILN_FORMAT(name, ...)` expanded.
+fn kernel_names(src: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    for line in src.lines() {
+        if let Some(rest) = line.strip_prefix("extern \"C\" __global__ void ") {
+            if let Some(name) = rest.split('(').next() {
+                names.push(name.trim().to_string());
+            }
+        } else if let Some(rest) = line.strip_prefix("KILN_FORMAT(") {
+            let fmt = rest.split(',').next().unwrap_or_default().trim();
+            for k in ["matvec", "embed", "dequant"] {
+                names.push(format!("{k}_{fmt}"));
+            }
+        }
+    }
+    names
+}
+
+/// NVRTC's version (major, minor).
+fn nvrtc_version() -> Result<(i32, i32), RuntimeError> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: plain out-parameters.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| cuda_err(format!("NVRTC is not usable: {e}")))?;
+    Ok((major, minor))
+}
+
+/// The PTX of one kernel family for `arch`: from the disk cache (keyed by a hash of the source,
+/// the architecture and the NVRTC version) or compiled by NVRTC and stored there.
+fn compile_family(family: &str, src: &str, arch: (i32, i32)) -> Result<Ptx, RuntimeError> {
+    let nvrtc = nvrtc_version()?;
+    let full = format!("{COMMON}\n{src}");
+    let mut h = Sha256::new();
+    h.update(full.as_bytes());
+    h.update(format!("sm_{}{} nvrtc {}.{}", arch.0, arch.1, nvrtc.0, nvrtc.1).as_bytes());
+    let key: String = h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect();
+    let path = cache_path(family, &key);
+    if let Some(p) = &path {
+        if let Ok(text) = std::fs::read_to_string(p) {
+            tracing::debug!("kernel family '{family}' from {}", p.display());
+            return Ok(Ptx::from_src(text));
+        }
+    }
+    let opts = CompileOptions {
+        options: vec![format!("--gpu-architecture=compute_{}{}", arch.0, arch.1), "--std=c++17".into()],
+        name: Some(format!("{family}.cu")),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&full, opts)
+        .map_err(|e| cuda_err(format!("NVRTC failed on kernel family '{family}': {e:?}")))?;
+    if let Some(p) = &path {
+        let stored = p.parent().map(std::fs::create_dir_all).transpose().and_then(|_| {
+            let tmp = p.with_extension("tmp");
+            std::fs::write(&tmp, ptx.to_src())?;
+            std::fs::rename(&tmp, p)
+        });
+        if let Err(e) = stored {
+            tracing::warn!("could not cache kernel family '{family}' at {}: {e}", p.display());
+        }
+    }
+    Ok(ptx)
+}
+
+/// Where a compiled family is cached (`<kiln cache>/cuda/<family>-<key>.ptx`).
+fn cache_path(family: &str, key: &str) -> Option<PathBuf> {
+    kiln_hub::cache_dir().ok().map(|d| d.join("cuda").join(format!("{family}-{key}.ptx")))
+}
+
+/// Median read bandwidth (bytes/s) over `reps` reads of a `bytes` buffer, timed with events.
+pub(crate) fn read_bandwidth(d: &Device, bytes: usize, reps: usize) -> Result<f64, RuntimeError> {
+    let _guard = d.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
+    let words = bytes / 16;
+    let src = DeviceBuffer::new(&d.ctx, words * 16)?;
+    let sink = DeviceBuffer::new(&d.ctx, 16)?;
+    // SAFETY: `src` holds `words * 16` bytes.
+    unsafe { result::memset_d8_async(src.ptr(), 1, words * 16, d.stream.cu_stream()) }.map_err(cuda_err)?;
+    let sms = d.ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(cuda_err)?;
+    let args = [Arg::U64(src.ptr()), Arg::U64(words as u64), Arg::U64(sink.ptr())];
+    let grid = (sms as u32 * 4, 1);
+    d.launch("read_bandwidth", grid, 512, &args)?;
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps.max(1) {
+        let start = d.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(cuda_err)?;
+        let end = d.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(cuda_err)?;
+        start.record(&d.stream).map_err(cuda_err)?;
+        d.launch("read_bandwidth", grid, 512, &args)?;
+        end.record(&d.stream).map_err(cuda_err)?;
+        end.synchronize().map_err(cuda_err)?;
+        times.push(start.elapsed_ms(&end).map_err(cuda_err)? as f64 / 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok((words * 16) as f64 / times[times.len() / 2])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_names_are_found_in_every_family() {
+        let quant = kernel_names(FAMILIES[0].1);
+        assert!(quant.contains(&"matvec_q4_k".to_string()) && quant.contains(&"dequant_q8_0".to_string()));
+        assert_eq!(quant.len(), 13 * 3);
+        let ops = kernel_names(FAMILIES[1].1);
+        for k in ["set_inputs", "rms_norm", "rope", "elementwise", "copy_row", "argmax_partial", "argmax_final"] {
+            assert!(ops.contains(&k.to_string()), "{k}");
+        }
+        assert_eq!(kernel_names(FAMILIES[2].1), vec!["attention".to_string(), "kv_append".to_string()]);
+    }
+}

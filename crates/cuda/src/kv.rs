@@ -1,0 +1,70 @@
+//! Device-resident KV cache: per layer, sliding-window layers as rings of `window` rows.
+
+use std::any::Any;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use kiln_runtime::{KvCache, KvLayout, LayerKv, RuntimeError};
+
+use crate::device::{Device, DeviceBuffer};
+
+/// Distinguishes caches, so a captured graph (which bakes in the cache's addresses) is replayed
+/// only with the cache it was captured for.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// One layer's keys and values on the device: `rows` rows of `k_width`/`v_width` floats.
+pub(crate) struct DeviceLayer {
+    pub(crate) spec: LayerKv,
+    pub(crate) k: DeviceBuffer,
+    pub(crate) v: DeviceBuffer,
+}
+
+/// A sequence's KV cache on the device. Positions are appended by the plans' attention steps.
+pub struct CudaKvCache {
+    pub(crate) device: Arc<Device>,
+    pub(crate) layers: Vec<DeviceLayer>,
+    pub(crate) len: usize,
+    pub(crate) context: usize,
+    pub(crate) id: u64,
+}
+
+impl CudaKvCache {
+    /// A cache with room for `layout.context` positions (rings of `window` rows on sliding layers).
+    pub(crate) fn new(device: Arc<Device>, layout: &KvLayout) -> Result<Self, RuntimeError> {
+        let mut layers = Vec::with_capacity(layout.layers.len());
+        for spec in &layout.layers {
+            let rows = spec.stored_rows(layout.context);
+            layers.push(DeviceLayer {
+                spec: *spec,
+                k: DeviceBuffer::new(&device.ctx, rows * spec.k_width() * 4)?,
+                v: DeviceBuffer::new(&device.ctx, rows * spec.v_width() * 4)?,
+            });
+        }
+        Ok(CudaKvCache { device, layers, len: 0, context: layout.context, id: NEXT_ID.fetch_add(1, Ordering::Relaxed) })
+    }
+}
+
+impl KvCache for CudaKvCache {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    fn bytes(&self) -> usize {
+        self.layers.iter().map(|l| l.k.bytes() + l.v.bytes()).sum()
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+impl Drop for CudaKvCache {
+    fn drop(&mut self) {
+        // The buffers may still be read by queued work.
+        let _ = self.device.sync_exclusive();
+    }
+}

@@ -1,0 +1,133 @@
+//! The device's single copy of the weights: every matrix uploaded once in its packed block form,
+//! vectors (norm weights) expanded to f32; shared by every plan.
+
+use std::any::Any;
+use std::sync::Arc;
+
+use kiln_quant::{dequantize, GgmlType};
+use kiln_runtime::{DeviceWeights, RuntimeError, WeightId, WeightStore};
+
+use crate::device::{cuda_err, Device, DeviceBuffer};
+
+/// Largest tensor (in elements) also kept expanded to f32 (norm weights).
+const EXPAND_LIMIT: usize = 1 << 16;
+
+/// The kernel-name suffix of a block format the CUDA kernels read, if any.
+pub(crate) fn format_name(ty: GgmlType) -> Option<&'static str> {
+    Some(match ty {
+        GgmlType::F32 => "f32",
+        GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
+        GgmlType::Q4_0 => "q4_0",
+        GgmlType::Q4_1 => "q4_1",
+        GgmlType::Q5_0 => "q5_0",
+        GgmlType::Q5_1 => "q5_1",
+        GgmlType::Q8_0 => "q8_0",
+        GgmlType::Q2_K => "q2_k",
+        GgmlType::Q3_K => "q3_k",
+        GgmlType::Q4_K => "q4_k",
+        GgmlType::Q5_K => "q5_k",
+        GgmlType::Q6_K => "q6_k",
+        _ => return None,
+    })
+}
+
+/// A packed matrix on the device.
+pub(crate) struct DeviceMatrix {
+    pub(crate) buf: DeviceBuffer,
+    pub(crate) ty: GgmlType,
+    /// Elements per row.
+    pub(crate) k: usize,
+    /// Rows.
+    pub(crate) n: usize,
+    pub(crate) row_bytes: usize,
+}
+
+/// Weights as the CUDA kernels read them.
+pub struct CudaWeights {
+    pub(crate) device: Arc<Device>,
+    store: Arc<WeightStore>,
+    matrices: Vec<Option<DeviceMatrix>>,
+    vectors: Vec<Option<DeviceBuffer>>,
+    bytes: usize,
+}
+
+impl CudaWeights {
+    /// Uploads every tensor of `store` that the kernels can read.
+    pub(crate) fn upload(device: Arc<Device>, store: Arc<WeightStore>) -> Result<Self, RuntimeError> {
+        let (mut matrices, mut vectors, mut bytes) = (Vec::new(), Vec::new(), 0);
+        // Synchronous copies may not run while another thread captures a graph.
+        let guard = device.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
+        device.ctx.bind_to_thread().map_err(cuda_err)?;
+        for (i, info) in store.infos().iter().enumerate() {
+            let src = store.bytes(WeightId(i));
+            let row_bytes = info.ty.row_bytes(info.row_len)?;
+            let consistent = info.ty.can_dequantize() && src.len() == row_bytes * info.n_rows;
+            let numel = info.row_len * info.n_rows;
+            let vector = if consistent && numel <= EXPAND_LIMIT {
+                let mut v = vec![0f32; numel];
+                dequantize(info.ty, src, &mut v)?;
+                Some(upload_bytes(&device, as_bytes(&v))?)
+            } else {
+                None
+            };
+            let matrix = if consistent && !info.is_vector() && format_name(info.ty).is_some() && info.row_len.is_multiple_of(32) {
+                Some(DeviceMatrix { buf: upload_bytes(&device, src)?, ty: info.ty, k: info.row_len, n: info.n_rows, row_bytes })
+            } else {
+                None
+            };
+            bytes += vector.as_ref().map_or(0, |b| b.bytes()) + matrix.as_ref().map_or(0, |m| m.buf.bytes());
+            vectors.push(vector);
+            matrices.push(matrix);
+        }
+        device.sync()?;
+        drop(guard);
+        Ok(CudaWeights { device, store, matrices, vectors, bytes })
+    }
+
+    /// A packed matrix, or an error naming the tensor and why the kernels cannot read it.
+    pub(crate) fn matrix(&self, id: WeightId) -> Result<&DeviceMatrix, RuntimeError> {
+        self.matrices[id.0].as_ref().ok_or_else(|| {
+            let info = self.store.info(id);
+            if format_name(info.ty).is_none() {
+                RuntimeError::UnsupportedWeightType { name: info.name.clone(), ty: info.ty }
+            } else {
+                cuda_err(format!(
+                    "tensor '{}' ({:?}, rows of {}) is not a matrix the CUDA kernels can read (rows must be whole 32-element blocks)",
+                    info.name, info.ty, info.row_len
+                ))
+            }
+        })
+    }
+
+    /// A small tensor as f32 on the device (norm weights).
+    pub(crate) fn vector(&self, id: WeightId) -> Result<&DeviceBuffer, RuntimeError> {
+        self.vectors[id.0].as_ref().ok_or_else(|| {
+            cuda_err(format!("tensor '{}' is used as a vector but is too large or not computable", self.store.info(id).name))
+        })
+    }
+}
+
+/// The bytes of a float slice.
+pub(crate) fn as_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and any byte pattern is a valid u8.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+/// A new device buffer holding `src`.
+pub(crate) fn upload_bytes(device: &Device, src: &[u8]) -> Result<DeviceBuffer, RuntimeError> {
+    let buf = DeviceBuffer::new(&device.ctx, src.len())?;
+    // SAFETY: `buf` holds `src.len()` bytes; the copy from pageable memory completes before return.
+    unsafe { cudarc::driver::result::memcpy_htod_sync(buf.ptr(), src) }.map_err(cuda_err)?;
+    Ok(buf)
+}
+
+impl DeviceWeights for CudaWeights {
+    fn device_bytes(&self) -> usize {
+        self.bytes
+    }
+
+    fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
+        self
+    }
+}

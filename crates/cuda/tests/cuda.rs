@@ -1,0 +1,269 @@
+//! The CUDA backend against the CPU backend and the Hugging Face reference (`../shared/refs`).
+//! Every test needs an NVIDIA GPU: they are ignored by default and run on the device machine
+//! with `--include-ignored`.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use kiln_cpu::CpuBackend;
+use kiln_cuda::CudaBackend;
+use kiln_models::synth::{gemma3, FormatMix, Gemma3Shape, SynthModel};
+use kiln_models::{Model, OutputMode, Session, StepOutput};
+use kiln_quant::GgmlType;
+use kiln_runtime::{Backend, EngineConfig};
+use serde_json::Value;
+
+fn cuda() -> Arc<CudaBackend> {
+    static B: OnceLock<Arc<CudaBackend>> = OnceLock::new();
+    B.get_or_init(|| Arc::new(CudaBackend::new(0).expect("CUDA device 0"))).clone()
+}
+
+fn cuda_host_launches() -> Arc<CudaBackend> {
+    static B: OnceLock<Arc<CudaBackend>> = OnceLock::new();
+    B.get_or_init(|| Arc::new(CudaBackend::without_graphs(0).expect("CUDA device 0"))).clone()
+}
+
+fn cpu() -> Arc<CpuBackend> {
+    static B: OnceLock<Arc<CpuBackend>> = OnceLock::new();
+    B.get_or_init(|| Arc::new(CpuBackend::new(0))).clone()
+}
+
+/// A small Gemma 3 shape: 7 layers (layer 5 global), a window of 8 (the ring wraps in decode).
+fn small_shape() -> Gemma3Shape {
+    Gemma3Shape { hidden: 512, layers: 7, q_heads: 4, kv_heads: 2, head_dim: 128, ffn: 1024, vocab: 1000, window: 8, context: 256 }
+}
+
+/// Writes `m` to a temporary file and loads it on `backend` (the mapping outlives the file).
+fn load(m: &SynthModel, backend: Arc<dyn Backend>) -> Model {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let path = std::env::temp_dir().join(format!("kiln-cuda-test-{}-{}.gguf", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
+    m.write(&path).unwrap();
+    let model = Model::load(&path, backend, EngineConfig { threads: 0, context: 256, ..Default::default() });
+    std::fs::remove_file(&path).unwrap();
+    model.unwrap()
+}
+
+fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let err: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>().sqrt();
+    let norm: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum::<f64>().sqrt();
+    err / norm
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b }) as u32
+}
+
+fn logits(s: &mut Session<'_>, tokens: &[u32]) -> Vec<f32> {
+    match s.forward(tokens, OutputMode::Logits).unwrap() {
+        StepOutput::Logits(v) => v,
+        other => panic!("expected logits, got {other:?}"),
+    }
+}
+
+fn next_token(s: &mut Session<'_>, tokens: &[u32]) -> u32 {
+    match s.forward(tokens, OutputMode::NextToken).unwrap() {
+        StepOutput::Token(t) => t,
+        other => panic!("expected a token, got {other:?}"),
+    }
+}
+
+fn prompt(n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|i| 4 + ((i * 7919 + 13) % (vocab - 4)) as u32).collect()
+}
+
+/// CPU and CUDA (graphs and host launches) agree on a model whose matrices are all `ty`: prefill
+/// through cuBLAS (20 rows) and the matrix-vector kernels (5 rows), then decode steps past the window.
+fn matches_cpu(ty: GgmlType) {
+    let m = gemma3(&small_shape(), FormatMix::All(ty), 42);
+    let (c, g, h) = (load(&m, cpu()), load(&m, cuda()), load(&m, cuda_host_launches()));
+    for n in [20, 5] {
+        let p = prompt(n, 1000);
+        let (mut sc, mut sg, mut sh) = (c.new_session().unwrap(), g.new_session().unwrap(), h.new_session().unwrap());
+        let want = logits(&mut sc, &p);
+        for (name, s) in [("graphs", &mut sg), ("host launches", &mut sh)] {
+            let got = logits(s, &p);
+            let e = rel_l2(&got, &want);
+            assert!(e < 1e-3, "{ty:?} prefill {n} ({name}): relative L2 {e:.2e}");
+        }
+        let mut tok = argmax(&want);
+        for step in 0..12 {
+            let want = logits(&mut sc, &[tok]);
+            for (name, s) in [("graphs", &mut sg), ("host launches", &mut sh)] {
+                let got = logits(s, &[tok]);
+                let e = rel_l2(&got, &want);
+                assert!(e < 1e-3, "{ty:?} decode step {step} after {n} ({name}): relative L2 {e:.2e}");
+            }
+            tok = argmax(&want);
+        }
+        println!("{ty:?}: CUDA matches the CPU after a prefill of {n} and 12 decode steps");
+    }
+}
+
+macro_rules! formats {
+    ($($name:ident => $ty:expr),*) => {$(
+        #[test]
+        #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+        fn $name() {
+            matches_cpu($ty);
+        }
+    )*};
+}
+
+formats!(
+    f32_matches_cpu => GgmlType::F32,
+    f16_matches_cpu => GgmlType::F16,
+    bf16_matches_cpu => GgmlType::BF16,
+    q4_0_matches_cpu => GgmlType::Q4_0,
+    q4_1_matches_cpu => GgmlType::Q4_1,
+    q5_0_matches_cpu => GgmlType::Q5_0,
+    q5_1_matches_cpu => GgmlType::Q5_1,
+    q8_0_matches_cpu => GgmlType::Q8_0,
+    q2_k_matches_cpu => GgmlType::Q2_K,
+    q3_k_matches_cpu => GgmlType::Q3_K,
+    q4_k_matches_cpu => GgmlType::Q4_K,
+    q5_k_matches_cpu => GgmlType::Q5_K,
+    q6_k_matches_cpu => GgmlType::Q6_K
+);
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+fn q4_k_m_mix_greedy_tokens_match_cpu() {
+    let m = gemma3(&small_shape(), FormatMix::Q4KM, 7);
+    let (c, g) = (load(&m, cpu()), load(&m, cuda()));
+    let (mut sc, mut sg) = (c.new_session().unwrap(), g.new_session().unwrap());
+    let p = prompt(9, 1000);
+    let (mut tc, mut tg) = (next_token(&mut sc, &p), next_token(&mut sg, &p));
+    for _ in 0..40 {
+        assert_eq!(tc, tg);
+        tc = next_token(&mut sc, &[tc]);
+        tg = next_token(&mut sg, &[tg]);
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+fn a_second_session_replays_correctly_and_reset_reuses_the_cache() {
+    let m = gemma3(&small_shape(), FormatMix::Q4KM, 9);
+    let (c, g) = (load(&m, cpu()), load(&m, cuda()));
+    let p = prompt(6, 1000);
+    let mut sc = c.new_session().unwrap();
+    let mut want = vec![next_token(&mut sc, &p)];
+    for _ in 0..10 {
+        let t = next_token(&mut sc, &[*want.last().unwrap()]);
+        want.push(t);
+    }
+    // Two sessions interleaved (two KV caches through the same plans), then one reset and rerun.
+    let (mut a, mut b) = (g.new_session().unwrap(), g.new_session().unwrap());
+    let (mut ta, mut tb) = (vec![next_token(&mut a, &p)], vec![next_token(&mut b, &p)]);
+    for _ in 0..10 {
+        let x = next_token(&mut a, &[*ta.last().unwrap()]);
+        ta.push(x);
+        let y = next_token(&mut b, &[*tb.last().unwrap()]);
+        tb.push(y);
+    }
+    assert_eq!(ta, want);
+    assert_eq!(tb, want);
+    a.reset();
+    let mut again = vec![next_token(&mut a, &p)];
+    for _ in 0..10 {
+        let x = next_token(&mut a, &[*again.last().unwrap()]);
+        again.push(x);
+    }
+    assert_eq!(again, want);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+fn bad_input_is_a_clear_error() {
+    let m = gemma3(&small_shape(), FormatMix::Q4KM, 3);
+    let g = load(&m, cuda());
+    let mut s = g.new_session().unwrap();
+    let e = s.forward(&[5, 1000], OutputMode::Logits).unwrap_err().to_string();
+    assert!(e.contains("1000") && e.contains("vocabulary"), "{e}");
+    // A format the CUDA kernels cannot read is named when the plan is prepared.
+    let bad = gemma3(&small_shape(), FormatMix::All(GgmlType::Q8_K), 3);
+    let g = load(&bad, cuda());
+    let e = g.new_session().unwrap().forward(&[5, 6], OutputMode::Logits).unwrap_err().to_string();
+    assert!(e.contains("Q8_K"), "{e}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+fn read_bandwidth_is_measured() {
+    let b = cuda().read_bandwidth(1 << 30, 5).unwrap();
+    println!("device-memory read bandwidth: {:.0} GB/s", b / 1e9);
+    assert!(b > 1e11, "{b}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The default model against the reference
+// ---------------------------------------------------------------------------------------------
+
+fn refs() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/refs"))
+}
+
+fn default_models() -> &'static (Model, Model) {
+    static M: OnceLock<(Model, Model)> = OnceLock::new();
+    M.get_or_init(|| {
+        let path = kiln_hub::ensure_default_model().expect("default model");
+        let load = |b: Arc<dyn Backend>| Model::load(&path, b, EngineConfig::default()).expect("load model");
+        (load(cuda()), load(cpu()))
+    })
+}
+
+fn read_npy_f32(path: &std::path::Path) -> Vec<f32> {
+    let bytes = std::fs::read(path).expect("npy file");
+    assert_eq!(&bytes[..6], b"\x93NUMPY", "not an npy file");
+    let (header_len, start) = match bytes[6] {
+        1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
+        _ => (u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize, 12),
+    };
+    bytes[start + header_len..].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().expect("id array").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+}
+
+fn check_prompt(name: &str) {
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(refs().join(format!("{name}.json"))).unwrap()).unwrap();
+    let (g, c) = default_models();
+    let p = ids(&r["input_ids"]);
+    let got = logits(&mut g.new_session().unwrap(), &p);
+    let cpu = logits(&mut c.new_session().unwrap(), &p);
+    let want = read_npy_f32(&refs().join(format!("{name}_last_logits.npy")));
+    let (e_cpu, e_ref) = (rel_l2(&got, &cpu), rel_l2(&got, &want));
+    println!("{name}: {} tokens, CUDA vs CPU relative L2 {e_cpu:.2e}, vs reference {e_ref:.2e}", p.len());
+    assert!(e_cpu < 1e-2 && e_ref < 1e-2, "{name}: relative L2 {e_cpu} (CPU), {e_ref} (reference)");
+    assert_eq!(argmax(&got), argmax(&cpu), "{name}: top-1 vs CPU");
+    assert_eq!(argmax(&got), argmax(&want), "{name}: top-1 vs reference");
+
+    let greedy = &r["greedy"];
+    let want_ids = ids(&greedy["ids"]);
+    let steps = greedy["steps"].as_array().unwrap();
+    let trusted = steps.iter().position(|st| st["gap_top1_top2"].as_f64().unwrap() < 5e-2).unwrap_or(steps.len());
+    let mut s = g.new_session().unwrap();
+    let mut out = vec![next_token(&mut s, &p)];
+    while out.len() < trusted {
+        let t = next_token(&mut s, &[*out.last().unwrap()]);
+        out.push(t);
+    }
+    out.truncate(trusted);
+    assert_eq!(out, want_ids[..trusted], "{name}: greedy continuation (first {trusted} steps)");
+    println!("{name}: greedy continuation matches the reference for {trusted} steps");
+}
+
+macro_rules! prompts {
+    ($($name:ident),*) => {$(
+        #[test]
+        #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+        fn $name() {
+            check_prompt(stringify!($name));
+        }
+    )*};
+}
+
+prompts!(p0, p1, p2, p3, p4, p5, p6, p7, p8, long);
