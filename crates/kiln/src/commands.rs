@@ -9,7 +9,6 @@ use anyhow::{bail, Context, Result};
 use kiln_cpu::CpuBackend;
 use kiln_gguf::GgufFile;
 use kiln_models::{generate, GenerateParams, Generation, Model, OutputMode, SamplingParams, Session, StepOutput, TextControl};
-use kiln_quant::GgmlType;
 use kiln_runtime::Backend;
 use kiln_tokenizer::{gemma_chat_prompt, ChatMessage, Tokenizer};
 use serde_json::json;
@@ -294,28 +293,9 @@ fn synth(a: SynthArgs) -> Result<()> {
     let Some(shape) = Gemma3Shape::preset(&a.preset) else {
         bail!("unknown preset '{}' (expected one of {})", a.preset, Gemma3Shape::PRESETS.join(", "));
     };
-    let mix = if a.formats.eq_ignore_ascii_case("q4_k_m") {
-        FormatMix::Q4KM
-    } else {
-        let supported = [
-            GgmlType::F32,
-            GgmlType::F16,
-            GgmlType::BF16,
-            GgmlType::Q4_0,
-            GgmlType::Q4_1,
-            GgmlType::Q5_0,
-            GgmlType::Q5_1,
-            GgmlType::Q8_0,
-            GgmlType::Q2_K,
-            GgmlType::Q3_K,
-            GgmlType::Q4_K,
-            GgmlType::Q5_K,
-            GgmlType::Q6_K,
-        ];
-        match supported.into_iter().find(|t| t.name().eq_ignore_ascii_case(&a.formats)) {
-            Some(t) => FormatMix::All(t),
-            None => bail!("unknown formats '{}' (expected q4_k_m or one of f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k, q6_k)", a.formats),
-        }
+    let Some(mix) = FormatMix::parse(&a.formats) else {
+        let names: Vec<String> = FormatMix::single_formats().map(|t| t.name().to_ascii_lowercase()).collect();
+        bail!("unknown formats '{}' (expected q4_k_m or one of {})", a.formats, names.join(", "));
     };
     let t = std::time::Instant::now();
     let model = gemma3(&shape, mix, a.seed);

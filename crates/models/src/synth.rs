@@ -244,6 +244,20 @@ pub enum FormatMix {
 }
 
 impl FormatMix {
+    /// Formats a synthetic model can use for all its matrices: every format kiln dequantizes but
+    /// Q8_K (an activation format that no GGUF file stores weights in).
+    pub fn single_formats() -> impl Iterator<Item = GgmlType> {
+        GgmlType::ALL.iter().copied().filter(|t| t.can_dequantize() && *t != GgmlType::Q8_K)
+    }
+
+    /// Parses `q4_k_m` or the name of one of [`FormatMix::single_formats`] (any case).
+    pub fn parse(name: &str) -> Option<FormatMix> {
+        if name.eq_ignore_ascii_case("q4_k_m") {
+            return Some(FormatMix::Q4KM);
+        }
+        FormatMix::single_formats().find(|t| t.name().eq_ignore_ascii_case(name)).map(FormatMix::All)
+    }
+
     fn pick(self, want: GgmlType, k: usize) -> GgmlType {
         let ty = match self {
             FormatMix::Q4KM => want,
@@ -326,22 +340,7 @@ mod tests {
     #[test]
     fn random_blocks_dequantize_to_finite_values_of_the_asked_magnitude() {
         let mut rng = SynthRng(7);
-        for ty in [
-            GgmlType::F32,
-            GgmlType::F16,
-            GgmlType::BF16,
-            GgmlType::Q4_0,
-            GgmlType::Q4_1,
-            GgmlType::Q5_0,
-            GgmlType::Q5_1,
-            GgmlType::Q8_0,
-            GgmlType::Q2_K,
-            GgmlType::Q3_K,
-            GgmlType::Q4_K,
-            GgmlType::Q5_K,
-            GgmlType::Q6_K,
-            GgmlType::Q8_K,
-        ] {
+        for ty in GgmlType::ALL.iter().copied().filter(|t| t.can_dequantize()) {
             let (k, rows) = (512, 16);
             let data = random_blocks(&mut rng, ty, k, rows, 0.1);
             let mut v = vec![0f32; k * rows];
