@@ -1,7 +1,7 @@
 //! The fast greedy head over a large vocabulary: a 4-bit (Q4_0) copy of the output matrix, made
 //! once per weight, scores every row at under half the memory traffic; the [`CANDIDATES`] best
-//! rows per activation row are then rescored with the real weights by the 8-bit kernel, and the
-//! best of those is the answer. The result equals the full 8-bit argmax unless the true best row
+//! rows per activation row are then rescored with the real weights by the fast kernel, and the
+//! best of those is the answer. The result equals the full fast argmax unless the true best row
 //! is not among the 4-bit scores' top [`CANDIDATES`], which quantization noise of the 4-bit copy
 //! (a few hundredths of a logit) cannot cause in practice.
 
@@ -19,8 +19,8 @@ pub const CANDIDATES: usize = 64;
 /// Fewest weight rows for which a screening copy pays off (a vocabulary-sized head).
 pub const MIN_ROWS: usize = 32768;
 
-/// Most activation rows screened at once (decode and the last prompt row).
-pub const MAX_ACT_ROWS: usize = 4;
+/// Most activation rows screened at once (decode of up to this many sequences, the last prompt row).
+pub const MAX_ACT_ROWS: usize = 16;
 
 /// Rows read between two calls of `release` while making a copy.
 const RELEASE_ROWS: usize = 1024;
@@ -78,13 +78,13 @@ impl TopK {
     }
 }
 
-/// `out[r] = argmax_j q8(x[r]) · w[j]` through the screening copy `screen` of `w` (see the module
+/// `out[r] = argmax_j q16(x[r]) · w[j]` through the screening copy `screen` of `w` (see the module
 /// doc); `-1` for a row with a non-finite value.
 pub fn argmax(
     pool: &ThreadPool,
     isa: Isa,
     acts: &QuantizedRows,
-    acts4: &QuantizedRows,
+    acts32: &QuantizedRows,
     w: &PackedMatrix<'_>,
     screen: &PackedMatrix<'_>,
     out: &mut [i32],
@@ -99,7 +99,7 @@ pub fn argmax(
         let range = t * chunk..((t + 1) * chunk).min(n);
         // SAFETY: entries t * rows .. (t + 1) * rows belong to task t only.
         let mine = unsafe { std::slice::from_raw_parts_mut(tp.ptr().add(t * rows), rows) };
-        products(isa, screen, acts4, range, |r, j, v| {
+        products(isa, screen, acts32, range, |r, j, v| {
             if v.is_finite() {
                 mine[r].0.push(v, j);
             } else {
