@@ -201,24 +201,14 @@ pub fn wants_screening_copy(w: &PackedMatrix<'_>) -> bool {
 
 /// `out[r] = argmax_j q16(x[r, :]) · w[j, :]` (lowest index among equal maxima), without storing
 /// the products; `-1` when any product is not finite. `w` must be a fast format. With `screen`
-/// (w's Q4_0 copy, from [`make_screening_copy`]) and at most a few rows, only the copy's best
+/// (the bytes of w's screening copy, from [`make_screening_copy`]) and at most a few rows, only the copy's best
 /// candidates are scored with `w` (see `screen`).
-pub fn matmul_argmax(
-    pool: &ThreadPool,
-    isa: Isa,
-    x: &[f32],
-    rows: usize,
-    w: &PackedMatrix<'_>,
-    screen: Option<&PackedMatrix<'_>>,
-    out: &mut [i32],
-) {
+pub fn matmul_argmax(pool: &ThreadPool, isa: Isa, x: &[f32], rows: usize, w: &PackedMatrix<'_>, screen: Option<&[u8]>, out: &mut [i32]) {
     let (k, n) = (w.k, w.n);
     let fam = family(w.ty).expect("a fast format");
     let acts = QuantizedRows::new(pool, isa, &x[..rows * k], rows, k, fam);
     if let Some(screen) = screen.filter(|_| rows <= screen::MAX_ACT_ROWS) {
-        // The Q4_0 copy takes 32-block activations, which a 32-block head shares.
-        let acts32 = (fam != Family::Legacy).then(|| QuantizedRows::new(pool, isa, &x[..rows * k], rows, k, Family::Legacy));
-        screen::argmax(pool, isa, &acts, acts32.as_ref().unwrap_or(&acts), w, screen, out);
+        screen::argmax(pool, isa, x, &acts, w, screen, out);
         return;
     }
     let tasks = (pool.threads() * 4).min(n.div_ceil(16)).max(1);

@@ -5,6 +5,7 @@ use std::arch::x86_64::*;
 
 use kiln_quant::GgmlType;
 
+use super::screen::GROUP_BLOCK_BYTES;
 use super::{scalar, ActRow, KBlock, KRowMut};
 
 #[inline]
@@ -244,6 +245,51 @@ pub unsafe fn k_rows<const R: usize>(ty: GgmlType, src: &[u8], a: [ActRow<'_>; R
     let mut out = [0f32; R];
     for r in 0..R {
         out[r] = hsum(acc[r]);
+    }
+    out
+}
+
+/// The 8 scores of one group of the screening copy (`nb` blocks; see `screen`) for `R` activation
+/// rows (8-bit levels, block scales, block offset terms), in the copy's lane order.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn screen_group<const R: usize>(grp: &[u8], nb: usize, a: [(&[i8], &[f32], &[f32]); R]) -> [[f32; 8]; R] {
+    assert!(grp.len() == nb * GROUP_BLOCK_BYTES && a.iter().all(|(q, d, o)| q.len() == 32 * nb && d.len() == nb && o.len() == nb));
+    let (m4, ones) = (_mm256_set1_epi8(15), _mm256_set1_epi16(1));
+    let mut acc = [_mm256_setzero_ps(); R];
+    for b in 0..nb {
+        let p = grp.as_ptr().add(b * GROUP_BLOCK_BYTES);
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+        let mut lo_act = [_mm256_setzero_si256(); R];
+        let mut hi_act = [_mm256_setzero_si256(); R];
+        for r in 0..R {
+            let ap = a[r].0.as_ptr().add(32 * b);
+            lo_act[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(ap as *const __m128i));
+            hi_act[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(ap.add(16) as *const __m128i));
+        }
+        // Two rows per register: row 2i in the low 128 bits, row 2i + 1 in the high ones.
+        let mut sums = [[_mm256_setzero_si256(); R]; 4];
+        for (i, pair) in sums.iter_mut().enumerate() {
+            let v = _mm256_loadu_si256(p.add(16 + 32 * i) as *const __m256i);
+            let lo = _mm256_and_si256(v, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            for r in 0..R {
+                // At most 2 · 2 · 15 · 127 per 16-bit lane.
+                let p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, lo_act[r]), _mm256_maddubs_epi16(hi, hi_act[r]));
+                pair[r] = _mm256_madd_epi16(p16, ones);
+            }
+        }
+        for r in 0..R {
+            // Lanes: rows 0, 2, 4, 6, 1, 3, 5, 7 (LANE_ROW).
+            let h01 = _mm256_hadd_epi32(sums[0][r], sums[1][r]);
+            let h = _mm256_hadd_epi32(h01, _mm256_hadd_epi32(sums[2][r], sums[3][r]));
+            let da = _mm256_set1_ps(*a[r].1.get_unchecked(b));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(dw, da), acc[r]);
+            acc[r] = _mm256_fmadd_ps(dw, _mm256_set1_ps(*a[r].2.get_unchecked(b)), acc[r]);
+        }
+    }
+    let mut out = [[0f32; 8]; R];
+    for r in 0..R {
+        _mm256_storeu_ps(out[r].as_mut_ptr(), acc[r]);
     }
     out
 }

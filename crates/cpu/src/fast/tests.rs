@@ -204,8 +204,7 @@ fn non_finite_products_give_minus_one() {
             matmul_argmax(&pool, isa, &x, 1, &m, None, &mut out);
             assert_eq!(out, [-1], "{isa:?} {bad}");
             let copy = make_screening_copy(&pool, &m, &|_| {});
-            let screen = PackedMatrix::from_bytes(&copy, GgmlType::Q4_0, k, 4);
-            matmul_argmax(&pool, isa, &x, 1, &m, Some(&screen), &mut out);
+            matmul_argmax(&pool, isa, &x, 1, &m, Some(&copy), &mut out);
             assert_eq!(out, [-1], "{isa:?} {bad} screened");
         }
     }
@@ -224,14 +223,13 @@ fn screened_argmax_equals_the_full_one() {
             released.fetch_add(b.len(), std::sync::atomic::Ordering::Relaxed);
         });
         assert_eq!(released.into_inner(), packed.len(), "every byte read is handed to release once");
-        let screen = PackedMatrix::from_bytes(&copy, GgmlType::Q4_0, k, n);
         for rows in 1..=screen::MAX_ACT_ROWS {
             let x = rng.vec(rows * k);
             for isa in Isa::supported() {
                 for pool in &pools {
                     let (mut full, mut screened) = (vec![0i32; rows], vec![0i32; rows]);
                     matmul_argmax(pool, isa, &x, rows, &m, None, &mut full);
-                    matmul_argmax(pool, isa, &x, rows, &m, Some(&screen), &mut screened);
+                    matmul_argmax(pool, isa, &x, rows, &m, Some(&copy), &mut screened);
                     assert_eq!(screened, full, "{ty} n={n} rows={rows} {isa:?} threads={}", pool.threads());
                 }
             }
@@ -265,6 +263,38 @@ fn extreme_levels_and_scales_do_not_overflow() {
                 matmul(&pool, isa, &x, 1, &m, &mut out);
                 assert!((f64::from(out[0]) - want).abs() <= 1e-5 * want.abs(), "{ty} {isa:?}: {} want {want}", out[0]);
             }
+        }
+    }
+}
+
+#[test]
+fn simd_screen_scores_equal_the_scalar_ones() {
+    let mut rng = Rng(0x005e_ed0f_5c12);
+    let (k, n) = (96, 13);
+    let packed = quantize(GgmlType::Q8_0, &rng.vec(k * n)).unwrap();
+    let m = PackedMatrix::from_bytes(&packed, GgmlType::Q8_0, k, n);
+    let copy = make_screening_copy(&ThreadPool::new(1), &m, &|_| {});
+    let x = rng.vec(3 * k);
+    let acts = screen::ScreenActs::new(&x, 3, k);
+    let group = &copy[..k / 32 * screen::GROUP_BLOCK_BYTES];
+    let scores: Vec<[[f32; 8]; 3]> =
+        Isa::supported().into_iter().map(|isa| screen::group_scores(isa, group, k / 32, std::array::from_fn(|r| acts.row(r)))).collect();
+    // The scalar scores, lane by lane, are the products of the rows' Q4_0 forms with the 8-bit activations.
+    for (r, lanes) in scores[0].iter().enumerate() {
+        let (qs, d, _) = acts.row(r);
+        for (lane, &v) in lanes.iter().enumerate() {
+            let row = screen::LANE_ROW[lane];
+            let mut w = vec![0f32; k];
+            dequantize(GgmlType::Q8_0, m.row(row), &mut w).unwrap();
+            dequantize(GgmlType::Q4_0, &quantize(GgmlType::Q4_0, &w).unwrap(), &mut w).unwrap();
+            let terms: Vec<f64> = (0..k).map(|i| f64::from(w[i]) * f64::from(d[i / 32] * f32::from(qs[i]))).collect();
+            let (want, mag) = (terms.iter().sum::<f64>(), terms.iter().map(|t| t.abs()).sum::<f64>());
+            assert!((f64::from(v) - want).abs() <= 1e-5 * mag, "row {row} act {r}: {v} vs {want}");
+        }
+    }
+    for s in &scores[1..] {
+        for (a, b) in s.iter().flatten().zip(scores[0].iter().flatten()) {
+            assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{a} vs scalar {b}");
         }
     }
 }
