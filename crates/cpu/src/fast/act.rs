@@ -24,7 +24,7 @@ impl Family {
     /// The largest activation level of this family's blocks.
     pub fn act_max(self) -> f32 {
         match self {
-            // A K-quant super-block sums 32 products per 32-bit lane of up to 8064 · 8191 each.
+            // A K-quant super-block sums 32 products per 32-bit lane of up to 4096 · 8191 each (with room to spare).
             Family::KQuant => 8191.0,
             Family::Legacy => 32767.0,
         }

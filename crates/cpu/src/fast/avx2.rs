@@ -6,7 +6,7 @@ use std::arch::x86_64::*;
 use kiln_quant::GgmlType;
 
 use super::screen::GROUP_BLOCK_BYTES;
-use super::{scalar, ActRow, KBlock, KRowMut};
+use super::{scalar, ActRow, KBlock};
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -149,71 +149,91 @@ unsafe fn legacy_rows_of<const T: u8, const R: usize>(src: &[u8], bytes: usize, 
     out
 }
 
-/// Unpacks one row of a K-quant: Q4_K and Q6_K levels with SIMD, the others with the portable code.
+/// Decoder selectors of the K-quants (const generic parameters of [`k_rows_of`]); the others
+/// (Q2_K, Q3_K) are unpacked onto the stack by the portable code.
+const DEC_Q4_K: u8 = 0;
+const DEC_Q5_K: u8 = 1;
+const DEC_Q6_K: u8 = 2;
+const DEC_STACK: u8 = 3;
+
+/// Products of one packed K-quant row with `R` activation rows.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn unpack_k(ty: GgmlType, src: &[u8], out: KRowMut<'_>) {
-    let bytes = ty.type_size();
-    let nb = out.d.len();
-    assert!(src.len() == bytes * nb && out.q.len() == 256 * nb && out.sc.len() == 16 * nb && out.corr.len() == 16 * nb);
+pub unsafe fn k_rows<const R: usize>(ty: GgmlType, src: &[u8], a: [ActRow<'_>; R]) -> [f32; R] {
     match ty {
-        GgmlType::Q4_K => {
-            let m = _mm256_set1_epi8(15);
-            for i in 0..nb {
-                let b = &src[i * bytes..(i + 1) * bytes];
-                out.d[i] = f16_load(b.as_ptr().add(0));
-                out.dcorr[i] = f16_load(b.as_ptr().add(2));
-                let (s, mn) = kiln_quant::unpack_scale_min_k4(&b[4..16]);
-                for g in 0..16 {
-                    out.sc[16 * i + g] = i16::from(s[g / 2]);
-                    out.corr[16 * i + g] = i16::from(mn[g / 2]);
-                }
-                let qo = out.q.as_mut_ptr().add(256 * i);
-                for j in 0..4 {
-                    let v = _mm256_loadu_si256(b.as_ptr().add(16 + 32 * j) as *const __m256i);
-                    _mm256_storeu_si256(qo.add(64 * j) as *mut __m256i, _mm256_and_si256(v, m));
-                    _mm256_storeu_si256(qo.add(64 * j + 32) as *mut __m256i, _mm256_and_si256(_mm256_srli_epi16(v, 4), m));
-                }
-            }
-        }
-        GgmlType::Q6_K => {
-            let m4 = _mm256_set1_epi8(15);
-            let (m2, m2b, m30) = (_mm256_set1_epi8(3), _mm256_set1_epi8(12), _mm256_set1_epi8(0x30));
-            for i in 0..nb {
-                let b = &src[i * bytes..(i + 1) * bytes];
-                out.d[i] = f16_load(b.as_ptr().add(208));
-                out.dcorr[i] = out.d[i];
-                for g in 0..16 {
-                    let s = i16::from(b[192 + g] as i8);
-                    out.sc[16 * i + g] = s;
-                    out.corr[16 * i + g] = 32 * s;
-                }
-                for n in 0..2 {
-                    let p = b.as_ptr();
-                    let ql0 = _mm256_loadu_si256(p.add(64 * n) as *const __m256i);
-                    let ql1 = _mm256_loadu_si256(p.add(64 * n + 32) as *const __m256i);
-                    let h = _mm256_loadu_si256(p.add(128 + 32 * n) as *const __m256i);
-                    let o0 = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4));
-                    let o1 = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2b), 2));
-                    let o2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(h, m30));
-                    let o3 =
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
-                    let qo = out.q.as_mut_ptr().add(256 * i + 128 * n);
-                    _mm256_storeu_si256(qo as *mut __m256i, o0);
-                    _mm256_storeu_si256(qo.add(32) as *mut __m256i, o1);
-                    _mm256_storeu_si256(qo.add(64) as *mut __m256i, o2);
-                    _mm256_storeu_si256(qo.add(96) as *mut __m256i, o3);
-                }
-            }
-        }
-        _ => scalar::unpack_k(ty, src, out),
+        GgmlType::Q4_K => k_rows_of::<DEC_Q4_K, R>(ty, src, a),
+        GgmlType::Q5_K => k_rows_of::<DEC_Q5_K, R>(ty, src, a),
+        GgmlType::Q6_K => k_rows_of::<DEC_Q6_K, R>(ty, src, a),
+        _ => k_rows_of::<DEC_STACK, R>(ty, src, a),
     }
 }
 
-/// Products of one packed K-quant row with `R` activation rows: each super-block is unpacked onto
-/// the stack, every 16 levels times their integer scale (at most 8064 in magnitude) are multiplied
-/// with the activations by `madd`, and the corrections are applied with the activations' 16-sums.
+/// 32 unsigned bytes widened to two vectors of 16 `i16`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn widen_u8(v: __m256i) -> [__m256i; 2] {
+    [_mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1))]
+}
+
+/// The levels of elements `64c..64c + 64` of the super-block at `p` (format `T`) as four vectors of
+/// 16 `i16`: unsigned for Q4_K, Q5_K and the stack-unpacked formats (`w.q`), `q - 32` for Q6_K.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn k_levels<const T: u8>(p: *const u8, c: usize, w: &KBlock) -> [__m256i; 4] {
+    let m4 = _mm256_set1_epi8(15);
+    let (a, b) = match T {
+        DEC_Q4_K | DEC_Q5_K => {
+            let qs = if T == DEC_Q5_K { 48 } else { 16 };
+            let v = _mm256_loadu_si256(p.add(qs + 32 * c) as *const __m256i);
+            let (mut lo, mut hi) = (_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+            if T == DEC_Q5_K {
+                // Fifth bits: bit 2c of qh[l] for element 64c + l, bit 2c + 1 for 64c + 32 + l.
+                let qh = _mm256_loadu_si256(p.add(16) as *const __m256i);
+                let sixteen = _mm256_set1_epi8(16);
+                let (bl, bh) = (_mm256_set1_epi8((1u8 << (2 * c)) as i8), _mm256_set1_epi8((2u8 << (2 * c)) as i8));
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bl), bl), sixteen));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bh), bh), sixteen));
+            }
+            (lo, hi)
+        }
+        DEC_Q6_K => {
+            let n = c / 2;
+            let ql0 = _mm256_loadu_si256(p.add(64 * n) as *const __m256i);
+            let ql1 = _mm256_loadu_si256(p.add(64 * n + 32) as *const __m256i);
+            let h = _mm256_loadu_si256(p.add(128 + 32 * n) as *const __m256i);
+            if c % 2 == 0 {
+                let (m2, m2b) = (_mm256_set1_epi8(3), _mm256_set1_epi8(12));
+                (
+                    _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4)),
+                    _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2b), 2)),
+                )
+            } else {
+                let m30 = _mm256_set1_epi8(0x30);
+                (
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(h, m30)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30)),
+                )
+            }
+        }
+        _ => (
+            _mm256_loadu_si256(w.q.as_ptr().add(64 * c) as *const __m256i),
+            _mm256_loadu_si256(w.q.as_ptr().add(64 * c + 32) as *const __m256i),
+        ),
+    };
+    let ([a0, a1], [b0, b1]) = (widen_u8(a), widen_u8(b));
+    if T == DEC_Q6_K {
+        let off = _mm256_set1_epi16(32);
+        [_mm256_sub_epi16(a0, off), _mm256_sub_epi16(a1, off), _mm256_sub_epi16(b0, off), _mm256_sub_epi16(b1, off)]
+    } else {
+        [a0, a1, b0, b1]
+    }
+}
+
+/// [`k_rows`] for decoder `T`: per super-block the scales (and corrections) are read into `w`,
+/// every 16 levels times their integer scale (at most 4096 in magnitude: Q6_K) are multiplied with the
+/// activations by `madd`, and the corrections are applied with the activations' 16-sums.
+#[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn k_rows<const R: usize>(ty: GgmlType, src: &[u8], a: [ActRow<'_>; R]) -> [f32; R] {
+unsafe fn k_rows_of<const T: u8, const R: usize>(ty: GgmlType, src: &[u8], a: [ActRow<'_>; R]) -> [f32; R] {
     let bytes = ty.type_size();
     let nb = src.len() / bytes;
     assert!(src.len() == bytes * nb);
@@ -221,19 +241,48 @@ pub unsafe fn k_rows<const R: usize>(ty: GgmlType, src: &[u8], a: [ActRow<'_>; R
     let mut w = KBlock::default();
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..nb {
-        unpack_k(ty, src.get_unchecked(b * bytes..(b + 1) * bytes), w.as_mut());
-        let mut iacc = [_mm256_setzero_si256(); R];
-        for g in 0..16 {
-            let q = _mm256_cvtepu8_epi16(_mm_loadu_si128(w.q.as_ptr().add(16 * g) as *const __m128i));
-            let wv = _mm256_mullo_epi16(q, _mm256_set1_epi16(w.sc[g]));
-            for r in 0..R {
-                let aq = _mm256_loadu_si256(a[r].qs.as_ptr().add(256 * b + 16 * g) as *const __m256i);
-                iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(wv, aq));
+        let p = src.as_ptr().add(b * bytes);
+        match T {
+            DEC_Q4_K | DEC_Q5_K => {
+                w.d[0] = f16_load(p);
+                w.dcorr[0] = f16_load(p.add(2));
+                let (sc, m) = kiln_quant::unpack_scale_min_k4(std::slice::from_raw_parts(p.add(4), 12));
+                for g in 0..16 {
+                    w.sc[g] = i16::from(sc[g / 2]);
+                    w.corr[g] = i16::from(m[g / 2]);
+                }
             }
+            DEC_Q6_K => {
+                w.d[0] = f16_load(p.add(208));
+                for g in 0..16 {
+                    w.sc[g] = i16::from(*p.add(192 + g) as i8);
+                }
+            }
+            _ => scalar::unpack_k(ty, std::slice::from_raw_parts(p, bytes), w.as_mut()),
+        }
+        let mut iacc = [_mm256_setzero_si256(); R];
+        for c in 0..4 {
+            let lv = k_levels::<T>(p, c, &w);
+            for (i, &l) in lv.iter().enumerate() {
+                let wv = _mm256_mullo_epi16(l, _mm256_set1_epi16(w.sc[4 * c + i]));
+                for r in 0..R {
+                    let aq = _mm256_loadu_si256(a[r].qs.as_ptr().add(256 * b + 64 * c + 16 * i) as *const __m256i);
+                    iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(wv, aq));
+                }
+            }
+        }
+        let dw = _mm256_set1_ps(w.d[0]);
+        if T == DEC_Q6_K {
+            // Signed levels: no correction.
+            for r in 0..R {
+                let da = _mm256_broadcast_ss(a[r].d.get_unchecked(b));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]), _mm256_mul_ps(dw, da), acc[r]);
+            }
+            continue;
         }
         let c0 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(w.corr.as_ptr() as *const __m128i)));
         let c1 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(w.corr.as_ptr().add(8) as *const __m128i)));
-        let (dw, dc) = (_mm256_set1_ps(w.d[0]), _mm256_set1_ps(w.dcorr[0]));
+        let dc = _mm256_set1_ps(w.dcorr[0]);
         for r in 0..R {
             let sp = a[r].sums.as_ptr().add(16 * b);
             let corr = _mm256_fmadd_ps(c1, _mm256_loadu_ps(sp.add(8)), _mm256_mul_ps(c0, _mm256_loadu_ps(sp)));
