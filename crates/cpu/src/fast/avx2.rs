@@ -200,7 +200,7 @@ unsafe fn k_levels<const T: u8>(p: *const u8, c: usize, w: &KBlock) -> [__m256i;
             let ql0 = _mm256_loadu_si256(p.add(64 * n) as *const __m256i);
             let ql1 = _mm256_loadu_si256(p.add(64 * n + 32) as *const __m256i);
             let h = _mm256_loadu_si256(p.add(128 + 32 * n) as *const __m256i);
-            if c % 2 == 0 {
+            if c.is_multiple_of(2) {
                 let (m2, m2b) = (_mm256_set1_epi8(3), _mm256_set1_epi8(12));
                 (
                     _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4)),
