@@ -123,7 +123,7 @@ fn row_dot(isa: Isa, ty: GgmlType, fam: Family, src: &[u8], acts: &[ActRow<'_>])
     let mut out = [0f32; ROW_GROUP];
     macro_rules! call {
         ($r:literal) => {{
-            let a: [ActRow<'_>; $r] = std::array::from_fn(|i| acts[i]);
+            let a: &[ActRow<'_>; $r] = acts[..$r].try_into().expect("a group of $r rows");
             let res: [f32; $r] = match (fam, isa) {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: Avx2Fma is only chosen on CPUs that have it; row lengths agree.

@@ -109,7 +109,7 @@ unsafe fn f16_load(p: *const u8) -> f32 {
 
 /// Products of one packed Q4_0, Q5_0 or Q8_0 row with `R` Q8_0 activation rows.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn legacy_rows<const R: usize>(ty: GgmlType, src: &[u8], a: [ActRow<'_>; R]) -> [f32; R] {
+pub unsafe fn legacy_rows<const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R]) -> [f32; R] {
     match ty {
         GgmlType::Q4_0 => legacy_rows_of::<DEC_Q4_0, R>(src, ty.type_size(), a),
         GgmlType::Q5_0 => legacy_rows_of::<DEC_Q5_0, R>(src, ty.type_size(), a),
@@ -122,12 +122,14 @@ pub unsafe fn legacy_rows<const R: usize>(ty: GgmlType, src: &[u8], a: [ActRow<'
 /// (levels widened to 16 bits) and multiplied with every activation row by `madd`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy_rows_of<const T: u8, const R: usize>(src: &[u8], bytes: usize, a: [ActRow<'_>; R]) -> [f32; R] {
+unsafe fn legacy_rows_of<const T: u8, const R: usize>(src: &[u8], bytes: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
     let nb = src.len() / bytes;
     assert!(src.len() == bytes * nb && a.iter().all(|a| a.qs.len() == 32 * nb && a.d.len() == nb));
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut p = src.as_ptr();
-    for b in 0..nb {
+    // With one or two activation rows, even and odd blocks go to separate accumulators so the
+    // additions of consecutive blocks do not wait on each other.
+    let (mut acc, mut acc_odd) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
+    let block = |b: usize, acc: &mut [__m256; R]| {
+        let p = src.as_ptr().add(b * bytes);
         let dw = _mm256_set1_ps(f16_load(p));
         let wq = legacy_levels::<T>(p);
         let w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(wq));
@@ -140,7 +142,21 @@ unsafe fn legacy_rows_of<const T: u8, const R: usize>(src: &[u8], bytes: usize, 
             let scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(a[r].d.get_unchecked(b)));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), scale, acc[r]);
         }
-        p = p.add(bytes);
+    };
+    let mut b = 0;
+    if R <= 2 {
+        while b + 2 <= nb {
+            block(b, &mut acc);
+            block(b + 1, &mut acc_odd);
+            b += 2;
+        }
+    }
+    while b < nb {
+        block(b, &mut acc);
+        b += 1;
+    }
+    for r in 0..R {
+        acc[r] = _mm256_add_ps(acc[r], acc_odd[r]);
     }
     let mut out = [0f32; R];
     for r in 0..R {
@@ -158,7 +174,7 @@ const DEC_STACK: u8 = 3;
 
 /// Products of one packed K-quant row with `R` activation rows.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn k_rows<const R: usize>(ty: GgmlType, src: &[u8], a: [ActRow<'_>; R]) -> [f32; R] {
+pub unsafe fn k_rows<const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R]) -> [f32; R] {
     match ty {
         GgmlType::Q4_K => k_rows_of::<DEC_Q4_K, R>(ty, src, a),
         GgmlType::Q5_K => k_rows_of::<DEC_Q5_K, R>(ty, src, a),
@@ -233,7 +249,7 @@ unsafe fn k_levels<const T: u8>(p: *const u8, c: usize, w: &KBlock) -> [__m256i;
 /// activations by `madd`, and the corrections are applied with the activations' 16-sums.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn k_rows_of<const T: u8, const R: usize>(ty: GgmlType, src: &[u8], a: [ActRow<'_>; R]) -> [f32; R] {
+unsafe fn k_rows_of<const T: u8, const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R]) -> [f32; R] {
     let bytes = ty.type_size();
     let nb = src.len() / bytes;
     assert!(src.len() == bytes * nb);

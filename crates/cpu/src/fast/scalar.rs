@@ -122,12 +122,12 @@ pub fn unpack_k(ty: GgmlType, src: &[u8], out: KRowMut<'_>) {
 }
 
 /// Products of one packed 32-block row (Q4_0, Q5_0 or Q8_0) with `R` activation rows.
-pub fn legacy_rows<const R: usize>(ty: GgmlType, src: &[u8], a: [ActRow<'_>; R]) -> [f32; R] {
+pub fn legacy_rows<const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R]) -> [f32; R] {
     let mut out = [0f32; R];
     let (mut q, mut d) = ([0i8; 32], [0f32]);
     for (b, block) in src.chunks_exact(ty.type_size()).enumerate() {
         unpack_legacy(ty, block, &mut q, &mut d);
-        for (o, a) in out.iter_mut().zip(&a) {
+        for (o, a) in out.iter_mut().zip(a) {
             let aq = &a.qs[32 * b..32 * b + 32];
             let s: i32 = q.iter().zip(aq).map(|(&x, &y)| i32::from(x) * i32::from(y)).sum();
             *o += d[0] * a.d[b] * s as f32;
@@ -137,12 +137,12 @@ pub fn legacy_rows<const R: usize>(ty: GgmlType, src: &[u8], a: [ActRow<'_>; R])
 }
 
 /// Products of one packed K-quant row (Q2_K..Q6_K) with `R` activation rows.
-pub fn k_rows<const R: usize>(ty: GgmlType, src: &[u8], a: [ActRow<'_>; R]) -> [f32; R] {
+pub fn k_rows<const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R]) -> [f32; R] {
     let mut out = [0f32; R];
     let mut w = KBlock::default();
     for (b, block) in src.chunks_exact(ty.type_size()).enumerate() {
         unpack_k(ty, block, w.as_mut());
-        for (o, a) in out.iter_mut().zip(&a) {
+        for (o, a) in out.iter_mut().zip(a) {
             // The whole super-block's sum can pass i32 (the SIMD cores spread it over 8 lanes).
             let (mut s, mut c) = (0i64, 0f32);
             for g in 0..16 {
