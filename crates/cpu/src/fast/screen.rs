@@ -201,6 +201,11 @@ pub fn argmax(pool: &ThreadPool, isa: Isa, x: &[f32], acts: &QuantizedRows, w: &
                     ($r:literal) => {{
                         let a: [_; $r] = std::array::from_fn(|i| sa.row(r0 + i));
                         for (i, lanes) in group_scores::<$r>(isa, grp, nb, a).iter().enumerate() {
+                            // Most groups hold no candidate: one pass over the lanes skips them
+                            // (a NaN fails the comparison and is flagged below).
+                            if lanes.iter().all(|&v| v <= mine[r0 + i].0.floor) {
+                                continue;
+                            }
                             for (lane, &v) in lanes.iter().enumerate() {
                                 let j = g * GROUP + LANE_ROW[lane];
                                 if j >= n {
