@@ -13,6 +13,8 @@
 mod act;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 mod scalar;
 mod screen;
 
@@ -132,6 +134,12 @@ fn row_dot(isa: Isa, ty: GgmlType, fam: Family, src: &[u8], acts: &[ActRow<'_>])
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
                 (Family::KQuant, Isa::Avx2Fma) => unsafe { avx2::k_rows(ty, src, a) },
+                #[cfg(target_arch = "aarch64")]
+                // SAFETY: NEON is part of every aarch64 CPU; row lengths agree.
+                (Family::Legacy, Isa::Neon) => unsafe { neon::legacy_rows(ty, src, a) },
+                #[cfg(target_arch = "aarch64")]
+                // SAFETY: as above.
+                (Family::KQuant, Isa::Neon) => unsafe { neon::k_rows(ty, src, a) },
                 (Family::Legacy, _) => scalar::legacy_rows(ty, src, a),
                 (Family::KQuant, _) => scalar::k_rows(ty, src, a),
             };

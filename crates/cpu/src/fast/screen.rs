@@ -130,6 +130,9 @@ pub fn group_scores<const R: usize>(isa: Isa, grp: &[u8], nb: usize, a: [(&[i8],
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Avx2Fma is only chosen on CPUs that have it; lengths are checked inside.
         Isa::Avx2Fma => unsafe { super::avx2::screen_group(grp, nb, a) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: NEON is part of every aarch64 CPU; lengths are checked inside.
+        Isa::Neon => unsafe { super::neon::screen_group(grp, nb, a) },
         _ => {
             let mut out = [[0f32; GROUP]; R];
             for (o, (qs, d, offset)) in out.iter_mut().zip(a) {
