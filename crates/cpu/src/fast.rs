@@ -28,9 +28,9 @@ use crate::weights::PackedMatrix;
 pub use act::QuantizedRows;
 pub use screen::make_copy as make_screening_copy;
 
-/// Activation rows multiplied with each decoded weight block at once (more spill the
-/// accumulators out of the 16 vector registers: 8 are slower than 4 on Q6_K and Q8_0).
-pub const ROW_GROUP: usize = 4;
+/// Activation rows multiplied with each decoded weight block at once (prefill decodes each weight
+/// row once per group; the accumulators of 8 rows partly spill, which costs less).
+pub const ROW_GROUP: usize = 8;
 
 /// Which decoded representation (and activation blocks) a weight format uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -150,7 +150,11 @@ fn row_dot(isa: Isa, ty: GgmlType, fam: Family, src: &[u8], acts: &[ActRow<'_>])
         1 => call!(1),
         2 => call!(2),
         3 => call!(3),
-        _ => call!(4),
+        4 => call!(4),
+        5 => call!(5),
+        6 => call!(6),
+        7 => call!(7),
+        _ => call!(8),
     }
     out
 }
