@@ -381,6 +381,55 @@ fn attention_matches_f64_in_one_chunk_and_in_several() {
 }
 
 #[test]
+fn attention_over_several_key_blocks_matches_f64_on_odd_sizes() {
+    // Longer than a few key blocks, odd head sizes, groups wider than one query tile, and chunkings
+    // that cut blocks anywhere: every chunking gives the same bits.
+    let len = 3 * KEY_BLOCK + 7;
+    let mut rng = Rng(0x0dd5_12e5);
+    let chunkings: [&[usize]; 3] = [&[len], &[KEY_BLOCK + 5, 1, 2 * KEY_BLOCK + 1], &[13; 8]];
+    for (q_heads, kv_heads, d, window) in [(6, 2, 13, None), (5, 1, 37, Some(KEY_BLOCK + 3)), (3, 3, 9, Some(50)), (9, 1, 24, None)] {
+        let q: Vec<f32> = rng.vec(len * q_heads * d).iter().map(|v| v * 3.0).collect();
+        let k: Vec<f32> = rng.vec(len * kv_heads * d).iter().map(|v| v * 3.0).collect();
+        let v = rng.vec(len * kv_heads * d);
+        let scale = 1.0 / (d as f32).sqrt();
+        let want = reference_attention(&q, &k, &v, len, q_heads, kv_heads, d, window, scale);
+        let spec = LayerKv { kv_heads, head_dim_k: d, head_dim_v: d, window };
+        let shape = AttentionShape { q_heads, kv_heads, head_dim: d, window, scale };
+        let (qw, kw) = (q_heads * d, kv_heads * d);
+        for isa in Isa::supported() {
+            for pool in &pools() {
+                let mut first: Option<Vec<f32>> = None;
+                for chunks in chunkings {
+                    let what =
+                        format!("heads {q_heads}/{kv_heads} d={d} window={window:?} {isa:?} threads={} chunks={chunks:?}", pool.threads());
+                    let mut cache = CpuKvCache::new(&KvLayout { layers: vec![spec], context: len });
+                    let layer = cache.layer_mut(0).unwrap();
+                    let mut out = vec![f32::NAN; len * qw];
+                    let mut start = 0;
+                    for &rows in chunks {
+                        if start == len {
+                            break;
+                        }
+                        let (a, b) = (start, (start + rows).min(len));
+                        let (qs, ks, vs) = (&q[a * qw..b * qw], &k[a * kw..b * kw], &v[a * kw..b * kw]);
+                        attention(pool, isa, qs, ks, vs, b - a, start, layer, shape, None, &mut out[a * qw..b * qw]);
+                        start = b;
+                    }
+                    assert_eq!(start, len, "{what}");
+                    for (e, (&got, &w)) in out.iter().zip(&want).enumerate() {
+                        assert!((got as f64 - w).abs() < 1e-5, "{what}: out[{e}] = {got} want {w}");
+                    }
+                    match &first {
+                        None => first = Some(out),
+                        Some(f) => assert_eq!(&out, f, "{what}"),
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn attention_of_the_first_position_returns_its_value() {
     // One visible key: the softmax weight is exactly 1 whatever the scores.
     let (q_heads, kv_heads, d) = (4, 2, 8);
