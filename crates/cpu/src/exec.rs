@@ -203,13 +203,14 @@ impl CpuExecutable {
     ) -> Result<(), RuntimeError> {
         let (pool, isa, w) = (&*self.pool, self.isa, &*self.weights);
         match *kernel {
-            Kernel::Embed { table, ids, out, width, scale } => {
-                let table = w.matrix(table)?;
+            Kernel::Embed { table: table_id, ids, out, width, scale } => {
+                let table = w.matrix(table_id)?;
                 let ids = a.i32(ids, rows);
                 if let Some(&bad) = ids.iter().find(|&&id| id < 0 || id as usize >= table.n) {
                     return Err(RuntimeError::TokenOutOfRange { id: bad as u32, vocab: table.n });
                 }
                 kernels::embed(&table, ids, scale, a.f32_mut(out, rows * width));
+                w.note_rows_read(table_id, rows);
             }
             Kernel::RmsNorm { x, weight, out, width, eps, residual } => {
                 let wv = w.vector(weight)?;
@@ -239,6 +240,7 @@ impl CpuExecutable {
                 if self.fast(&m) {
                     let screen = w.screening_copy(wid, pool)?;
                     fast::matmul_argmax(pool, isa, x, rows, &m, screen.as_ref(), out);
+                    w.note_rows_read(wid, rows);
                 } else {
                     kernels::matmul_argmax(pool, isa, x, rows, &m, out);
                 }
