@@ -197,21 +197,18 @@ impl RopeTable {
     }
 }
 
-/// NeoX rotary embedding of every row of `heads` heads, with the table's positions.
-pub fn rope(x: &[f32], table: &RopeTable, heads: usize, out: &mut [f32]) {
-    rope_mode(x, table, heads, RopeMode::Neox, out);
-}
-
-/// Rotary embedding of every row of `heads` heads with `mode`'s pairing: NeoX rotates element `i`
-/// with `i + d/2`, Norm rotates `2i` with `2i + 1`; pair `i` turns by the table's angle `i`.
-pub fn rope_mode(x: &[f32], table: &RopeTable, heads: usize, mode: RopeMode, out: &mut [f32]) {
+/// Rotary embedding of the rows of `x` (rows `first_row..` of the table's positions) of `heads`
+/// heads with `mode`'s pairing: NeoX rotates element `i` with `i + d/2`, Norm rotates `2i` with
+/// `2i + 1`; pair `i` turns by the table's angle `i`.
+pub fn rope_mode(x: &[f32], table: &RopeTable, first_row: usize, heads: usize, mode: RopeMode, out: &mut [f32]) {
     let (head_dim, half) = (table.head_dim, table.head_dim / 2);
+    let rows = x.len() / (heads * head_dim);
     // Pair i is (i * stride, i * stride + offset).
     let (stride, offset) = match mode {
         RopeMode::Neox => (1, half),
         RopeMode::Norm => (2, 1),
     };
-    for (r, cs) in table.cs.chunks_exact(half).enumerate() {
+    for (r, cs) in table.cs[first_row * half..(first_row + rows) * half].chunks_exact(half).enumerate() {
         for h in 0..heads {
             let base = (r * heads + h) * head_dim;
             let (xs, os) = (&x[base..base + head_dim], &mut out[base..base + head_dim]);
