@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use kiln_ir::{Bucket, DType, RopeSpec};
+use kiln_ir::{Bucket, DType, RopeMode, RopeSpec};
 use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KernelPrecision, KvCache, Plan, Rows, RuntimeError, Slot, StepInputs};
 
 use crate::fast;
@@ -203,13 +203,14 @@ impl CpuExecutable {
     ) -> Result<(), RuntimeError> {
         let (pool, isa, w) = (&*self.pool, self.isa, &*self.weights);
         match *kernel {
-            Kernel::Embed { table, ids, out, width, scale } => {
-                let table = w.matrix(table)?;
+            Kernel::Embed { table: table_id, ids, out, width, scale } => {
+                let table = w.matrix(table_id)?;
                 let ids = a.i32(ids, rows);
                 if let Some(&bad) = ids.iter().find(|&&id| id < 0 || id as usize >= table.n) {
                     return Err(RuntimeError::TokenOutOfRange { id: bad as u32, vocab: table.n });
                 }
                 kernels::embed(&table, ids, scale, a.f32_mut(out, rows * width));
+                w.note_rows_read(table_id, rows);
             }
             Kernel::RmsNorm { x, weight, out, width, eps, residual } => {
                 let wv = w.vector(weight)?;
@@ -239,6 +240,7 @@ impl CpuExecutable {
                 if self.fast(&m) {
                     let screen = w.screening_copy(wid, pool)?;
                     fast::matmul_argmax(pool, isa, x, rows, &m, screen, out);
+                    w.note_rows_read(wid, rows);
                 } else {
                     kernels::matmul_argmax(pool, isa, x, rows, &m, out);
                 }
@@ -249,7 +251,7 @@ impl CpuExecutable {
                     .iter()
                     .find(|t| t.serves_spec(&RopeSpec::neox(theta), head_dim))
                     .ok_or_else(|| RuntimeError::StepShape("no RoPE table for a rope step".into()))?;
-                kernels::rope(a.f32(x, len), table, heads, a.f32_mut(out, len));
+                rope_rows(pool, a.f32(x, len), table, heads, head_dim, RopeMode::Neox, a.f32_mut(out, len));
             }
             Kernel::RopeScaled { x, out, heads, head_dim, ref spec, .. } => {
                 let len = rows * heads * head_dim;
@@ -257,7 +259,7 @@ impl CpuExecutable {
                     .iter()
                     .find(|t| t.serves_spec(spec, head_dim))
                     .ok_or_else(|| RuntimeError::StepShape("no RoPE table for a rope step".into()))?;
-                kernels::rope_mode(a.f32(x, len), table, heads, spec.mode, a.f32_mut(out, len));
+                rope_rows(pool, a.f32(x, len), table, heads, head_dim, spec.mode, a.f32_mut(out, len));
             }
             Kernel::AddBias { x, bias, out, width } => {
                 let (bv, len) = (w.vector(bias)?, rows * width);
@@ -272,29 +274,25 @@ impl CpuExecutable {
             }
             Kernel::Scale { x, out, width, factor } => {
                 let len = rows * width;
-                let (x, o) = (a.f32(x, len), a.f32_mut(out, len));
-                o.iter_mut().zip(x).for_each(|(o, x)| *o = x * factor);
+                let x = a.f32(x, len);
+                elementwise(pool, a.f32_mut(out, len), &|r, o| o.iter_mut().zip(&x[r]).for_each(|(o, x)| *o = x * factor));
             }
             Kernel::Silu { x, out, width } => {
                 let len = rows * width;
-                let (x, o) = (a.f32(x, len), a.f32_mut(out, len));
-                o.iter_mut().zip(x).for_each(|(o, x)| *o = kernels::silu(*x));
+                let x = a.f32(x, len);
+                elementwise(pool, a.f32_mut(out, len), &|r, o| o.iter_mut().zip(&x[r]).for_each(|(o, x)| *o = kernels::silu(*x)));
             }
             Kernel::SiluMul { gate, up, out, width } => {
                 let len = rows * width;
-                let (g, u, o) = (a.f32(gate, len), a.f32(up, len), a.f32_mut(out, len));
-                let op = kernels::SharedMut(o.as_mut_ptr());
-                pool.for_chunks(len, 4096, &|range| {
-                    for i in range {
-                        // SAFETY: each chunk writes its own elements.
-                        *op.ptr().add(i) = kernels::silu(g[i]) * u[i];
-                    }
+                let (g, u) = (a.f32(gate, len), a.f32(up, len));
+                elementwise(pool, a.f32_mut(out, len), &|r, o| {
+                    o.iter_mut().zip(g[r.clone()].iter().zip(&u[r])).for_each(|(o, (g, u))| *o = kernels::silu(*g) * u)
                 });
             }
             Kernel::SoftCap { x, out, width, cap } => {
                 let len = rows * width;
-                let (x, o) = (a.f32(x, len), a.f32_mut(out, len));
-                o.iter_mut().zip(x).for_each(|(o, x)| *o = kernels::soft_cap(*x, cap));
+                let x = a.f32(x, len);
+                elementwise(pool, a.f32_mut(out, len), &|r, o| o.iter_mut().zip(&x[r]).for_each(|(o, x)| *o = kernels::soft_cap(*x, cap)));
             }
             Kernel::Attention { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale }
             | Kernel::AttentionSoftCap { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale, .. } => {
@@ -333,34 +331,32 @@ impl CpuExecutable {
             }
             Kernel::Add { a: l, b: r, out, width } => {
                 let len = rows * width;
-                let (l, r, o) = (a.f32(l, len), a.f32(r, len), a.f32_mut(out, len));
-                o.iter_mut().zip(l.iter().zip(r)).for_each(|(o, (l, r))| *o = l + r);
+                let (l, r) = (a.f32(l, len), a.f32(r, len));
+                elementwise(pool, a.f32_mut(out, len), &|e, o| {
+                    o.iter_mut().zip(l[e.clone()].iter().zip(&r[e])).for_each(|(o, (l, r))| *o = l + r)
+                });
             }
             Kernel::Mul { a: l, b: r, out, width } => {
                 let len = rows * width;
-                let (l, r, o) = (a.f32(l, len), a.f32(r, len), a.f32_mut(out, len));
-                o.iter_mut().zip(l.iter().zip(r)).for_each(|(o, (l, r))| *o = l * r);
+                let (l, r) = (a.f32(l, len), a.f32(r, len));
+                elementwise(pool, a.f32_mut(out, len), &|e, o| {
+                    o.iter_mut().zip(l[e.clone()].iter().zip(&r[e])).for_each(|(o, (l, r))| *o = l * r)
+                });
             }
             Kernel::Gelu { x, out, width } => {
                 let len = rows * width;
-                let (x, o) = (a.f32(x, len), a.f32_mut(out, len));
-                o.iter_mut().zip(x).for_each(|(o, x)| *o = kernels::gelu_tanh(*x));
+                let x = a.f32(x, len);
+                elementwise(pool, a.f32_mut(out, len), &|r, o| o.iter_mut().zip(&x[r]).for_each(|(o, x)| *o = kernels::gelu_tanh(*x)));
             }
             Kernel::GeluMul { gate, up, out, width } => {
                 let len = rows * width;
-                let (g, u, o) = (a.f32(gate, len), a.f32(up, len), a.f32_mut(out, len));
-                let op = kernels::SharedMut(o.as_mut_ptr());
+                let (g, u) = (a.f32(gate, len), a.f32(up, len));
                 let fast = self.kernels == KernelPrecision::Fast;
-                pool.for_chunks(len, 4096, &|range| {
+                elementwise(pool, a.f32_mut(out, len), &|r, o| {
                     if fast {
-                        // SAFETY: each chunk writes its own elements.
-                        let o = std::slice::from_raw_parts_mut(op.ptr().add(range.start), range.len());
-                        crate::simd::gelu_mul_fast(isa, &g[range.clone()], &u[range], o);
+                        crate::simd::gelu_mul_fast(isa, &g[r.clone()], &u[r], o);
                     } else {
-                        for i in range {
-                            // SAFETY: each chunk writes its own elements.
-                            *op.ptr().add(i) = kernels::gelu_tanh(g[i]) * u[i];
-                        }
+                        o.iter_mut().zip(g[r.clone()].iter().zip(&u[r])).for_each(|(o, (g, u))| *o = kernels::gelu_tanh(*g) * u);
                     }
                 });
             }
@@ -383,5 +379,59 @@ impl CpuExecutable {
             }
         }
         Ok(())
+    }
+}
+
+/// Elements per task of element-wise work (below two tasks' worth it runs on the caller alone).
+const ELEMENTS_PER_TASK: usize = 4096;
+
+/// Runs element-wise work `f(element range, out[range])` over `out` in parallel chunks.
+fn elementwise(pool: &ThreadPool, out: &mut [f32], f: &(dyn Fn(std::ops::Range<usize>, &mut [f32]) + Sync)) {
+    let op = kernels::SharedMut(out.as_mut_ptr());
+    pool.for_chunks(out.len(), ELEMENTS_PER_TASK, &|range| {
+        // SAFETY: the chunks are disjoint ranges of `out`.
+        let o = unsafe { std::slice::from_raw_parts_mut(op.ptr().add(range.start), range.len()) };
+        f(range, o)
+    });
+}
+
+/// Rotary embedding of every row of `x` (`heads` heads each) in parallel chunks of rows.
+fn rope_rows(pool: &ThreadPool, x: &[f32], table: &RopeTable, heads: usize, head_dim: usize, mode: RopeMode, out: &mut [f32]) {
+    let width = heads * head_dim;
+    let rows = x.len() / width;
+    let op = kernels::SharedMut(out.as_mut_ptr());
+    pool.for_chunks(rows, ELEMENTS_PER_TASK.div_ceil(width), &|range| {
+        let (lo, hi) = (range.start * width, range.end * width);
+        // SAFETY: the chunks are disjoint row ranges of `out`.
+        let o = unsafe { std::slice::from_raw_parts_mut(op.ptr().add(lo), hi - lo) };
+        kernels::rope_mode(&x[lo..hi], table, range.start, heads, mode, o)
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parallel_elementwise_and_rope_equal_one_pass_on_odd_sizes() {
+        let pool = ThreadPool::new(3);
+        for len in [1, 7, ELEMENTS_PER_TASK * 2 + 13, ELEMENTS_PER_TASK * 9 - 5] {
+            let x: Vec<f32> = (0..len).map(|i| (i % 97) as f32 * 0.25 - 12.0).collect();
+            let mut out = vec![f32::NAN; len];
+            elementwise(&pool, &mut out, &|r, o| o.iter_mut().zip(&x[r]).for_each(|(o, x)| *o = kernels::gelu_tanh(*x)));
+            assert!(out.iter().zip(&x).all(|(o, x)| *o == kernels::gelu_tanh(*x)), "len {len}");
+        }
+        let (heads, head_dim) = (3, 10);
+        for rows in [1, 5, 300] {
+            let positions: Vec<i32> = (0..rows as i32).map(|p| p * 3 + 1).collect();
+            let table = RopeTable::with_spec(&positions, head_dim, &RopeSpec::neox(1e4));
+            let x: Vec<f32> = (0..rows * heads * head_dim).map(|i| (i % 31) as f32 - 15.0).collect();
+            for mode in [RopeMode::Neox, RopeMode::Norm] {
+                let (mut one, mut split) = (vec![f32::NAN; x.len()], vec![f32::NAN; x.len()]);
+                kernels::rope_mode(&x, &table, 0, heads, mode, &mut one);
+                rope_rows(&pool, &x, &table, heads, head_dim, mode, &mut split);
+                assert_eq!(one, split, "rows {rows} {mode:?}");
+            }
+        }
     }
 }

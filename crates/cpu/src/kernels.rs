@@ -6,7 +6,7 @@ use kiln_ir::{RopeMode, RopeSpec};
 
 use crate::kv::LayerStore;
 use crate::pool::ThreadPool;
-use crate::simd::{axpy, dot, dot4, Isa};
+use crate::simd::{dot4, dots, exp_shifted, weighted_sum, Isa, MAX_QUERIES};
 use crate::weights::PackedMatrix;
 
 thread_local! {
@@ -197,21 +197,18 @@ impl RopeTable {
     }
 }
 
-/// NeoX rotary embedding of every row of `heads` heads, with the table's positions.
-pub fn rope(x: &[f32], table: &RopeTable, heads: usize, out: &mut [f32]) {
-    rope_mode(x, table, heads, RopeMode::Neox, out);
-}
-
-/// Rotary embedding of every row of `heads` heads with `mode`'s pairing: NeoX rotates element `i`
-/// with `i + d/2`, Norm rotates `2i` with `2i + 1`; pair `i` turns by the table's angle `i`.
-pub fn rope_mode(x: &[f32], table: &RopeTable, heads: usize, mode: RopeMode, out: &mut [f32]) {
+/// Rotary embedding of the rows of `x` (rows `first_row..` of the table's positions) of `heads`
+/// heads with `mode`'s pairing: NeoX rotates element `i` with `i + d/2`, Norm rotates `2i` with
+/// `2i + 1`; pair `i` turns by the table's angle `i`.
+pub fn rope_mode(x: &[f32], table: &RopeTable, first_row: usize, heads: usize, mode: RopeMode, out: &mut [f32]) {
     let (head_dim, half) = (table.head_dim, table.head_dim / 2);
+    let rows = x.len() / (heads * head_dim);
     // Pair i is (i * stride, i * stride + offset).
     let (stride, offset) = match mode {
         RopeMode::Neox => (1, half),
         RopeMode::Norm => (2, 1),
     };
-    for (r, cs) in table.cs.chunks_exact(half).enumerate() {
+    for (r, cs) in table.cs[first_row * half..(first_row + rows) * half].chunks_exact(half).enumerate() {
         for h in 0..heads {
             let base = (r * heads + h) * head_dim;
             let (xs, os) = (&x[base..base + head_dim], &mut out[base..base + head_dim]);
@@ -259,9 +256,37 @@ pub struct AttentionShape {
     pub scale: f32,
 }
 
+/// Keys per block of the online softmax. Blocks start at multiples of this absolute position, so
+/// a query's arithmetic does not depend on the step it is computed in (chunked prefill, decode,
+/// batched decode all give the same bits).
+const KEY_BLOCK: usize = 32;
+
+/// Most query rows whose tiles share one pass over the key blocks (their keys and values stay in
+/// cache while every row of the chunk uses them).
+const ROW_CHUNK: usize = 8;
+
+/// Online-softmax state of one attention task: per query, running max, running sum and the
+/// unnormalised output; plus one key block's scores.
+#[derive(Default)]
+struct AttentionScratch {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    acc: Vec<f32>,
+    scores: Vec<f32>,
+}
+
+thread_local! {
+    static ATTENTION_SCRATCH: RefCell<AttentionScratch> = RefCell::new(AttentionScratch::default());
+}
+
 /// Causal attention of `rows` new rows at positions `start..start + rows` over the cached
 /// positions of `layer` and the new rows themselves; then appends the new keys and values. With a
 /// `softcap`, the scaled scores `s` become `softcap * tanh(s / softcap)`.
+///
+/// One pass over the keys with an online softmax (no score row is materialised): a task takes a
+/// chunk of rows and a tile of query heads sharing one KV head, walks the key blocks once, and for
+/// each row of the chunk scores the tile's queries against the block's keys together ([`dots`]),
+/// rescales its running sums and accumulates the block's values ([`weighted_sum`]).
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     pool: &ThreadPool,
@@ -279,49 +304,109 @@ pub fn attention(
     let AttentionShape { q_heads, kv_heads, head_dim: d, window, scale } = shape;
     let group = q_heads / kv_heads;
     let kvw = kv_heads * d;
+    let threads = pool.threads();
+    // Heads per tile: up to the primitives' width, fewer when there are too few tiles to busy every
+    // thread (decode).
+    let mut tile = group.min(MAX_QUERIES);
+    while tile > 1 && rows * kv_heads * group.div_ceil(tile) < threads {
+        tile = tile.div_ceil(2);
+    }
+    let tiles = group.div_ceil(tile);
+    // Rows per task: up to ROW_CHUNK, fewer while that leaves under four tasks per thread.
+    let chunk = (rows * kv_heads * tiles / (4 * threads)).clamp(1, ROW_CHUNK);
+    let chunks = rows.div_ceil(chunk);
     let out_ptr = SharedMut(out.as_mut_ptr());
     let layer_ref: &LayerStore = layer;
-    pool.run(rows * q_heads, &|t| {
-        let (i, h) = (t / q_heads, t % q_heads);
-        let g = h / group;
-        let p = start + i;
-        let lo = window.map_or(0, |w| (p + 1).saturating_sub(w));
-        let qh = &q[(i * q_heads + h) * d..(i * q_heads + h + 1) * d];
+    let first_visible = |p: usize| window.map_or(0, |w| (p + 1).saturating_sub(w));
+    pool.run(chunks * kv_heads * tiles, &|t| {
+        // Later rows see more keys: hand them out first.
+        let c = chunks - 1 - t / (kv_heads * tiles);
+        let (g, ti) = (t % (kv_heads * tiles) / tiles, t % tiles);
+        let (r0, r1) = (c * chunk, ((c + 1) * chunk).min(rows));
+        let (h0, h1) = (g * group + ti * tile, (g * group + (ti + 1) * tile).min((g + 1) * group));
+        let nq = h1 - h0;
         let key = |pos: usize| -> &[f32] {
             if pos < start {
                 &layer_ref.k_row(pos)[g * d..(g + 1) * d]
             } else {
-                &k_new[(pos - start) * kvw + g * d..(pos - start) * kvw + (g + 1) * d]
+                &k_new[(pos - start) * kvw + g * d..][..d]
             }
         };
         let value = |pos: usize| -> &[f32] {
             if pos < start {
                 &layer_ref.v_row(pos)[g * d..(g + 1) * d]
             } else {
-                &v_new[(pos - start) * kvw + g * d..(pos - start) * kvw + (g + 1) * d]
+                &v_new[(pos - start) * kvw + g * d..][..d]
             }
         };
-        SCRATCH.with(|s| {
-            let mut scores = s.borrow_mut();
-            scores.clear();
-            scores.extend((lo..=p).map(|pos| dot(isa, qh, key(pos)) * scale));
-            if let Some(cap) = softcap {
-                scores.iter_mut().for_each(|s| *s = soft_cap(*s, cap));
+        ATTENTION_SCRATCH.with(|s| {
+            let mut guard = s.borrow_mut();
+            let st = &mut *guard;
+            let states = (r1 - r0) * nq;
+            st.max.clear();
+            st.max.resize(states, f32::NEG_INFINITY);
+            st.sum.clear();
+            st.sum.resize(states, 0.0);
+            st.acc.clear();
+            st.acc.resize(states * d, 0.0);
+            st.scores.resize(nq * KEY_BLOCK, 0.0);
+            let (lo, hi) = (first_visible(start + r0), start + r1);
+            let mut keys: [&[f32]; KEY_BLOCK] = [&[]; KEY_BLOCK];
+            let mut values: [&[f32]; KEY_BLOCK] = [&[]; KEY_BLOCK];
+            let mut b0 = lo / KEY_BLOCK * KEY_BLOCK;
+            while b0 < hi {
+                let b1 = (b0 + KEY_BLOCK).min(hi);
+                for pos in b0.max(lo)..b1 {
+                    keys[pos - b0] = key(pos);
+                    values[pos - b0] = value(pos);
+                }
+                for i in r0..r1 {
+                    let p = start + i;
+                    let (a, z) = (b0.max(first_visible(p)), b1.min(p + 1));
+                    if a >= z {
+                        continue;
+                    }
+                    let nk = z - a;
+                    let (ks, vs) = (&keys[a - b0..z - b0], &values[a - b0..z - b0]);
+                    let qs: [&[f32]; MAX_QUERIES] = std::array::from_fn(|j| {
+                        let h = (h0 + j).min(h1 - 1);
+                        &q[(i * q_heads + h) * d..][..d]
+                    });
+                    let sc = &mut st.scores[..nq * nk];
+                    dots(isa, &qs[..nq], ks, sc);
+                    let state = (i - r0) * nq;
+                    let mut alpha = [0f32; MAX_QUERIES];
+                    for (j, row) in sc.chunks_exact_mut(nk).enumerate() {
+                        row.iter_mut().for_each(|s| *s *= scale);
+                        if let Some(cap) = softcap {
+                            row.iter_mut().for_each(|s| *s = soft_cap(*s, cap));
+                        }
+                        let (m, l) = (&mut st.max[state + j], &mut st.sum[state + j]);
+                        let m_new = row.iter().copied().fold(*m, f32::max);
+                        // Nothing finite seen yet (only possible for non-finite scores): wait.
+                        if m_new == f32::NEG_INFINITY {
+                            row.fill(0.0);
+                            alpha[j] = 1.0;
+                            continue;
+                        }
+                        alpha[j] = if *m == f32::NEG_INFINITY { 0.0 } else { (*m - m_new).exp() };
+                        exp_shifted(isa, row, m_new);
+                        *l = *l * alpha[j] + row.iter().sum::<f32>();
+                        *m = m_new;
+                    }
+                    weighted_sum(isa, &mut st.acc[state * d..(state + nq) * d], &alpha[..nq], sc, vs);
+                }
+                b0 += KEY_BLOCK;
             }
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for v in scores.iter_mut() {
-                *v = (*v - max).exp();
-                sum += *v;
+            for i in r0..r1 {
+                for j in 0..nq {
+                    let state = (i - r0) * nq + j;
+                    let inv = 1.0 / st.sum[state];
+                    // SAFETY: row i, head h0 + j of the output is written by this task only.
+                    let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.ptr().add((i * q_heads + h0 + j) * d), d) };
+                    o.iter_mut().zip(&st.acc[state * d..(state + 1) * d]).for_each(|(o, a)| *o = a * inv);
+                }
             }
-            // SAFETY: row i, head h of the output is written by this task only.
-            let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.ptr().add((i * q_heads + h) * d), d) };
-            o.fill(0.0);
-            for (pos, &w) in (lo..=p).zip(scores.iter()) {
-                axpy(isa, o, w, value(pos));
-            }
-            let inv = 1.0 / sum;
-            o.iter_mut().for_each(|v| *v *= inv);
         });
     });
     layer.append(&k_new[..rows * kvw], &v_new[..rows * kvw], rows);

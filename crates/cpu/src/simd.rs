@@ -62,31 +62,77 @@ pub fn dot4(isa: Isa, w: [&[f32]; 4], x: &[f32]) -> [f32; 4] {
     }
 }
 
-/// Dot product of `a` and `b` (equal lengths).
-pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
+/// Most queries the attention primitives ([`dots`], [`weighted_sum`]) take at once.
+pub const MAX_QUERIES: usize = 4;
+
+/// `out[q * keys.len() + j] = queries[q] · keys[j]` for up to [`MAX_QUERIES`] queries, all rows of
+/// one length. Each product's arithmetic is the same whatever the other queries and keys are.
+pub fn dots(isa: Isa, queries: &[&[f32]], keys: &[&[f32]], out: &mut [f32]) {
+    let d = queries.first().map_or(0, |q| q.len());
+    assert!(queries.len() <= MAX_QUERIES && out.len() >= queries.len() * keys.len());
+    assert!(queries.iter().chain(keys).all(|r| r.len() == d));
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: as in dot4.
-        Isa::Avx2Fma => unsafe { avx2::dot(a, b) },
-        #[cfg(target_arch = "aarch64")]
-        // SAFETY: NEON is part of every aarch64 CPU; lengths checked above.
-        Isa::Neon => unsafe { neon::dot(a, b) },
-        _ => dot_scalar(a, b),
+        // SAFETY: as in dot4; lengths checked above.
+        Isa::Avx2Fma => unsafe {
+            match queries.len() {
+                1 => avx2::dots::<1>(queries, keys, out),
+                2 => avx2::dots::<2>(queries, keys, out),
+                3 => avx2::dots::<3>(queries, keys, out),
+                4 => avx2::dots::<4>(queries, keys, out),
+                _ => {}
+            }
+        },
+        _ => {
+            for (q, qv) in queries.iter().enumerate() {
+                for (j, kv) in keys.iter().enumerate() {
+                    out[q * keys.len() + j] = dot_scalar(qv, kv);
+                }
+            }
+        }
     }
 }
 
-/// `y += a * x` (equal lengths).
-pub fn axpy(isa: Isa, y: &mut [f32], a: f32, x: &[f32]) {
-    assert_eq!(y.len(), x.len());
+/// `x[i] = exp(x[i] - shift)` (AVX2: a polynomial `exp` within a few ulp of libm's).
+pub fn exp_shifted(isa: Isa, x: &mut [f32], shift: f32) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in dot4.
-        Isa::Avx2Fma => unsafe { avx2::axpy(y, a, x) },
-        #[cfg(target_arch = "aarch64")]
-        // SAFETY: NEON is part of every aarch64 CPU; lengths checked above.
-        Isa::Neon => unsafe { neon::axpy(y, a, x) },
-        _ => y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x),
+        Isa::Avx2Fma => unsafe { avx2::exp_shifted(x, shift) },
+        _ => x.iter_mut().for_each(|v| *v = (*v - shift).exp()),
+    }
+}
+
+/// `acc[q] = acc[q] * alpha[q] + Σ_j weights[q * values.len() + j] * values[j]` for up to
+/// [`MAX_QUERIES`] accumulator rows of `acc` (each as long as the value rows). Each accumulator's
+/// arithmetic is the same whatever the other rows are.
+pub fn weighted_sum(isa: Isa, acc: &mut [f32], alpha: &[f32], weights: &[f32], values: &[&[f32]]) {
+    let nq = alpha.len();
+    assert!(nq <= MAX_QUERIES && weights.len() >= nq * values.len());
+    let d = acc.len().checked_div(nq).unwrap_or(0);
+    assert!(acc.len() == nq * d && values.iter().all(|v| v.len() == d));
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in dot4; lengths checked above.
+        Isa::Avx2Fma => unsafe {
+            match nq {
+                1 => avx2::weighted_sum::<1>(acc, alpha, weights, values),
+                2 => avx2::weighted_sum::<2>(acc, alpha, weights, values),
+                3 => avx2::weighted_sum::<3>(acc, alpha, weights, values),
+                4 => avx2::weighted_sum::<4>(acc, alpha, weights, values),
+                _ => {}
+            }
+        },
+        _ => {
+            let nk = values.len();
+            for (q, row) in acc.chunks_exact_mut(d.max(1)).take(nq).enumerate() {
+                row.iter_mut().for_each(|a| *a *= alpha[q]);
+                for (j, v) in values.iter().enumerate() {
+                    let w = weights[q * nk + j];
+                    row.iter_mut().zip(v.iter()).for_each(|(a, x)| *a += w * x);
+                }
+            }
+        }
     }
 }
 
@@ -164,31 +210,13 @@ mod avx2 {
         out
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len();
-        let body = n / 16 * 16;
-        let (ap, bp) = (a.as_ptr(), b.as_ptr());
-        let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let mut i = 0;
-        while i < body {
-            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(i)), _mm256_loadu_ps(bp.add(i)), s0);
-            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(i + 8)), _mm256_loadu_ps(bp.add(i + 8)), s1);
-            i += 16;
-        }
-        let mut s = hsum(_mm256_add_ps(s0, s1));
-        for j in body..n {
-            s += *ap.add(j) * *bp.add(j);
-        }
-        s
-    }
-
     /// `exp(x)` for 8 lanes: range reduction by ln 2 and a degree-6 polynomial (Cephes `expf`),
     /// clamped to the finite range of f32 (so `exp(large)` is the largest float, then 1/inf-safe).
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn exp(x: __m256) -> __m256 {
-        let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3)), _mm256_set1_ps(88.7));
+        // Operands ordered so a NaN lane stays NaN (max/min return the second operand on NaN).
+        let x = _mm256_min_ps(_mm256_set1_ps(88.7), _mm256_max_ps(_mm256_set1_ps(-87.3), x));
         let n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
         let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
@@ -224,18 +252,115 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
-        let n = y.len();
-        let body = n / 8 * 8;
-        let (yp, xp) = (y.as_mut_ptr(), x.as_ptr());
-        let av = _mm256_set1_ps(a);
-        let mut i = 0;
-        while i < body {
-            _mm256_storeu_ps(yp.add(i), _mm256_fmadd_ps(av, _mm256_loadu_ps(xp.add(i)), _mm256_loadu_ps(yp.add(i))));
-            i += 8;
+    pub unsafe fn dots<const NQ: usize>(queries: &[&[f32]], keys: &[&[f32]], out: &mut [f32]) {
+        let d = queries[0].len();
+        let (nk, body) = (keys.len(), d / 8 * 8);
+        let qp: [*const f32; NQ] = std::array::from_fn(|q| queries[q].as_ptr());
+        let mut j = 0;
+        // Two keys at a time (the second repeats the first when one is left); one accumulator per
+        // product, so a product's arithmetic never depends on its neighbours.
+        while j < nk {
+            let pair = (nk - j).min(2);
+            let (k0, k1) = (keys[j].as_ptr(), keys[j + pair - 1].as_ptr());
+            let mut acc = [[_mm256_setzero_ps(); 2]; NQ];
+            let mut c = 0;
+            while c < body {
+                let (kv0, kv1) = (_mm256_loadu_ps(k0.add(c)), _mm256_loadu_ps(k1.add(c)));
+                for q in 0..NQ {
+                    let qv = _mm256_loadu_ps(qp[q].add(c));
+                    acc[q][0] = _mm256_fmadd_ps(qv, kv0, acc[q][0]);
+                    acc[q][1] = _mm256_fmadd_ps(qv, kv1, acc[q][1]);
+                }
+                c += 8;
+            }
+            for q in 0..NQ {
+                for (p, kp) in [k0, k1].into_iter().enumerate().take(pair) {
+                    let mut s = hsum(acc[q][p]);
+                    for t in body..d {
+                        s += *qp[q].add(t) * *kp.add(t);
+                    }
+                    out[q * nk + j + p] = s;
+                }
+            }
+            j += pair;
         }
-        for j in body..n {
-            *yp.add(j) += a * *xp.add(j);
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn exp_shifted(x: &mut [f32], shift: f32) {
+        let shift_v = _mm256_set1_ps(shift);
+        let mut chunks = x.chunks_exact_mut(8);
+        for c in &mut chunks {
+            _mm256_storeu_ps(c.as_mut_ptr(), exp(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), shift_v)));
+        }
+        let tail = chunks.into_remainder();
+        if !tail.is_empty() {
+            // The tail goes through the same polynomial, lane for lane.
+            let mut buf = [0f32; 8];
+            buf[..tail.len()].copy_from_slice(tail);
+            _mm256_storeu_ps(buf.as_mut_ptr(), exp(_mm256_sub_ps(_mm256_loadu_ps(buf.as_ptr()), shift_v)));
+            tail.copy_from_slice(&buf[..tail.len()]);
+        }
+    }
+
+    /// Accumulates `W` vectors of 8 lanes at lane offset `c` of every accumulator row.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn weighted_lanes<const NQ: usize, const W: usize>(
+        acc: *mut f32,
+        d: usize,
+        c: usize,
+        alpha: &[f32],
+        weights: &[f32],
+        values: &[&[f32]],
+    ) {
+        let nk = values.len();
+        let mut a = [[_mm256_setzero_ps(); W]; NQ];
+        for q in 0..NQ {
+            let s = _mm256_set1_ps(alpha[q]);
+            for (w, lanes) in a[q].iter_mut().enumerate() {
+                *lanes = _mm256_mul_ps(_mm256_loadu_ps(acc.add(q * d + c + 8 * w)), s);
+            }
+        }
+        for (j, v) in values.iter().enumerate() {
+            let vp = v.as_ptr().add(c);
+            let vv: [__m256; W] = std::array::from_fn(|w| _mm256_loadu_ps(vp.add(8 * w)));
+            for (q, lanes) in a.iter_mut().enumerate() {
+                let wt = _mm256_set1_ps(*weights.get_unchecked(q * nk + j));
+                for (l, v) in lanes.iter_mut().zip(&vv) {
+                    *l = _mm256_fmadd_ps(wt, *v, *l);
+                }
+            }
+        }
+        for (q, lanes) in a.iter().enumerate() {
+            for (w, l) in lanes.iter().enumerate() {
+                _mm256_storeu_ps(acc.add(q * d + c + 8 * w), *l);
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn weighted_sum<const NQ: usize>(acc: &mut [f32], alpha: &[f32], weights: &[f32], values: &[&[f32]]) {
+        let d = acc.len() / NQ;
+        let nk = values.len();
+        let ap = acc.as_mut_ptr();
+        let mut c = 0;
+        while c + 16 <= d {
+            weighted_lanes::<NQ, 2>(ap, d, c, alpha, weights, values);
+            c += 16;
+        }
+        if c + 8 <= d {
+            weighted_lanes::<NQ, 1>(ap, d, c, alpha, weights, values);
+            c += 8;
+        }
+        for t in c..d {
+            for q in 0..NQ {
+                let mut s = *ap.add(q * d + t) * alpha[q];
+                for (j, v) in values.iter().enumerate() {
+                    s += weights[q * nk + j] * v[t];
+                }
+                *ap.add(q * d + t) = s;
+            }
         }
     }
 }
@@ -267,7 +392,6 @@ mod tests {
                 for (g, r) in got.iter().zip(&rows) {
                     assert!((*g as f64 - exact(r)).abs() < 1e-4 * (n as f64).sqrt(), "{isa:?} n={n}");
                 }
-                assert!((dot(isa, &rows[0], &x) as f64 - exact(&rows[0])).abs() < 1e-4 * (n as f64).sqrt());
                 let mut g = vec![0f32; n];
                 let gate: Vec<f32> = x.iter().map(|v| v * 12.0).collect();
                 gelu_mul_fast(isa, &gate, &rows[2], &mut g);
@@ -275,10 +399,59 @@ mod tests {
                     let want = crate::kernels::gelu_tanh(gate[i]) * rows[2][i];
                     assert!((g[i] - want).abs() <= 1e-6 * (1.0 + gate[i].abs()), "{isa:?} gelu({}) = {} want {want}", gate[i], g[i]);
                 }
-                let mut y = rows[1].clone();
-                axpy(isa, &mut y, 0.5, &x);
-                for i in 0..n {
-                    assert!((y[i] - (rows[1][i] + 0.5 * x[i])).abs() < 1e-6);
+            }
+        }
+    }
+
+    #[test]
+    fn attention_primitives_match_f64_on_odd_sizes() {
+        let mut seed = 0x2545_f491_4f6c_dd1d;
+        for isa in Isa::supported() {
+            for d in [1, 5, 8, 13, 16, 24, 33, 256, 259] {
+                for nq in 1..=MAX_QUERIES {
+                    for nk in [1, 2, 3, 7, 32] {
+                        let what = format!("{isa:?} d={d} queries={nq} keys={nk}");
+                        let qs: Vec<Vec<f32>> = (0..nq).map(|_| rand_vec(&mut seed, d)).collect();
+                        let ks: Vec<Vec<f32>> = (0..nk).map(|_| rand_vec(&mut seed, d)).collect();
+                        let (qr, kr): (Vec<&[f32]>, Vec<&[f32]>) =
+                            (qs.iter().map(|v| &v[..]).collect(), ks.iter().map(|v| &v[..]).collect());
+                        let mut got = vec![f32::NAN; nq * nk];
+                        dots(isa, &qr, &kr, &mut got);
+                        for q in 0..nq {
+                            for j in 0..nk {
+                                let want = qs[q].iter().zip(&ks[j]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>();
+                                assert!((got[q * nk + j] as f64 - want).abs() < 1e-5 * (d as f64).sqrt(), "{what}: dot {q},{j}");
+                                // One query alone gives the same bits as in company.
+                                let mut alone = [0f32];
+                                dots(isa, &qr[q..q + 1], &kr[j..j + 1], &mut alone);
+                                assert_eq!(alone[0].to_bits(), got[q * nk + j].to_bits(), "{what}: dot {q},{j} alone");
+                            }
+                        }
+                        let scores: Vec<f32> = rand_vec(&mut seed, nq * nk).iter().map(|v| v * 40.0).collect();
+                        let mut e = scores.clone();
+                        exp_shifted(isa, &mut e, 3.0);
+                        for (g, s) in e.iter().zip(&scores) {
+                            // The shift is an f32 subtraction; exp itself is within a few ulp.
+                            let want = ((*s - 3.0) as f64).exp();
+                            assert!((*g as f64 - want).abs() <= 4e-7 * want, "{what}: exp({s} - 3) = {g} want {want}");
+                        }
+                        let alpha: Vec<f32> = (0..nq).map(|q| 0.25 + q as f32 * 0.5).collect();
+                        let acc0 = rand_vec(&mut seed, nq * d);
+                        let mut acc = acc0.clone();
+                        weighted_sum(isa, &mut acc, &alpha, &e, &kr);
+                        for q in 0..nq {
+                            for t in 0..d {
+                                let want = acc0[q * d + t] as f64 * alpha[q] as f64
+                                    + (0..nk).map(|j| e[q * nk + j] as f64 * ks[j][t] as f64).sum::<f64>();
+                                let mag = 1.0 + (0..nk).map(|j| e[q * nk + j] as f64).sum::<f64>();
+                                assert!((acc[q * d + t] as f64 - want).abs() < 1e-6 * mag, "{what}: acc {q},{t}");
+                            }
+                            let mut alone = acc0[q * d..(q + 1) * d].to_vec();
+                            let wq: Vec<f32> = e[q * nk..(q + 1) * nk].to_vec();
+                            weighted_sum(isa, &mut alone, &alpha[q..q + 1], &wq, &kr);
+                            assert_eq!(alone, acc[q * d..(q + 1) * d], "{what}: accumulator {q} alone");
+                        }
+                    }
                 }
             }
         }

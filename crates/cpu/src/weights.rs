@@ -2,6 +2,7 @@
 //! (norm weights) expanded to f32 once.
 
 use std::any::Any;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use kiln_quant::{dequantize, GgmlType};
@@ -10,6 +11,11 @@ use kiln_runtime::{DeviceWeights, RuntimeError, WeightId, WeightStore};
 /// Largest tensor (in elements) expanded to f32 at load time.
 const EXPAND_LIMIT: usize = 1 << 16;
 
+/// Rows read from a screened matrix (see [`CpuWeights::note_rows_read`]) between two releases of
+/// its mapped pages: a prompt's embeddings at once, about every 8 decode steps (a gathered
+/// embedding and a greedy head per step), so the re-faults stay rare.
+const RELEASE_AFTER_ROWS: usize = 16;
+
 /// Weights as the CPU kernels read them.
 pub struct CpuWeights {
     store: Arc<WeightStore>,
@@ -17,6 +23,8 @@ pub struct CpuWeights {
     expanded: Vec<Option<Vec<f32>>>,
     /// Q4_0 screening copies of greedy-head matrices (fast kernels), made on first use, by weight id.
     screens: Vec<OnceLock<Vec<u8>>>,
+    /// Rows read from each screened matrix since its pages were last released.
+    rows_read: Vec<AtomicUsize>,
 }
 
 /// A packed weight matrix: `n` rows of `k` elements in block format `ty`.
@@ -84,7 +92,8 @@ impl CpuWeights {
             }
         }
         let screens = (0..expanded.len()).map(|_| OnceLock::new()).collect();
-        Ok(CpuWeights { store, expanded, screens })
+        let rows_read = (0..expanded.len()).map(|_| AtomicUsize::new(0)).collect();
+        Ok(CpuWeights { store, expanded, screens, rows_read })
     }
 
     /// A small tensor as f32 (norm weights), if it was expanded.
@@ -128,6 +137,23 @@ impl CpuWeights {
             })
         })))
     }
+
+    /// Notes that a step used matrix `id` for `rows` rows (gathered their embeddings, or picked
+    /// their next tokens, rescoring a few of its rows each) and, once it has a screening copy and
+    /// [`RELEASE_AFTER_ROWS`] rows have been noted since the last time, drops its resident mapped
+    /// pages: only the rows read (each with the pages the kernel maps around a faulting one) are
+    /// resident then, and they would pile up next to the copy step after step. Later reads fault
+    /// them back in from the page cache, unchanged.
+    pub fn note_rows_read(&self, id: WeightId, rows: usize) {
+        if self.screens[id.0].get().is_none() {
+            return;
+        }
+        let read = self.rows_read[id.0].fetch_add(rows, Ordering::Relaxed) + rows;
+        if read >= RELEASE_AFTER_ROWS {
+            self.rows_read[id.0].store(0, Ordering::Relaxed);
+            self.store.release_pages(self.store.bytes(id));
+        }
+    }
 }
 
 impl DeviceWeights for CpuWeights {
@@ -138,5 +164,65 @@ impl DeviceWeights for CpuWeights {
 
     fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
         self
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+    use crate::pool::ThreadPool;
+    use kiln_gguf::{GgufFile, GgufWriter};
+    use kiln_quant::quantize;
+
+    /// Resident bytes of the mapping that holds `bytes`, from `/proc/self/smaps`.
+    fn resident_bytes_of_mapping(bytes: &[u8]) -> usize {
+        let at = bytes.as_ptr() as usize;
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        for line in smaps.lines() {
+            if let Some((range, _)) = line.split_once(' ').filter(|(r, _)| r.contains('-') && !r.ends_with(':')) {
+                let (lo, hi) = range.split_once('-').unwrap();
+                let (lo, hi) = (usize::from_str_radix(lo, 16).unwrap(), usize::from_str_radix(hi, 16).unwrap());
+                inside = lo <= at && at < hi;
+            } else if inside && line.starts_with("Rss:") {
+                return line.split_whitespace().nth(1).unwrap().parse::<usize>().unwrap() * 1024;
+            }
+        }
+        panic!("no mapping holds the tensor");
+    }
+
+    #[test]
+    fn a_screened_matrix_drops_its_mapped_pages_after_enough_rows() {
+        // Enough rows to get a screening copy (asserted below).
+        let (k, n) = (32, 1 << 15);
+        let data: Vec<f32> = (0..k * n).map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5).collect();
+        let mut w = GgufWriter::new(3).unwrap();
+        w.add_tensor("output.weight", &[k as u64, n as u64], GgmlType::Q8_0, quantize(GgmlType::Q8_0, &data).unwrap()).unwrap();
+        let path = std::env::temp_dir().join(format!("kiln-cpu-release-{}.gguf", std::process::id()));
+        w.write(&path).unwrap();
+        let file = GgufFile::open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let store = Arc::new(WeightStore::new(Arc::new(file)).unwrap());
+        let weights = CpuWeights::new(store.clone()).unwrap();
+        let id = store.id("output.weight").unwrap();
+        let pool = ThreadPool::new(2);
+        let bytes = weights.matrix(id).unwrap().bytes;
+        let touch = || std::hint::black_box(bytes.iter().step_by(1024).map(|b| *b as usize).sum::<usize>());
+        // Before a screening copy exists, reads stay resident whatever their number.
+        touch();
+        weights.note_rows_read(id, RELEASE_AFTER_ROWS);
+        assert!(resident_bytes_of_mapping(bytes) >= bytes.len() / 2, "released before a copy was made");
+        assert!(weights.screening_copy(id, &pool).unwrap().is_some());
+        touch();
+        weights.note_rows_read(id, RELEASE_AFTER_ROWS - 1);
+        assert!(resident_bytes_of_mapping(bytes) >= bytes.len() / 2, "released too early");
+        weights.note_rows_read(id, 1);
+        assert!(resident_bytes_of_mapping(bytes) < 64 << 10, "not released");
+        // The rows read back unchanged.
+        let mut row = vec![0f32; k];
+        weights.matrix(id).unwrap().row_into(n - 1, &mut row);
+        let mut want = vec![0f32; k];
+        kiln_quant::dequantize(GgmlType::Q8_0, &quantize(GgmlType::Q8_0, &data[(n - 1) * k..]).unwrap(), &mut want).unwrap();
+        assert_eq!(row, want);
     }
 }

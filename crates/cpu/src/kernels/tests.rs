@@ -381,6 +381,55 @@ fn attention_matches_f64_in_one_chunk_and_in_several() {
 }
 
 #[test]
+fn attention_over_several_key_blocks_matches_f64_on_odd_sizes() {
+    // Longer than a few key blocks, odd head sizes, groups wider than one query tile, and chunkings
+    // that cut blocks anywhere: every chunking gives the same bits.
+    let len = 3 * KEY_BLOCK + 7;
+    let mut rng = Rng(0x0dd5_12e5);
+    let chunkings: [&[usize]; 3] = [&[len], &[KEY_BLOCK + 5, 1, 2 * KEY_BLOCK + 1], &[13; 8]];
+    for (q_heads, kv_heads, d, window) in [(6, 2, 13, None), (5, 1, 37, Some(KEY_BLOCK + 3)), (3, 3, 9, Some(50)), (9, 1, 24, None)] {
+        let q: Vec<f32> = rng.vec(len * q_heads * d).iter().map(|v| v * 3.0).collect();
+        let k: Vec<f32> = rng.vec(len * kv_heads * d).iter().map(|v| v * 3.0).collect();
+        let v = rng.vec(len * kv_heads * d);
+        let scale = 1.0 / (d as f32).sqrt();
+        let want = reference_attention(&q, &k, &v, len, q_heads, kv_heads, d, window, scale);
+        let spec = LayerKv { kv_heads, head_dim_k: d, head_dim_v: d, window };
+        let shape = AttentionShape { q_heads, kv_heads, head_dim: d, window, scale };
+        let (qw, kw) = (q_heads * d, kv_heads * d);
+        for isa in Isa::supported() {
+            for pool in &pools() {
+                let mut first: Option<Vec<f32>> = None;
+                for chunks in chunkings {
+                    let what =
+                        format!("heads {q_heads}/{kv_heads} d={d} window={window:?} {isa:?} threads={} chunks={chunks:?}", pool.threads());
+                    let mut cache = CpuKvCache::new(&KvLayout { layers: vec![spec], context: len });
+                    let layer = cache.layer_mut(0).unwrap();
+                    let mut out = vec![f32::NAN; len * qw];
+                    let mut start = 0;
+                    for &rows in chunks {
+                        if start == len {
+                            break;
+                        }
+                        let (a, b) = (start, (start + rows).min(len));
+                        let (qs, ks, vs) = (&q[a * qw..b * qw], &k[a * kw..b * kw], &v[a * kw..b * kw]);
+                        attention(pool, isa, qs, ks, vs, b - a, start, layer, shape, None, &mut out[a * qw..b * qw]);
+                        start = b;
+                    }
+                    assert_eq!(start, len, "{what}");
+                    for (e, (&got, &w)) in out.iter().zip(&want).enumerate() {
+                        assert!((got as f64 - w).abs() < 1e-5, "{what}: out[{e}] = {got} want {w}");
+                    }
+                    match &first {
+                        None => first = Some(out),
+                        Some(f) => assert_eq!(&out, f, "{what}"),
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn attention_of_the_first_position_returns_its_value() {
     // One visible key: the softmax weight is exactly 1 whatever the scores.
     let (q_heads, kv_heads, d) = (4, 2, 8);
@@ -445,7 +494,7 @@ fn rope_rotates_every_head_by_its_position() {
     // head_dim 2: one pair per head, frequency 1, so position p rotates by p radians.
     let x = [1.0, 0.0, 0.0, 1.0, /* row 1 */ 1.0, 0.0, 2.0, 0.0];
     let mut out = [f32::NAN; 8];
-    rope(&x, &RopeTable::with_spec(&[0, 3], 2, &RopeSpec::neox(10000.0)), 2, &mut out);
+    rope_mode(&x, &RopeTable::with_spec(&[0, 3], 2, &RopeSpec::neox(10000.0)), 0, 2, RopeMode::Neox, &mut out);
     let (c, s) = (3f32.cos(), 3f32.sin());
     let want = [1.0, 0.0, 0.0, 1.0, c, s, 2.0 * c, 2.0 * s];
     for (i, (o, w)) in out.iter().zip(want).enumerate() {
@@ -454,7 +503,7 @@ fn rope_rotates_every_head_by_its_position() {
     // head_dim 4, theta 100: pair (0, 2) turns by p, pair (1, 3) by p / 10; norms are kept.
     let x = [0.0, 2.0, 1.0, 0.0];
     let mut out = [0f32; 4];
-    rope(&x, &RopeTable::with_spec(&[5], 4, &RopeSpec::neox(100.0)), 1, &mut out);
+    rope_mode(&x, &RopeTable::with_spec(&[5], 4, &RopeSpec::neox(100.0)), 0, 1, RopeMode::Neox, &mut out);
     let want = [-5f32.sin(), 2.0 * 0.5f32.cos(), 5f32.cos(), 2.0 * 0.5f32.sin()];
     for (i, (o, w)) in out.iter().zip(want).enumerate() {
         assert!((o - w).abs() < 1e-6, "out[{i}] = {o} want {w}");
@@ -472,7 +521,7 @@ fn gelu_matches_known_values() {
 fn rope_rotates_pairs() {
     let x = [1.0, 0.0, 0.0, 1.0]; // head_dim 4, pairs (0,2) and (1,3)
     let mut out = [0.0; 4];
-    rope(&x, &RopeTable::with_spec(&[1], 4, &RopeSpec::neox(10000.0)), 1, &mut out);
+    rope_mode(&x, &RopeTable::with_spec(&[1], 4, &RopeSpec::neox(10000.0)), 0, 1, RopeMode::Neox, &mut out);
     // pair (0,2): freq 1 -> angle 1 rad
     assert!((out[0] - 1f32.cos()).abs() < 1e-6 && (out[2] - 1f32.sin()).abs() < 1e-6);
     // pair (1,3): freq 1e-2 -> angle 0.01 rad
@@ -544,11 +593,16 @@ fn rope_modes_and_frequency_scaling_match_f64() {
         let table = RopeTable::with_spec(&positions, d, spec);
         assert!(table.serves_spec(spec, d) && !table.serves_spec(spec, d + 2));
         let mut out = vec![f32::NAN; x.len()];
-        rope_mode(&x, &table, heads, spec.mode, &mut out);
+        rope_mode(&x, &table, 0, heads, spec.mode, &mut out);
         let want = reference_rope(&x, &positions, heads, d, spec);
         for (i, (o, w)) in out.iter().zip(&want).enumerate() {
             assert!((*o as f64 - w).abs() < 1e-5, "{spec:?}: out[{i}] = {o} want {w}");
         }
+        // Rows taken from the middle of the table (a task's share) rotate as in the whole.
+        let row = heads * d;
+        let mut part = vec![f32::NAN; 2 * row];
+        rope_mode(&x[row..3 * row], &table, 1, heads, spec.mode, &mut part);
+        assert_eq!(part, out[row..3 * row], "{spec:?}: rows 1..3");
         outs.push(out);
     }
     // Every spec rotates differently; the pairing alone does not change the table.

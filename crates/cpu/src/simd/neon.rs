@@ -28,26 +28,6 @@ pub unsafe fn dot4(w: [&[f32]; 4], x: &[f32]) -> [f32; 4] {
     out
 }
 
-/// Dot product of `a` and `b` (equal lengths).
-pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len();
-    let body = n / 16 * 16;
-    let (ap, bp) = (a.as_ptr(), b.as_ptr());
-    let mut s = [vdupq_n_f32(0.0); 4];
-    let mut i = 0;
-    while i < body {
-        for (k, sk) in s.iter_mut().enumerate() {
-            *sk = vfmaq_f32(*sk, vld1q_f32(ap.add(i + 4 * k)), vld1q_f32(bp.add(i + 4 * k)));
-        }
-        i += 16;
-    }
-    let mut sum = vaddvq_f32(vaddq_f32(vaddq_f32(s[0], s[1]), vaddq_f32(s[2], s[3])));
-    for j in body..n {
-        sum += *ap.add(j) * *bp.add(j);
-    }
-    sum
-}
-
 /// `exp(x)` for 4 lanes: the same range reduction and polynomial as the AVX2 variant (Cephes
 /// `expf`), clamped to the finite range of f32.
 #[inline]
@@ -84,21 +64,5 @@ pub unsafe fn gelu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
     for j in body..n {
         out[j] = crate::kernels::gelu_tanh(gate[j]) * up[j];
-    }
-}
-
-/// `y += a * x` (equal lengths).
-pub unsafe fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
-    let n = y.len();
-    let body = n / 4 * 4;
-    let (yp, xp) = (y.as_mut_ptr(), x.as_ptr());
-    let av = vdupq_n_f32(a);
-    let mut i = 0;
-    while i < body {
-        vst1q_f32(yp.add(i), vfmaq_f32(vld1q_f32(yp.add(i)), av, vld1q_f32(xp.add(i))));
-        i += 4;
-    }
-    for j in body..n {
-        *yp.add(j) += a * *xp.add(j);
     }
 }
