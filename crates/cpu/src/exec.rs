@@ -238,7 +238,7 @@ impl CpuExecutable {
                 let (x, out) = (a.f32(x, rows * k), a.i32_mut(out, rows));
                 if self.fast(&m) {
                     let screen = w.screening_copy(wid, pool)?;
-                    fast::matmul_argmax(pool, isa, x, rows, &m, screen.as_ref(), out);
+                    fast::matmul_argmax(pool, isa, x, rows, &m, screen, out);
                 } else {
                     kernels::matmul_argmax(pool, isa, x, rows, &m, out);
                 }

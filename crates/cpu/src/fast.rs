@@ -1,20 +1,20 @@
-//! The fast kernels: activations quantized to 8-bit blocks per row (ggml's Q8_0 for the 32-element
-//! formats, Q8_K with per-16 sums for the K-quants), weights unpacked a tile of rows at a time into
-//! integer levels and scales, and integer dot products (AVX2 `maddubs`/`madd`, or scalar).
+//! The fast kernels: activations quantized to 16-bit integer blocks per row (blocks of 32 for the
+//! 32-element formats, of 256 with per-16 sums for the K-quants; see `act`), weights decoded block by block straight from
+//! their packed GGUF bytes into integer levels and scales, and integer dot products (AVX2
+//! `maddubs`/`madd`, or scalar).
 //!
-//! Each weight format has one unpack function (per instruction set) into one of two unpacked
-//! families, and each family has one integer dot core that multiplies one weight row with up to
-//! [`ROW_GROUP`] activation rows at once, so prefill reads and unpacks each weight row once per
-//! group of rows. Formats without an unpack function (F32, F16, BF16, Q4_1, Q5_1, Q8_K) run the
-//! exact kernels instead (see [`supports`]).
+//! Each weight format has one block decoder (per instruction set) into one of two families, and
+//! each family has one integer dot core that multiplies one weight row with up to [`ROW_GROUP`]
+//! activation rows at once: a decoded block is used by every row of the group before the next is
+//! read, so prefill decodes each weight row once per group and decode streams the weights once.
+//! Formats without a decoder (F32, F16, BF16, Q4_1, Q5_1, Q8_K) run the exact kernels instead (see
+//! [`supports`]).
 
 mod act;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 mod scalar;
 mod screen;
-
-use std::cell::RefCell;
 
 use kiln_quant::GgmlType;
 
@@ -26,24 +26,17 @@ use crate::weights::PackedMatrix;
 pub use act::QuantizedRows;
 pub use screen::make_copy as make_screening_copy;
 
-/// Activation rows multiplied with each unpacked weight row at once.
-pub const ROW_GROUP: usize = 4;
+/// Activation rows multiplied with each decoded weight block at once.
+pub const ROW_GROUP: usize = 8;
 
-/// Quantization passes of the activations of every product: the 8-bit row plus its 8-bit
-/// residual. With one pass (as ggml) Gemma 3's logits end 3e-2..7e-2 (relative L2) from the
-/// float32 reference; two passes for the K-quant products only leave 1e-2..4e-2, for the 32-block
-/// ones only 2e-2..1.2e-1; two passes everywhere bring them to about 1e-4, at twice the integer
-/// work (decode, memory-bound, barely notices).
-pub const PASSES: usize = 2;
-
-/// Which unpacked representation a weight format uses.
+/// Which decoded representation (and activation blocks) a weight format uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
-    /// 32-element blocks: signed levels and one f32 scale per block (Q4_0, Q5_0, Q8_0); Q8_0
-    /// activations.
+    /// 32-element blocks: signed levels and one f32 scale per block (Q4_0, Q5_0, Q8_0);
+    /// 32-element activation blocks.
     Legacy,
     /// 256-element super-blocks: unsigned levels, integer scales and corrections per 16 elements,
-    /// two f32 scales per super-block (Q2_K..Q6_K); Q8_K activations.
+    /// two f32 scales per super-block (Q2_K..Q6_K); 256-element activation blocks.
     KQuant,
 }
 
@@ -71,108 +64,45 @@ pub fn supports(ty: GgmlType) -> bool {
     family(ty).is_some()
 }
 
-/// One activation row quantized to 8-bit blocks.
+/// One activation row quantized to 16-bit integer blocks.
 #[derive(Clone, Copy)]
 pub struct ActRow<'a> {
     /// Levels, `k` of them.
-    pub qs: &'a [i8],
+    pub qs: &'a [i16],
     /// One scale per block.
     pub d: &'a [f32],
-    /// Sums of the levels of every 16 elements (Q8_K rows; empty for Q8_0 rows).
-    pub sums: &'a [i16],
+    /// Sums of the levels of every 16 elements (K-quant rows; empty for 32-block rows).
+    pub sums: &'a [f32],
 }
 
-/// Weight rows unpacked for the integer cores: one buffer per field, `rows` rows of `k` elements.
-#[derive(Default)]
-pub struct Unpacked {
-    /// Legacy: signed levels; K-quants: unsigned levels (as `u8` bit patterns), `k` per row.
-    q: Vec<i8>,
-    /// Legacy: one scale per 32; K-quants: `d` per super-block.
-    d: Vec<f32>,
-    /// K-quants: the multiplier of the corrections per super-block (`dmin`, or `d` for offset formats).
-    dcorr: Vec<f32>,
-    /// K-quants: integer scale per 16 elements.
-    sc: Vec<i16>,
-    /// K-quants: integer correction per 16 elements, multiplied by the activations' 16-sums.
-    corr: Vec<i16>,
-}
-
-/// One unpacked 32-block weight row.
-#[derive(Clone, Copy)]
-pub struct LegacyRow<'a> {
-    /// Signed levels.
-    pub qs: &'a [i8],
-    /// One scale per 32 elements.
-    pub d: &'a [f32],
-}
-
-/// One unpacked K-quant weight row: `Σ_b a.d[b] (d[b] Σ_g sc[g] Σ_{i∈g} q[i] a[i] - dcorr[b] Σ_g corr[g] sums[g])`.
-#[derive(Clone, Copy)]
-pub struct KRow<'a> {
+/// One K-quant super-block unpacked for the integer cores (on the stack, next to its use).
+pub struct KBlock {
     /// Unsigned levels (0..=63).
-    pub q: &'a [u8],
+    pub q: [u8; 256],
     /// Scale per 16 elements.
-    pub sc: &'a [i16],
-    /// Correction per 16 elements.
-    pub corr: &'a [i16],
+    pub sc: [i16; 16],
+    /// Correction per 16 elements, multiplied by the activations' 16-sums.
+    pub corr: [i16; 16],
     /// Super-block scale.
-    pub d: &'a [f32],
-    /// Super-block correction scale.
-    pub dcorr: &'a [f32],
+    pub d: [f32; 1],
+    /// The multiplier of the corrections (`dmin`, or `d` for offset formats).
+    pub dcorr: [f32; 1],
 }
 
-impl Unpacked {
-    /// Unpacks rows `r0..r0 + cnt` of `w` (a fast format) with instruction set `isa`.
-    fn fill(&mut self, isa: Isa, w: &PackedMatrix<'_>, r0: usize, cnt: usize) {
-        let k = w.k;
-        let fam = family(w.ty).expect("a fast format");
-        let (nd, ng) = match fam {
-            Family::Legacy => (k / 32, 0),
-            Family::KQuant => (k / 256, k / 16),
-        };
-        grow(&mut self.q, cnt * k);
-        grow(&mut self.d, cnt * nd);
-        if fam == Family::KQuant {
-            grow(&mut self.dcorr, cnt * nd);
-            grow(&mut self.sc, cnt * ng);
-            grow(&mut self.corr, cnt * ng);
-        }
-        for j in 0..cnt {
-            let src = w.row(r0 + j);
-            let q = &mut self.q[j * k..(j + 1) * k];
-            let d = &mut self.d[j * nd..(j + 1) * nd];
-            match fam {
-                Family::Legacy => unpack_legacy(isa, w.ty, src, q, d),
-                Family::KQuant => {
-                    let q = as_u8_mut(q);
-                    let dc = &mut self.dcorr[j * nd..(j + 1) * nd];
-                    let sc = &mut self.sc[j * ng..(j + 1) * ng];
-                    let corr = &mut self.corr[j * ng..(j + 1) * ng];
-                    unpack_k(isa, w.ty, src, KRowMut { q, sc, corr, d, dcorr: dc });
-                }
-            }
-        }
-    }
-
-    /// Unpacked 32-block row `j` of `k` elements.
-    pub fn legacy(&self, j: usize, k: usize) -> LegacyRow<'_> {
-        LegacyRow { qs: &self.q[j * k..(j + 1) * k], d: &self.d[j * k / 32..(j + 1) * k / 32] }
-    }
-
-    /// Unpacked K-quant row `j` of `k` elements.
-    pub fn kquant(&self, j: usize, k: usize) -> KRow<'_> {
-        let (nd, ng) = (k / 256, k / 16);
-        KRow {
-            q: as_u8(&self.q[j * k..(j + 1) * k]),
-            sc: &self.sc[j * ng..(j + 1) * ng],
-            corr: &self.corr[j * ng..(j + 1) * ng],
-            d: &self.d[j * nd..(j + 1) * nd],
-            dcorr: &self.dcorr[j * nd..(j + 1) * nd],
-        }
+impl Default for KBlock {
+    fn default() -> Self {
+        KBlock { q: [0; 256], sc: [0; 16], corr: [0; 16], d: [0.0], dcorr: [0.0] }
     }
 }
 
-/// Mutable views of one K-quant row being unpacked.
+impl KBlock {
+    /// The block as an unpack target.
+    pub fn as_mut(&mut self) -> KRowMut<'_> {
+        KRowMut { q: &mut self.q, sc: &mut self.sc, corr: &mut self.corr, d: &mut self.d, dcorr: &mut self.dcorr }
+    }
+}
+
+/// Mutable views of K-quant super-blocks being unpacked (`d.len()` of them).
 pub struct KRowMut<'a> {
     /// Unsigned levels.
     pub q: &'a mut [u8],
@@ -186,121 +116,75 @@ pub struct KRowMut<'a> {
     pub dcorr: &'a mut [f32],
 }
 
-fn grow<T: Default + Clone>(v: &mut Vec<T>, len: usize) {
-    if v.len() < len {
-        v.resize(len, T::default());
-    }
-}
-
-fn as_u8(q: &[i8]) -> &[u8] {
-    // SAFETY: i8 and u8 have the same size and alignment.
-    unsafe { std::slice::from_raw_parts(q.as_ptr() as *const u8, q.len()) }
-}
-
-fn as_u8_mut(q: &mut [i8]) -> &mut [u8] {
-    // SAFETY: as in `as_u8`.
-    unsafe { std::slice::from_raw_parts_mut(q.as_mut_ptr() as *mut u8, q.len()) }
-}
-
-/// Unpacks one row of a 32-block format.
-fn unpack_legacy(isa: Isa, ty: GgmlType, src: &[u8], q: &mut [i8], d: &mut [f32]) {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: Avx2Fma is only chosen on CPUs that have it; lengths follow from the row layout.
-        Isa::Avx2Fma => unsafe { avx2::unpack_legacy(ty, src, q, d) },
-        _ => scalar::unpack_legacy(ty, src, q, d),
-    }
-}
-
-/// Unpacks one row of a K-quant format.
-fn unpack_k(isa: Isa, ty: GgmlType, src: &[u8], out: KRowMut<'_>) {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as in `unpack_legacy`.
-        Isa::Avx2Fma => unsafe { avx2::unpack_k(ty, src, out) },
-        _ => scalar::unpack_k(ty, src, out),
-    }
-}
-
-/// Products of unpacked weight rows `0..out.len()` of `tile` with activation rows `acts` (at most
-/// [`ROW_GROUP`]): `out[j][i] = acts[i] · row j`.
-fn dot_tile(isa: Isa, fam: Family, tile: &Unpacked, k: usize, acts: &[ActRow<'_>], out: &mut [[f32; ROW_GROUP]]) {
+/// Products of one packed weight row `src` (format `ty`, family `fam`) with the activation rows
+/// `acts` (at most [`ROW_GROUP`]): `out[i] = acts[i] · row`. Each weight block is decoded once, in
+/// registers, and multiplied with every activation row.
+fn row_dot(isa: Isa, ty: GgmlType, fam: Family, src: &[u8], acts: &[ActRow<'_>]) -> [f32; ROW_GROUP] {
+    let mut out = [0f32; ROW_GROUP];
     macro_rules! call {
         ($r:literal) => {{
-            let a: [ActRow<'_>; $r] = std::array::from_fn(|i| acts[i]);
-            match (fam, isa) {
+            let a: &[ActRow<'_>; $r] = acts[..$r].try_into().expect("a group of $r rows");
+            let res: [f32; $r] = match (fam, isa) {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: Avx2Fma is only chosen on CPUs that have it; row lengths agree.
-                (Family::Legacy, Isa::Avx2Fma) => unsafe { avx2::legacy_tile(tile, k, a, out) },
+                (Family::Legacy, Isa::Avx2Fma) => unsafe { avx2::legacy_rows(ty, src, a) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
-                (Family::KQuant, Isa::Avx2Fma) => unsafe { avx2::k_tile(tile, k, a, out) },
-                (Family::Legacy, _) => {
-                    for (j, o) in out.iter_mut().enumerate() {
-                        o[..$r].copy_from_slice(&scalar::legacy_dot(tile.legacy(j, k), a));
-                    }
-                }
-                (Family::KQuant, _) => {
-                    for (j, o) in out.iter_mut().enumerate() {
-                        o[..$r].copy_from_slice(&scalar::k_dot(tile.kquant(j, k), a));
-                    }
-                }
-            }
+                (Family::KQuant, Isa::Avx2Fma) => unsafe { avx2::k_rows(ty, src, a) },
+                (Family::Legacy, _) => scalar::legacy_rows(ty, src, a),
+                (Family::KQuant, _) => scalar::k_rows(ty, src, a),
+            };
+            out[..$r].copy_from_slice(&res);
         }};
     }
     match acts.len() {
         1 => call!(1),
         2 => call!(2),
         3 => call!(3),
-        _ => call!(4),
+        4 => call!(4),
+        5 => call!(5),
+        6 => call!(6),
+        7 => call!(7),
+        _ => call!(8),
     }
+    out
 }
 
-thread_local! {
-    static TILE: RefCell<Unpacked> = RefCell::new(Unpacked::default());
-}
-
-/// Weight rows unpacked per tile: about 16 KiB of levels, 4..=32 rows.
-fn tile_rows(k: usize) -> usize {
-    (16384 / k.max(1)).clamp(4, 32)
+/// Weight rows per cache tile: about 16 KiB of packed weights, 1..=64 rows.
+fn tile_rows(row_bytes: usize) -> usize {
+    (16384 / row_bytes.max(1)).clamp(1, 64)
 }
 
 /// Calls `emit(row, col, x[row] · w[col])` for every activation row and every weight row in `cols`.
+/// Weight rows are taken a cache tile at a time; every group of activation rows runs over the tile.
 fn products(isa: Isa, w: &PackedMatrix<'_>, acts: &QuantizedRows, cols: std::ops::Range<usize>, mut emit: impl FnMut(usize, usize, f32)) {
-    let (k, fam) = (w.k, family(w.ty).expect("a fast format"));
-    let tr = tile_rows(k);
-    let mut results = [[0f32; ROW_GROUP]; 32];
-    TILE.with(|t| {
-        let mut tile = t.borrow_mut();
-        let mut c0 = cols.start;
-        while c0 < cols.end {
-            let cnt = tr.min(cols.end - c0);
-            tile.fill(isa, w, c0, cnt);
-            let (stored, passes) = (acts.rows() * acts.passes(), acts.passes());
-            let mut r0 = 0;
-            while r0 < stored {
-                let rc = ROW_GROUP.min(stored - r0);
-                let group: [ActRow<'_>; ROW_GROUP] = std::array::from_fn(|i| acts.row(r0 + i.min(rc - 1)));
-                let res = &mut results[..cnt];
-                dot_tile(isa, fam, &tile, k, &group[..rc], res);
-                for (j, row) in res.iter().enumerate() {
-                    // A row's passes are adjacent and never split across groups (passes divides ROW_GROUP).
-                    for (i, v) in row[..rc].chunks_exact(passes).enumerate() {
-                        emit(r0 / passes + i, c0 + j, v.iter().sum());
-                    }
+    let fam = family(w.ty).expect("a fast format");
+    let tr = tile_rows(w.row(0).len());
+    let rows = acts.rows();
+    let mut c0 = cols.start;
+    while c0 < cols.end {
+        let tile = c0..(c0 + tr).min(cols.end);
+        let mut r0 = 0;
+        while r0 < rows {
+            let rc = ROW_GROUP.min(rows - r0);
+            let group: [ActRow<'_>; ROW_GROUP] = std::array::from_fn(|i| acts.row(r0 + i.min(rc - 1)));
+            for j in tile.clone() {
+                let res = row_dot(isa, w.ty, fam, w.row(j), &group[..rc]);
+                for (i, &v) in res[..rc].iter().enumerate() {
+                    emit(r0 + i, j, v);
                 }
-                r0 += rc;
             }
-            c0 += cnt;
+            r0 += rc;
         }
-    });
+        c0 = tile.end;
+    }
 }
 
-/// `out[r, j] = q8(x[r, :]) · w[j, :]` for `rows` rows; `w` must be a fast format.
+/// `out[r, j] = q16(x[r, :]) · w[j, :]` for `rows` rows; `w` must be a fast format.
 pub fn matmul(pool: &ThreadPool, isa: Isa, x: &[f32], rows: usize, w: &PackedMatrix<'_>, out: &mut [f32]) {
     let (k, n) = (w.k, w.n);
     let fam = family(w.ty).expect("a fast format");
-    let acts = QuantizedRows::new(pool, isa, &x[..rows * k], rows, k, fam.act_block(), PASSES);
+    let acts = QuantizedRows::new(pool, isa, &x[..rows * k], rows, k, fam);
     let out = SharedMut(out[..rows * n].as_mut_ptr());
     pool.for_chunks(n, 16, &|range| {
         products(isa, w, &acts, range, |r, j, v| {
@@ -315,26 +199,16 @@ pub fn wants_screening_copy(w: &PackedMatrix<'_>) -> bool {
     supports(w.ty) && w.n >= screen::MIN_ROWS && w.k.is_multiple_of(32)
 }
 
-/// `out[r] = argmax_j q8(x[r, :]) · w[j, :]` (lowest index among equal maxima), without storing
+/// `out[r] = argmax_j q16(x[r, :]) · w[j, :]` (lowest index among equal maxima), without storing
 /// the products; `-1` when any product is not finite. `w` must be a fast format. With `screen`
-/// (w's Q4_0 copy, from [`make_screening_copy`]) and at most a few rows, only the copy's best
+/// (the bytes of w's screening copy, from [`make_screening_copy`]) and at most a few rows, only the copy's best
 /// candidates are scored with `w` (see `screen`).
-pub fn matmul_argmax(
-    pool: &ThreadPool,
-    isa: Isa,
-    x: &[f32],
-    rows: usize,
-    w: &PackedMatrix<'_>,
-    screen: Option<&PackedMatrix<'_>>,
-    out: &mut [i32],
-) {
+pub fn matmul_argmax(pool: &ThreadPool, isa: Isa, x: &[f32], rows: usize, w: &PackedMatrix<'_>, screen: Option<&[u8]>, out: &mut [i32]) {
     let (k, n) = (w.k, w.n);
     let fam = family(w.ty).expect("a fast format");
-    let acts = QuantizedRows::new(pool, isa, &x[..rows * k], rows, k, fam.act_block(), PASSES);
+    let acts = QuantizedRows::new(pool, isa, &x[..rows * k], rows, k, fam);
     if let Some(screen) = screen.filter(|_| rows <= screen::MAX_ACT_ROWS) {
-        // Screening needs only one pass.
-        let acts4 = QuantizedRows::new(pool, isa, &x[..rows * k], rows, k, 32, 1);
-        screen::argmax(pool, isa, &acts, &acts4, w, screen, out);
+        screen::argmax(pool, isa, x, &acts, w, screen, out);
         return;
     }
     let tasks = (pool.threads() * 4).min(n.div_ceil(16)).max(1);

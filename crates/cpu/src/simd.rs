@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 pub enum Isa {
     /// Portable code (any CPU).
     Scalar,
-    /// x86-64 AVX2 with FMA.
+    /// x86-64 AVX2 with FMA (and F16C, which every AVX2 CPU has).
     Avx2Fma,
 }
 
@@ -15,7 +15,7 @@ impl Isa {
     /// The best variant this CPU supports.
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
             return Isa::Avx2Fma;
         }
         Isa::Scalar

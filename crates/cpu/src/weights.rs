@@ -115,20 +115,18 @@ impl CpuWeights {
 }
 
 impl CpuWeights {
-    /// The Q4_0 screening copy of greedy-head matrix `id` (made now if needed), when the fast
-    /// kernels want one for it.
-    pub fn screening_copy(&self, id: WeightId, pool: &crate::pool::ThreadPool) -> Result<Option<PackedMatrix<'_>>, RuntimeError> {
+    /// The screening copy (see `fast::screen`) of greedy-head matrix `id` (made now if needed),
+    /// when the fast kernels want one for it.
+    pub fn screening_copy(&self, id: WeightId, pool: &crate::pool::ThreadPool) -> Result<Option<&[u8]>, RuntimeError> {
         let m = self.matrix(id)?;
         if !crate::fast::wants_screening_copy(&m) {
             return Ok(None);
         }
-        let bytes = self.screens[id.0].get_or_init(|| {
+        Ok(Some(self.screens[id.0].get_or_init(|| {
             crate::fast::make_screening_copy(pool, &m, &|b| {
                 self.store.release_pages(b);
             })
-        });
-        let row_bytes = GgmlType::Q4_0.row_bytes(m.k)?;
-        Ok(Some(PackedMatrix { bytes, ty: GgmlType::Q4_0, k: m.k, n: m.n, row_bytes }))
+        })))
     }
 }
 

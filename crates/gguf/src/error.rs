@@ -138,9 +138,7 @@ pub enum GgufError {
         reason: String,
     },
     /// A tensor's data offset is not a multiple of the file's alignment.
-    #[error(
-        "tensor '{name}': data offset {offset} is not a multiple of the alignment {alignment}"
-    )]
+    #[error("tensor '{name}': data offset {offset} is not a multiple of the alignment {alignment}")]
     MisalignedTensor {
         /// The tensor.
         name: String,
@@ -188,9 +186,7 @@ pub enum GgufError {
         target: &'static str,
     },
     /// Data given to the writer does not match the tensor's size.
-    #[error(
-        "tensor '{name}': {actual} bytes of data given, but {ty} {dims:?} takes {expected} bytes"
-    )]
+    #[error("tensor '{name}': {actual} bytes of data given, but {ty} {dims:?} takes {expected} bytes")]
     DataSizeMismatch {
         /// The tensor.
         name: String,

@@ -25,9 +25,7 @@ pub(crate) fn check_version(version: u32) -> Result<(), GgufError> {
     let reason = match version {
         2 | 3 => return Ok(()),
         1 => "version 1 is the obsolete pre-release format (32-bit counts); re-convert the model with current tools",
-        v if matches!(v.swap_bytes(), 2 | 3) => {
-            "the file looks big-endian; only little-endian GGUF files are supported"
-        }
+        v if matches!(v.swap_bytes(), 2 | 3) => "the file looks big-endian; only little-endian GGUF files are supported",
         _ => "only versions 2 and 3 are supported",
     };
     Err(GgufError::UnsupportedVersion { version, reason })
@@ -38,9 +36,7 @@ pub(crate) fn alignment_from(value: &MetaValue) -> Result<u64, GgufError> {
     value
         .as_u64()
         .filter(|&a| a.is_power_of_two() && a <= u64::from(u32::MAX))
-        .ok_or_else(|| GgufError::BadAlignment {
-            value: format!("{} ({})", value.summary(4), value.type_name()),
-        })
+        .ok_or_else(|| GgufError::BadAlignment { value: format!("{} ({})", value.summary(4), value.type_name()) })
 }
 
 /// A bounds-checked little-endian cursor over the file bytes.
@@ -59,12 +55,7 @@ impl<'a> Reader<'a> {
 
     /// The error for a field of `needed` bytes that does not fit in the rest of the file.
     fn truncated(&self, what: String, needed: u64) -> GgufError {
-        GgufError::Truncated {
-            what,
-            offset: self.pos as u64,
-            needed,
-            available: self.remaining() as u64,
-        }
+        GgufError::Truncated { what, offset: self.pos as u64, needed, available: self.remaining() as u64 }
     }
 
     /// The next `n` bytes; `what` names the field for the error message.
@@ -78,10 +69,7 @@ impl<'a> Reader<'a> {
     }
 
     /// The next `N` bytes as an array.
-    fn bytes<const N: usize>(
-        &mut self,
-        what: impl FnOnce() -> String,
-    ) -> Result<[u8; N], GgufError> {
+    fn bytes<const N: usize>(&mut self, what: impl FnOnce() -> String) -> Result<[u8; N], GgufError> {
         let mut out = [0u8; N];
         out.copy_from_slice(self.take(N, what)?);
         Ok(out)
@@ -108,29 +96,15 @@ impl<'a> Reader<'a> {
         let bytes = self.take(len, &what)?;
         match std::str::from_utf8(bytes) {
             Ok(s) => Ok(s.to_owned()),
-            Err(_) => Err(GgufError::InvalidUtf8 {
-                what: what(),
-                offset: start,
-            }),
+            Err(_) => Err(GgufError::InvalidUtf8 { what: what(), offset: start }),
         }
     }
 
     /// Checks that `count` items of at least `min_size` bytes each can fit in the rest of the file.
-    fn check_count(
-        &self,
-        count: u64,
-        min_size: usize,
-        what: impl FnOnce() -> String,
-    ) -> Result<usize, GgufError> {
+    fn check_count(&self, count: u64, min_size: usize, what: impl FnOnce() -> String) -> Result<usize, GgufError> {
         let max = (self.remaining() / min_size) as u64;
         if count > max {
-            return Err(GgufError::CountTooLarge {
-                what: what(),
-                count,
-                offset: self.pos as u64,
-                available: self.remaining() as u64,
-                max,
-            });
+            return Err(GgufError::CountTooLarge { what: what(), count, offset: self.pos as u64, available: self.remaining() as u64, max });
         }
         Ok(count as usize)
     }
@@ -157,11 +131,7 @@ fn read_bools(r: &mut Reader<'_>, n: usize, key: &str) -> Result<Vec<bool>, Gguf
         .enumerate()
         .map(|(i, &b)| match b {
             0 | 1 => Ok(b == 1),
-            _ => Err(GgufError::InvalidBool {
-                key: key.to_string(),
-                value: b,
-                offset: start + i as u64,
-            }),
+            _ => Err(GgufError::InvalidBool { key: key.to_string(), value: b, offset: start + i as u64 }),
         })
         .collect()
 }
@@ -183,22 +153,14 @@ fn read_value(r: &mut Reader<'_>, ty: u32, key: &str) -> Result<MetaValue, GgufE
         type_id::BOOL => MetaValue::Bool(read_bools(r, 1, key)?[0]),
         type_id::STRING => MetaValue::String(r.string(what)?),
         type_id::ARRAY => MetaValue::Array(read_array(r, key, 1)?),
-        _ => {
-            return Err(GgufError::UnknownValueType {
-                key: key.to_string(),
-                type_id: ty,
-            })
-        }
+        _ => return Err(GgufError::UnknownValueType { key: key.to_string(), type_id: ty }),
     })
 }
 
 /// Reads an array (element type, count, elements) at nesting level `depth` (1 = outermost).
 fn read_array(r: &mut Reader<'_>, key: &str, depth: usize) -> Result<MetaArray, GgufError> {
     if depth > MAX_ARRAY_DEPTH {
-        return Err(GgufError::NestingTooDeep {
-            key: key.to_string(),
-            max: MAX_ARRAY_DEPTH,
-        });
+        return Err(GgufError::NestingTooDeep { key: key.to_string(), max: MAX_ARRAY_DEPTH });
     }
     let elem = r.u32(|| format!("key '{key}': array element type"))?;
     let count = r.u64(|| format!("key '{key}': array length"))?;
@@ -208,16 +170,9 @@ fn read_array(r: &mut Reader<'_>, key: &str, depth: usize) -> Result<MetaArray, 
         type_id::U32 | type_id::I32 | type_id::F32 => 4,
         type_id::U64 | type_id::I64 | type_id::F64 | type_id::STRING => 8,
         type_id::ARRAY => 12,
-        _ => {
-            return Err(GgufError::UnknownValueType {
-                key: key.to_string(),
-                type_id: elem,
-            })
-        }
+        _ => return Err(GgufError::UnknownValueType { key: key.to_string(), type_id: elem }),
     };
-    let n = r.check_count(count, min_size, || {
-        format!("key '{key}': {} array length", type_id_name(elem))
-    })?;
+    let n = r.check_count(count, min_size, || format!("key '{key}': {} array length", type_id_name(elem)))?;
     // `n * min_size` fits in the remaining bytes, so it cannot overflow.
     let what = || format!("key '{key}': {} array data", type_id_name(elem));
     Ok(match elem {
@@ -276,12 +231,8 @@ fn parse(buf: &[u8]) -> Result<Parsed, GgufError> {
     check_version(version)?;
     let n_tensors = r.u64(|| "tensor count".to_string())?;
     let n_kv = r.u64(|| "metadata key/value count".to_string())?;
-    let n_kv = r.check_count(n_kv, MIN_KV_BYTES, || {
-        "metadata key/value count".to_string()
-    })?;
-    let n_tensors = r.check_count(n_tensors, MIN_TENSOR_INFO_BYTES, || {
-        "tensor count".to_string()
-    })?;
+    let n_kv = r.check_count(n_kv, MIN_KV_BYTES, || "metadata key/value count".to_string())?;
+    let n_tensors = r.check_count(n_tensors, MIN_TENSOR_INFO_BYTES, || "tensor count".to_string())?;
 
     let mut metadata = Vec::with_capacity(n_kv);
     let mut key_index = HashMap::with_capacity(n_kv);
@@ -305,39 +256,20 @@ fn parse(buf: &[u8]) -> Result<Parsed, GgufError> {
         let name = r.string(|| format!("tensor #{i} name"))?;
         let n_dims = r.u32(|| format!("tensor '{name}': dimension count"))?;
         if n_dims as usize > MAX_DIMS {
-            return Err(GgufError::TooManyDims {
-                name,
-                n_dims: n_dims.into(),
-                max: MAX_DIMS,
-            });
+            return Err(GgufError::TooManyDims { name, n_dims: n_dims.into(), max: MAX_DIMS });
         }
-        let dims = (0..n_dims)
-            .map(|d| r.u64(|| format!("tensor '{name}': dimension {d}")))
-            .collect::<Result<Vec<u64>, GgufError>>()?;
+        let dims = (0..n_dims).map(|d| r.u64(|| format!("tensor '{name}': dimension {d}"))).collect::<Result<Vec<u64>, GgufError>>()?;
         let type_id = r.u32(|| format!("tensor '{name}': type"))?;
-        let ty = GgmlType::from_id(type_id).ok_or_else(|| GgufError::UnknownTensorType {
-            name: name.clone(),
-            type_id,
-        })?;
+        let ty = GgmlType::from_id(type_id).ok_or_else(|| GgufError::UnknownTensorType { name: name.clone(), type_id })?;
         let offset = r.u64(|| format!("tensor '{name}': data offset"))?;
         let n_bytes = data_size(&name, &dims, ty)?;
         if offset % alignment != 0 {
-            return Err(GgufError::MisalignedTensor {
-                name,
-                offset,
-                alignment,
-            });
+            return Err(GgufError::MisalignedTensor { name, offset, alignment });
         }
         if tensor_index.insert(name.clone(), i).is_some() {
             return Err(GgufError::DuplicateTensor { name });
         }
-        tensors.push(TensorInfo {
-            name,
-            dims,
-            ty,
-            offset,
-            n_bytes,
-        });
+        tensors.push(TensorInfo { name, dims, ty, offset, n_bytes });
     }
 
     // The data section starts at the next multiple of the alignment; offsets are relative to it.
@@ -357,14 +289,7 @@ fn parse(buf: &[u8]) -> Result<Parsed, GgufError> {
             }
         }
     }
-    Ok(Parsed {
-        version,
-        alignment,
-        metadata,
-        key_index,
-        tensors,
-        tensor_index,
-    })
+    Ok(Parsed { version, alignment, metadata, key_index, tensors, tensor_index })
 }
 
 /// The bytes of an open file.
@@ -386,13 +311,7 @@ pub struct GgufFile {
 impl GgufFile {
     /// Memory-maps and validates the file at `path`.
     pub fn open(path: &Path) -> Result<GgufFile, GgufError> {
-        let io = |action| {
-            move |source| GgufError::Io {
-                action,
-                path: path.to_path_buf(),
-                source,
-            }
-        };
+        let io = |action| move |source| GgufError::Io { action, path: path.to_path_buf(), source };
         let file = std::fs::File::open(path).map_err(io("open"))?;
         let len = file.metadata().map_err(io("stat"))?.len();
         let storage = if len == 0 {
@@ -416,13 +335,7 @@ impl GgufFile {
                 // SAFETY: the map is read-only and private and never written, so dropping its pages
                 // only makes later reads fault the same file contents back in; every reference into
                 // it stays valid because the mapping itself stays.
-                let advised = unsafe {
-                    m.unchecked_advise_range(
-                        memmap2::UncheckedAdvice::DontNeed,
-                        start - base,
-                        bytes.len(),
-                    )
-                };
+                let advised = unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start - base, bytes.len()) };
                 return advised.is_ok();
             }
         }
@@ -468,26 +381,17 @@ impl GgufFile {
 
     /// The value of metadata key `key`, if present.
     pub fn get(&self, key: &str) -> Option<&MetaValue> {
-        self.parsed
-            .key_index
-            .get(key)
-            .map(|&i| &self.parsed.metadata[i].1)
+        self.parsed.key_index.get(key).map(|&i| &self.parsed.metadata[i].1)
     }
 
     /// The value of `key`, or a `MissingKey` error.
     fn require(&self, key: &str) -> Result<&MetaValue, GgufError> {
-        self.get(key).ok_or_else(|| GgufError::MissingKey {
-            key: key.to_string(),
-        })
+        self.get(key).ok_or_else(|| GgufError::MissingKey { key: key.to_string() })
     }
 
     /// A `WrongType` error for `key`.
     fn wrong_type(key: &str, expected: &'static str, found: &MetaValue) -> GgufError {
-        GgufError::WrongType {
-            key: key.to_string(),
-            expected,
-            found: found.type_name(),
-        }
+        GgufError::WrongType { key: key.to_string(), expected, found: found.type_name() }
     }
 
     /// The string value of `key`.
@@ -499,22 +403,14 @@ impl GgufFile {
     /// The value of `key` as u32: any integer type whose value fits.
     pub fn get_u32(&self, key: &str) -> Result<u32, GgufError> {
         let v = self.require(key)?;
-        let wide = v
-            .as_integer()
-            .ok_or_else(|| Self::wrong_type(key, "an integer", v))?;
-        u32::try_from(wide).map_err(|_| GgufError::OutOfRange {
-            key: key.to_string(),
-            value: wide,
-            target: "u32",
-        })
+        let wide = v.as_integer().ok_or_else(|| Self::wrong_type(key, "an integer", v))?;
+        u32::try_from(wide).map_err(|_| GgufError::OutOfRange { key: key.to_string(), value: wide, target: "u32" })
     }
 
     /// The value of `key` as f32 (an F32, or an F64 rounded to f32).
     pub fn get_f32(&self, key: &str) -> Result<f32, GgufError> {
         let v = self.require(key)?;
-        v.as_f64()
-            .map(|x| x as f32)
-            .ok_or_else(|| Self::wrong_type(key, "f32 or f64", v))
+        v.as_f64().map(|x| x as f32).ok_or_else(|| Self::wrong_type(key, "f32 or f64", v))
     }
 
     /// The bool value of `key`.
@@ -526,8 +422,7 @@ impl GgufFile {
     /// The array value of `key`.
     pub fn get_array(&self, key: &str) -> Result<&MetaArray, GgufError> {
         let v = self.require(key)?;
-        v.as_array()
-            .ok_or_else(|| Self::wrong_type(key, "array", v))
+        v.as_array().ok_or_else(|| Self::wrong_type(key, "array", v))
     }
 
     /// The model architecture (`general.architecture`).
@@ -542,10 +437,7 @@ impl GgufFile {
 
     /// The tensor named `name`, if present.
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
-        self.parsed
-            .tensor_index
-            .get(name)
-            .map(|&i| &self.parsed.tensors[i])
+        self.parsed.tensor_index.get(name).map(|&i| &self.parsed.tensors[i])
     }
 
     /// The raw data of `t` (validated at open; empty for a `TensorInfo` not describing this file's bytes).

@@ -351,26 +351,13 @@ mod tests {
 
     #[test]
     fn summaries() {
-        let tokens = MetaValue::Array(MetaArray::String(vec![
-            "<pad>".into(),
-            "<eos>".into(),
-            "<bos>".into(),
-        ]));
+        let tokens = MetaValue::Array(MetaArray::String(vec!["<pad>".into(), "<eos>".into(), "<bos>".into()]));
         assert_eq!(tokens.summary(2), r#"[string; 3] ["<pad>", "<eos>", ...]"#);
-        assert_eq!(
-            tokens.summary(3),
-            r#"[string; 3] ["<pad>", "<eos>", "<bos>"]"#
-        );
+        assert_eq!(tokens.summary(3), r#"[string; 3] ["<pad>", "<eos>", "<bos>"]"#);
         assert_eq!(tokens.summary(0), "[string; 3] [...]");
-        assert_eq!(
-            MetaValue::Array(MetaArray::U8(vec![])).summary(4),
-            "[u8; 0] []"
-        );
+        assert_eq!(MetaValue::Array(MetaArray::U8(vec![])).summary(4), "[u8; 0] []");
         let nested = MetaArray::Array(vec![MetaArray::I32(vec![1, -2]), MetaArray::F32(vec![0.5])]);
-        assert_eq!(
-            nested.summary(4),
-            "[array; 2] [[i32; 2] [1, -2], [f32; 1] [0.5]]"
-        );
+        assert_eq!(nested.summary(4), "[array; 2] [[i32; 2] [1, -2], [f32; 1] [0.5]]");
         assert_eq!(nested.depth(), 2);
         assert_eq!(MetaValue::String("a\"b".into()).summary(1), r#""a\"b""#);
         assert_eq!(MetaValue::F32(1e-6).summary(1), "0.000001");

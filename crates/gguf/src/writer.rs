@@ -40,10 +40,7 @@ impl GgufWriter {
     /// An empty writer for format `version` (2 or 3).
     pub fn new(version: u32) -> Result<GgufWriter, GgufError> {
         if !matches!(version, 2 | 3) {
-            return Err(GgufError::UnsupportedVersion {
-                version,
-                reason: "the writer produces versions 2 and 3 only",
-            });
+            return Err(GgufError::UnsupportedVersion { version, reason: "the writer produces versions 2 and 3 only" });
         }
         Ok(GgufWriter {
             version,
@@ -56,29 +53,20 @@ impl GgufWriter {
     }
 
     /// Adds a metadata entry; rejects duplicate keys, arrays nested too deeply and an invalid `general.alignment`.
-    pub fn add_metadata(
-        &mut self,
-        key: impl Into<String>,
-        value: MetaValue,
-    ) -> Result<(), GgufError> {
+    pub fn add_metadata(&mut self, key: impl Into<String>, value: MetaValue) -> Result<(), GgufError> {
         let key = key.into();
         if self.keys.contains(&key) {
             return Err(GgufError::DuplicateKey { key });
         }
         if let MetaValue::Array(a) = &value {
             if a.depth() > MAX_ARRAY_DEPTH {
-                return Err(GgufError::NestingTooDeep {
-                    key,
-                    max: MAX_ARRAY_DEPTH,
-                });
+                return Err(GgufError::NestingTooDeep { key, max: MAX_ARRAY_DEPTH });
             }
         }
         if key == ALIGNMENT_KEY {
             // The reader accepts any integer type, but llama.cpp requires u32: write only that.
             if !matches!(value, MetaValue::U32(_)) {
-                return Err(GgufError::BadAlignment {
-                    value: format!("{} ({})", value.summary(4), value.type_name()),
-                });
+                return Err(GgufError::BadAlignment { value: format!("{} ({})", value.summary(4), value.type_name()) });
             }
             self.alignment = alignment_from(&value)?;
         }
@@ -88,34 +76,17 @@ impl GgufWriter {
     }
 
     /// Adds a tensor; `data` must be exactly the size of `dims` elements of `ty`.
-    pub fn add_tensor(
-        &mut self,
-        name: impl Into<String>,
-        dims: &[u64],
-        ty: GgmlType,
-        data: Vec<u8>,
-    ) -> Result<(), GgufError> {
+    pub fn add_tensor(&mut self, name: impl Into<String>, dims: &[u64], ty: GgmlType, data: Vec<u8>) -> Result<(), GgufError> {
         let name = name.into();
         let expected = data_size(&name, dims, ty)?;
         if data.len() as u64 != expected {
-            return Err(GgufError::DataSizeMismatch {
-                name,
-                ty,
-                dims: dims.to_vec(),
-                expected,
-                actual: data.len(),
-            });
+            return Err(GgufError::DataSizeMismatch { name, ty, dims: dims.to_vec(), expected, actual: data.len() });
         }
         if self.names.contains(&name) {
             return Err(GgufError::DuplicateTensor { name });
         }
         self.names.insert(name.clone());
-        self.tensors.push(PendingTensor {
-            name,
-            dims: dims.to_vec(),
-            ty,
-            data,
-        });
+        self.tensors.push(PendingTensor { name, dims: dims.to_vec(), ty, data });
         Ok(())
     }
 
@@ -157,17 +128,10 @@ impl GgufWriter {
     pub fn write(&self, path: &Path) -> Result<(), GgufError> {
         let io = |action, p: &Path| {
             let p = p.to_path_buf();
-            move |source| GgufError::Io {
-                action,
-                path: p,
-                source,
-            }
+            move |source| GgufError::Io { action, path: p, source }
         };
         let Some(file_name) = path.file_name() else {
-            let e = std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "the path does not name a file",
-            );
+            let e = std::io::Error::new(std::io::ErrorKind::InvalidInput, "the path does not name a file");
             return Err(io("write", path)(e));
         };
         let mut tmp_name = file_name.to_os_string();
@@ -175,9 +139,7 @@ impl GgufWriter {
         let tmp = path.with_file_name(tmp_name);
         let result = std::fs::write(&tmp, self.to_bytes())
             .map_err(io("write", &tmp))
-            .and_then(|()| {
-                std::fs::rename(&tmp, path).map_err(io("rename temporary file onto", path))
-            });
+            .and_then(|()| std::fs::rename(&tmp, path).map_err(io("rename temporary file onto", path)));
         if result.is_err() {
             let _ = std::fs::remove_file(&tmp);
         }

@@ -6,10 +6,7 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-const REFS: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../../shared/refs/dequant_refs.json"
-);
+const REFS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/refs/dequant_refs.json");
 
 fn open_model() -> GgufFile {
     let path = kiln_hub::ensure_default_model().expect("default model");
@@ -35,11 +32,7 @@ fn real_model_header_metadata_and_tensors() {
     assert_eq!(f.get_u32("gemma3.embedding_length").unwrap(), 640);
     assert_eq!(f.get_u32("gemma3.attention.head_count_kv").unwrap(), 1);
     assert_eq!(f.get_u32("gemma3.attention.sliding_window").unwrap(), 512);
-    assert_eq!(
-        f.get_f32("gemma3.attention.layer_norm_rms_epsilon")
-            .unwrap(),
-        1e-6
-    );
+    assert_eq!(f.get_f32("gemma3.attention.layer_norm_rms_epsilon").unwrap(), 1e-6);
     assert_eq!(f.get_f32("gemma3.rope.freq_base").unwrap(), 1e6);
     assert_eq!(f.get_str("tokenizer.ggml.model").unwrap(), "llama");
     assert!(f.get_bool("tokenizer.ggml.add_bos_token").unwrap());
@@ -47,38 +40,17 @@ fn real_model_header_metadata_and_tensors() {
     assert_eq!(f.get_u32("tokenizer.ggml.bos_token_id").unwrap(), 2);
     assert_eq!(f.get_u32("tokenizer.ggml.eos_token_id").unwrap(), 1);
 
-    let tokens = f
-        .get_array("tokenizer.ggml.tokens")
-        .unwrap()
-        .as_strings()
-        .unwrap();
+    let tokens = f.get_array("tokenizer.ggml.tokens").unwrap().as_strings().unwrap();
     assert_eq!(tokens.len(), 262_144);
     assert_eq!(&tokens[..3], ["<pad>", "<eos>", "<bos>"]);
     assert_eq!(tokens[105], "<start_of_turn>");
-    assert_eq!(
-        f.get_array("tokenizer.ggml.scores")
-            .unwrap()
-            .as_f32s()
-            .unwrap()
-            .len(),
-        262_144
-    );
-    assert_eq!(
-        f.get_array("tokenizer.ggml.token_type")
-            .unwrap()
-            .as_i32s()
-            .unwrap()
-            .len(),
-        262_144
-    );
+    assert_eq!(f.get_array("tokenizer.ggml.scores").unwrap().as_f32s().unwrap().len(), 262_144);
+    assert_eq!(f.get_array("tokenizer.ggml.token_type").unwrap().as_i32s().unwrap().len(), 262_144);
     let summary = f.get("tokenizer.ggml.tokens").unwrap().summary(2);
     assert_eq!(summary, r#"[string; 262144] ["<pad>", "<eos>", ...]"#);
 
     let e = f.get_str("gemma3.block_count").unwrap_err().to_string();
-    assert_eq!(
-        e,
-        "metadata key 'gemma3.block_count': expected string, found u32"
-    );
+    assert_eq!(e, "metadata key 'gemma3.block_count': expected string, found u32");
     let e = f.get_u32("no.such.key").unwrap_err().to_string();
     assert_eq!(e, "metadata key 'no.such.key' not found");
 
@@ -90,20 +62,10 @@ fn real_model_header_metadata_and_tensors() {
         assert_eq!(t.offset % 32, 0);
         assert_eq!(t.n_elements(), (t.row_len() * t.n_rows()) as u64);
     }
-    let want: BTreeMap<&str, i32> = [
-        ("F32", 109),
-        ("Q5_0", 81),
-        ("Q4_K", 27),
-        ("Q8_0", 10),
-        ("Q6_K", 9),
-    ]
-    .into();
+    let want: BTreeMap<&str, i32> = [("F32", 109), ("Q5_0", 81), ("Q4_K", 27), ("Q8_0", 10), ("Q6_K", 9)].into();
     assert_eq!(counts, want);
     let embd = f.tensor("token_embd.weight").unwrap();
-    assert_eq!(
-        (embd.dims.as_slice(), embd.ty),
-        (&[640u64, 262_144][..], GgmlType::Q8_0)
-    );
+    assert_eq!((embd.dims.as_slice(), embd.ty), (&[640u64, 262_144][..], GgmlType::Q8_0));
     assert!(f.tensor("missing.weight").is_none());
 }
 
@@ -116,22 +78,10 @@ fn real_model_offsets_match_references() {
         let t = f.tensor(name).unwrap();
         assert_eq!(t.offset, r["data_offset"].as_u64().unwrap(), "{name}");
         assert_eq!(t.n_bytes, r["n_bytes"].as_u64().unwrap(), "{name}");
-        assert_eq!(
-            t.ty.id() as u64,
-            r["ggml_type_id"].as_u64().unwrap(),
-            "{name}"
-        );
-        let ne: Vec<u64> = r["ne"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap())
-            .collect();
+        assert_eq!(t.ty.id() as u64, r["ggml_type_id"].as_u64().unwrap(), "{name}");
+        let ne: Vec<u64> = r["ne"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
         assert_eq!(t.dims, ne, "{name}");
-        let hex: String = f.tensor_data(t)[..t.ty.type_size()]
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
+        let hex: String = f.tensor_data(t)[..t.ty.type_size()].iter().map(|b| format!("{b:02x}")).collect();
         assert_eq!(hex, r["raw_first_block_hex"].as_str().unwrap(), "{name}");
     }
     let by_type = refs["tensor_names_by_type"].as_object().unwrap();
@@ -151,8 +101,7 @@ fn rewriting_the_real_model_reproduces_it_byte_for_byte() {
         w.add_metadata(k.clone(), v.clone()).unwrap();
     }
     for t in f.tensors() {
-        w.add_tensor(t.name.clone(), &t.dims, t.ty, f.tensor_data(t).to_vec())
-            .unwrap();
+        w.add_tensor(t.name.clone(), &t.dims, t.ty, f.tensor_data(t).to_vec()).unwrap();
     }
     let bytes = w.to_bytes();
     let original = std::fs::read(&path).unwrap();
@@ -161,8 +110,5 @@ fn rewriting_the_real_model_reproduces_it_byte_for_byte() {
     let g = GgufFile::from_bytes(bytes).unwrap();
     assert_eq!(g.metadata(), f.metadata());
     assert_eq!(g.tensors(), f.tensors());
-    assert!(matches!(
-        g.get("general.alignment"),
-        None | Some(MetaValue::U32(32))
-    ));
+    assert!(matches!(g.get("general.alignment"), None | Some(MetaValue::U32(32))));
 }

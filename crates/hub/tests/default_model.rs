@@ -21,10 +21,6 @@ fn default_model_is_complete_and_verified() {
         }
         hasher.update(&buf[..n]);
     }
-    let digest: String = hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
     assert_eq!(digest, spec.sha256);
 }

@@ -362,9 +362,7 @@ impl GraphBuilder {
 
     /// A named weight of the given shape ([n, k] or [k]).
     pub fn weight(&mut self, name: &str, shape: &[usize]) -> NodeId {
-        self.check("weight", !shape.is_empty() && shape.len() <= 2, || {
-            format!("weight '{name}' must be 1-D or 2-D, got {shape:?}")
-        });
+        self.check("weight", !shape.is_empty() && shape.len() <= 2, || format!("weight '{name}' must be 1-D or 2-D, got {shape:?}"));
         self.push(Op::Weight { name: name.to_string() }, shape.to_vec(), DType::F32)
     }
 
@@ -446,13 +444,7 @@ impl GraphBuilder {
     ) -> NodeId {
         self.check("attention", softcap.is_none_or(|c| c > 0.0 && c.is_finite()), || format!("soft-cap {softcap:?} must be positive"));
         let (qs, ks, vs) = (self.node(q).shape.clone(), self.node(k).shape.clone(), self.node(v).shape.clone());
-        let ok = qs.len() == 3
-            && ks.len() == 3
-            && ks == vs
-            && qs[0] == ks[0]
-            && qs[2] == ks[2]
-            && ks[1] > 0
-            && qs[1] % ks[1] == 0;
+        let ok = qs.len() == 3 && ks.len() == 3 && ks == vs && qs[0] == ks[0] && qs[2] == ks[2] && ks[1] > 0 && qs[1] % ks[1] == 0;
         self.check("attention", ok, || format!("q {qs:?}, k {ks:?}, v {vs:?} are not compatible"));
         let out = vec![qs[0], qs.get(1).copied().unwrap_or(0) * qs.get(2).copied().unwrap_or(0)];
         self.push(Op::Attention { q, k, v, layer, window, scale, softcap }, out, DType::F32)

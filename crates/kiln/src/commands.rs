@@ -13,7 +13,9 @@ use kiln_runtime::Backend;
 use kiln_tokenizer::{gemma_chat_prompt, ChatMessage, Tokenizer};
 use serde_json::json;
 
-use crate::cli::{ChatArgs, Command, DeviceChoice, InfoArgs, ModelArgs, PerplexityArgs, RunArgs, SamplingArgs, ServeArgs, SynthArgs, TokenizeArgs};
+use crate::cli::{
+    ChatArgs, Command, DeviceChoice, InfoArgs, ModelArgs, PerplexityArgs, RunArgs, SamplingArgs, ServeArgs, SynthArgs, TokenizeArgs,
+};
 
 /// Runs one subcommand.
 pub fn dispatch(cmd: Command) -> Result<()> {
@@ -90,9 +92,9 @@ fn cuda_available() -> bool {
 impl SamplingArgs {
     /// Generation parameters from the flags (a clock seed when none is given).
     fn params(&self) -> GenerateParams {
-        let seed = self.seed.unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
-        });
+        let seed = self
+            .seed
+            .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64));
         GenerateParams {
             max_tokens: self.max_tokens,
             sampling: SamplingParams {
@@ -219,11 +221,8 @@ fn perplexity(a: PerplexityArgs) -> Result<()> {
     let vocab = model.architecture().vocab_size();
     // One window when the text fits; otherwise llama-perplexity's scheme: windows of the context
     // size, each scoring its second half.
-    let windows: Vec<(usize, usize, usize)> = if ids.len() <= ctx {
-        vec![(0, ids.len(), 1)]
-    } else {
-        (0..ids.len() / ctx).map(|w| (w * ctx, (w + 1) * ctx, ctx / 2)).collect()
-    };
+    let windows: Vec<(usize, usize, usize)> =
+        if ids.len() <= ctx { vec![(0, ids.len(), 1)] } else { (0..ids.len() / ctx).map(|w| (w * ctx, (w + 1) * ctx, ctx / 2)).collect() };
     let mut scored = Vec::new();
     let mut session = model.new_session()?;
     let t0 = std::time::Instant::now();
@@ -241,10 +240,8 @@ fn perplexity(a: PerplexityArgs) -> Result<()> {
     let nll_mean = -scored.iter().map(|s| s.2).sum::<f64>() / scored.len() as f64;
     let ppl = nll_mean.exp();
     if a.json {
-        let tokens: Vec<_> = scored
-            .iter()
-            .map(|&(pos, id, lp)| json!({"pos": pos, "id": id, "piece": tok.piece(id), "logprob": lp}))
-            .collect();
+        let tokens: Vec<_> =
+            scored.iter().map(|&(pos, id, lp)| json!({"pos": pos, "id": id, "piece": tok.piece(id), "logprob": lp})).collect();
         let out = json!({"perplexity": ppl, "nll_mean": nll_mean, "n_tokens": ids.len(), "n_scored": scored.len(), "tokens": tokens});
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
@@ -265,7 +262,13 @@ fn info(a: InfoArgs) -> Result<()> {
 fn print_info(path: &Path, items: usize) -> Result<()> {
     let f = GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?;
     println!("file: {}", path.display());
-    println!("gguf version {}, alignment {}, {} metadata keys, {} tensors", f.version(), f.alignment(), f.metadata().len(), f.tensors().len());
+    println!(
+        "gguf version {}, alignment {}, {} metadata keys, {} tensors",
+        f.version(),
+        f.alignment(),
+        f.metadata().len(),
+        f.tensors().len()
+    );
     println!("\nmetadata:");
     for (k, v) in f.metadata() {
         println!("  {k} = {}", v.summary(items));

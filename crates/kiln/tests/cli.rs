@@ -73,10 +73,7 @@ fn chat_keeps_the_conversation_in_one_session() {
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
-    let prompts: Vec<usize> = err
-        .lines()
-        .filter_map(|l| l.split("prompt: ").nth(1)?.split(' ').next()?.parse().ok())
-        .collect();
+    let prompts: Vec<usize> = err.lines().filter_map(|l| l.split("prompt: ").nth(1)?.split(' ').next()?.parse().ok()).collect();
     // Two turns (the empty line is skipped); the first starts the conversation with BOS and
     // the user turn (p6: 16 tokens), the second appends only its own tokens.
     assert_eq!(prompts.len(), 2, "{err}");

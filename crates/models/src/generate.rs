@@ -76,11 +76,8 @@ impl StopFilter {
             return (out, true);
         }
         let tail = &self.text[self.emitted..];
-        let held = tail
-            .char_indices()
-            .map(|(i, _)| i)
-            .find(|&i| self.stops.iter().any(|s| s.starts_with(&tail[i..])))
-            .unwrap_or(tail.len());
+        let held =
+            tail.char_indices().map(|(i, _)| i).find(|&i| self.stops.iter().any(|s| s.starts_with(&tail[i..]))).unwrap_or(tail.len());
         let out = tail[..held].to_string();
         self.emitted += held;
         (out, false)

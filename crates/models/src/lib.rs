@@ -12,8 +12,8 @@ mod sampling;
 pub mod synth;
 
 pub use arch::{architecture_from_gguf, Architecture};
-pub use error::ModelError;
 pub use decoder::{Activation, DecoderConfig, LayerConfig};
+pub use error::ModelError;
 pub use families::{config_from_gguf, SUPPORTED};
 pub use generate::{generate, Advance, FinishReason, GenerateParams, Generation, Generator, TextControl, TokenLogprob};
 pub use kiln_ir::OutputMode;

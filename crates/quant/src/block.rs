@@ -4,11 +4,7 @@ use crate::half::{f16_to_f32, f32_to_f16};
 
 /// Applies `decode` to every (`B`-byte block, `N`-value output) pair; sizes were checked by the caller.
 #[inline(always)]
-pub(crate) fn dequantize_blocks<const B: usize, const N: usize>(
-    src: &[u8],
-    dst: &mut [f32],
-    decode: impl Fn(&[u8; B], &mut [f32; N]),
-) {
+pub(crate) fn dequantize_blocks<const B: usize, const N: usize>(src: &[u8], dst: &mut [f32], decode: impl Fn(&[u8; B], &mut [f32; N])) {
     for (b, y) in src.chunks_exact(B).zip(dst.chunks_exact_mut(N)) {
         if let (Ok(b), Ok(y)) = (b.try_into(), y.try_into()) {
             decode(b, y);
@@ -54,16 +50,12 @@ pub(crate) fn write_f16(b: &mut [u8], at: usize, x: f32) -> Option<f32> {
 
 /// The element of largest magnitude, sign kept (first one on ties; 0 for an empty slice).
 pub(crate) fn signed_absmax(x: &[f32]) -> f32 {
-    x.iter()
-        .fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m })
+    x.iter().fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m })
 }
 
 /// Minimum and maximum of a non-empty slice.
 pub(crate) fn min_max(x: &[f32]) -> (f32, f32) {
-    x.iter()
-        .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| {
-            (lo.min(v), hi.max(v))
-        })
+    x.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)))
 }
 
 /// `x / step` rounded to nearest (ties to even) and clamped to `lo..=hi`; 0 when `step` is 0.

@@ -15,9 +15,7 @@ pub fn f16_to_f32(h: u16) -> f32 {
     let subnormal = (f32::from_bits(normal + (1 << 23)) - f32::from_bits(113 << 23)).to_bits();
     let is_inf_nan = u32::from(exp == 0x0f80_0000).wrapping_neg();
     let is_subnormal = u32::from(exp == 0).wrapping_neg();
-    let bits = (normal & !(is_inf_nan | is_subnormal))
-        | (inf_nan & is_inf_nan)
-        | (subnormal & is_subnormal);
+    let bits = (normal & !(is_inf_nan | is_subnormal)) | (inf_nan & is_inf_nan) | (subnormal & is_subnormal);
     f32::from_bits(bits | sign)
 }
 

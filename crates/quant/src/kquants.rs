@@ -11,10 +11,7 @@
 //! The quantizers use plain round-to-nearest with per-sub-block absmax (symmetric formats) or min/max
 //! (formats with mins) scales; they do not reproduce ggml's iterative scale search.
 
-use crate::block::{
-    dequantize_blocks, f16_round, min_max, quant_level, quantize_blocks, read_f16, signed_absmax,
-    write_f16,
-};
+use crate::block::{dequantize_blocks, f16_round, min_max, quant_level, quantize_blocks, read_f16, signed_absmax, write_f16};
 
 /// Elements per super-block.
 const QK_K: usize = 256;
@@ -121,10 +118,7 @@ pub(crate) fn dequantize_q4_k(src: &[u8], dst: &mut [f32]) {
         let (sc, mn) = unpack_scale_min_k4(&b[4..16]);
         for j in 0..4 {
             let (d1, m1) = (d * f32::from(sc[2 * j]), dmin * f32::from(mn[2 * j]));
-            let (d2, m2) = (
-                d * f32::from(sc[2 * j + 1]),
-                dmin * f32::from(mn[2 * j + 1]),
-            );
+            let (d2, m2) = (d * f32::from(sc[2 * j + 1]), dmin * f32::from(mn[2 * j + 1]));
             let q = &b[16 + 32 * j..][..32];
             let out = &mut y[64 * j..][..64];
             for l in 0..32 {
@@ -143,10 +137,7 @@ pub(crate) fn dequantize_q5_k(src: &[u8], dst: &mut [f32]) {
         let qh = &b[16..48];
         for j in 0..4 {
             let (d1, m1) = (d * f32::from(sc[2 * j]), dmin * f32::from(mn[2 * j]));
-            let (d2, m2) = (
-                d * f32::from(sc[2 * j + 1]),
-                dmin * f32::from(mn[2 * j + 1]),
-            );
+            let (d2, m2) = (d * f32::from(sc[2 * j + 1]), dmin * f32::from(mn[2 * j + 1]));
             let q = &b[48 + 32 * j..][..32];
             let out = &mut y[64 * j..][..64];
             for l in 0..32 {
@@ -228,13 +219,7 @@ fn quantize_affine(x: &[f32; QK_K], sub: usize, nmax: u8, scale_max: u8) -> Opti
         let offset = dmin * f32::from(mins[k]);
         quant_level(x[p] + offset, d * f32::from(scales[k]), 0, i32::from(nmax)) as u8
     });
-    Some(AffineBlock {
-        d,
-        dmin,
-        scales,
-        mins,
-        levels,
-    })
+    Some(AffineBlock { d, dmin, scales, mins, levels })
 }
 
 /// A super-block quantized as `value = d * scale[k] * level` over 16 sub-blocks of 16 elements.
@@ -256,8 +241,7 @@ fn quantize_symmetric(x: &[f32; QK_K], qlo: i32, slo: i32) -> Option<SymmetricBl
     }
     let d = f16_round(signed_absmax(&sub_scale) / slo as f32)?;
     let scales = sub_scale.map(|s| quant_level(s, d, slo, -slo - 1));
-    let levels =
-        std::array::from_fn(|p| quant_level(x[p], d * scales[p / 16] as f32, qlo, -qlo - 1));
+    let levels = std::array::from_fn(|p| quant_level(x[p], d * scales[p / 16] as f32, qlo, -qlo - 1));
     Some(SymmetricBlock { d, scales, levels })
 }
 

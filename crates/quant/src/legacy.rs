@@ -4,9 +4,7 @@
 //! Q5_1 `d:f16, m:f16, qh:u32, qs[16]`; Q8_0 `d:f16, qs:i8[32]`. Nibble `j` of `qs` holds element `j` (low)
 //! and element `j + 16` (high); bit `j` of `qh` is the fifth bit of element `j`.
 
-use crate::block::{
-    dequantize_blocks, min_max, quantize_blocks, read_f16, signed_absmax, write_f16,
-};
+use crate::block::{dequantize_blocks, min_max, quantize_blocks, read_f16, signed_absmax, write_f16};
 
 /// Elements per legacy block.
 const QK: usize = 32;
@@ -41,10 +39,7 @@ fn pack_nibbles(levels: &[u8; QK], qs: &mut [u8]) {
 
 /// The fifth bits of 32 levels as a little-endian word.
 fn pack_high_bits(levels: &[u8; QK]) -> [u8; 4] {
-    let qh = levels
-        .iter()
-        .enumerate()
-        .fold(0u32, |qh, (j, &l)| qh | (u32::from(l >> 4) << j));
+    let qh = levels.iter().enumerate().fold(0u32, |qh, (j, &l)| qh | (u32::from(l >> 4) << j));
     qh.to_le_bytes()
 }
 

@@ -67,9 +67,7 @@ pub enum QuantError {
         value: f32,
     },
     /// A block's values are too large for its f16 scale.
-    #[error(
-        "{ty}: block {block} (elements {start}..{end}) has values too large for its f16 scale"
-    )]
+    #[error("{ty}: block {block} (elements {start}..{end}) has values too large for its f16 scale")]
     ScaleOverflow {
         /// The element type.
         ty: GgmlType,
@@ -117,28 +115,17 @@ pub(crate) fn codec(ty: GgmlType) -> Option<Codec> {
         T::Q8_K => (kquants::dequantize_q8_k, kquants::quantize_q8_k),
         _ => return None,
     };
-    Some(Codec {
-        dequantize,
-        quantize,
-    })
+    Some(Codec { dequantize, quantize })
 }
 
 /// Decodes `dst.len()` elements of type `ty` from `src`, which must hold exactly `ty.row_bytes(dst.len())` bytes.
 ///
 /// Bit-identical to ggml's `dequantize_row_*` and gguf-py's numpy dequantizers; does not allocate.
 pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), QuantError> {
-    let codec = codec(ty).ok_or(QuantError::Unsupported {
-        ty,
-        op: "dequantize",
-    })?;
+    let codec = codec(ty).ok_or(QuantError::Unsupported { ty, op: "dequantize" })?;
     let expected = ty.row_bytes(dst.len())?;
     if src.len() != expected {
-        return Err(QuantError::SrcLength {
-            ty,
-            n: dst.len(),
-            expected,
-            actual: src.len(),
-        });
+        return Err(QuantError::SrcLength { ty, n: dst.len(), expected, actual: src.len() });
     }
     (codec.dequantize)(src, dst);
     Ok(())
@@ -156,10 +143,5 @@ pub fn quantize(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, QuantError> {
             return Err(QuantError::NonFinite { ty, index, value });
         }
     }
-    (codec.quantize)(src).map_err(|block| QuantError::ScaleOverflow {
-        ty,
-        block,
-        start: block * block_size,
-        end: (block + 1) * block_size,
-    })
+    (codec.quantize)(src).map_err(|block| QuantError::ScaleOverflow { ty, block, start: block * block_size, end: (block + 1) * block_size })
 }

@@ -39,16 +39,12 @@ pub(crate) fn quantize_f32(src: &[f32]) -> Vec<u8> {
 
 /// Encodes little-endian f16 values (round to nearest even).
 pub(crate) fn quantize_f16(src: &[f32]) -> Vec<u8> {
-    src.iter()
-        .flat_map(|&x| f32_to_f16(x).to_le_bytes())
-        .collect()
+    src.iter().flat_map(|&x| f32_to_f16(x).to_le_bytes()).collect()
 }
 
 /// Encodes little-endian bf16 values (round to nearest even).
 pub(crate) fn quantize_bf16(src: &[f32]) -> Vec<u8> {
-    src.iter()
-        .flat_map(|&x| f32_to_bf16(x).to_le_bytes())
-        .collect()
+    src.iter().flat_map(|&x| f32_to_bf16(x).to_le_bytes()).collect()
 }
 
 #[cfg(test)]

@@ -125,15 +125,9 @@ impl GgmlType {
         #[allow(clippy::manual_is_multiple_of)]
         // `is_multiple_of` needs Rust 1.87; the workspace MSRV is 1.85
         if n % block_size != 0 {
-            return Err(QuantError::NotBlockMultiple {
-                ty: self,
-                n,
-                block_size,
-            });
+            return Err(QuantError::NotBlockMultiple { ty: self, n, block_size });
         }
-        (n / block_size)
-            .checked_mul(self.type_size())
-            .ok_or(QuantError::SizeOverflow { ty: self, n })
+        (n / block_size).checked_mul(self.type_size()).ok_or(QuantError::SizeOverflow { ty: self, n })
     }
 
     /// Whether [`crate::dequantize`] and [`crate::quantize`] support this type.
@@ -189,10 +183,7 @@ mod tests {
             (GgmlType::MXFP4, 39, "MXFP4", 32, 17),
         ];
         for (ty, id, name, bs, ts) in expect {
-            assert_eq!(
-                (ty.id(), ty.name(), ty.block_size(), ty.type_size()),
-                (id, name, bs, ts)
-            );
+            assert_eq!((ty.id(), ty.name(), ty.block_size(), ty.type_size()), (id, name, bs, ts));
             assert_eq!(ty.to_string(), name);
         }
     }
@@ -203,10 +194,7 @@ mod tests {
         assert_eq!(GgmlType::F16.row_bytes(3).unwrap(), 6);
         assert_eq!(GgmlType::Q8_0.row_bytes(0).unwrap(), 0);
         let e = GgmlType::Q4_K.row_bytes(100).unwrap_err().to_string();
-        assert!(
-            e.contains("Q4_K") && e.contains("100") && e.contains("256"),
-            "{e}"
-        );
+        assert!(e.contains("Q4_K") && e.contains("100") && e.contains("256"), "{e}");
         let e = GgmlType::F64.row_bytes(usize::MAX).unwrap_err().to_string();
         assert!(e.contains("F64") && e.contains("overflow"), "{e}");
     }

@@ -26,9 +26,7 @@ fn pack_k4_scales(sc: [u8; 8], mn: [u8; 8]) -> [u8; 12] {
 
 #[test]
 fn f16_hand_values() {
-    let halves: [u16; 11] = [
-        0x3c00, 0xc000, 0x0001, 0x7bff, 0x7c00, 0xfc00, 0x7e00, 0x8000, 0x3555, 0x0400, 0x03ff,
-    ];
+    let halves: [u16; 11] = [0x3c00, 0xc000, 0x0001, 0x7bff, 0x7c00, 0xfc00, 0x7e00, 0x8000, 0x3555, 0x0400, 0x03ff];
     let bytes: Vec<u8> = halves.iter().flat_map(|h| h.to_le_bytes()).collect();
     let y = decode(GgmlType::F16, &bytes);
     assert_eq!(y[0], 1.0);
@@ -64,10 +62,7 @@ fn q4_0_hand_block() {
     let mut b = vec![0x00, 0x38];
     b.extend((0..16u8).map(|j| j | (15 - j) << 4));
     let y = decode(GgmlType::Q4_0, &b);
-    assert_eq!(
-        (y[0], y[8], y[15], y[16], y[31]),
-        (-4.0, 0.0, 3.5, 3.5, -4.0)
-    );
+    assert_eq!((y[0], y[8], y[15], y[16], y[31]), (-4.0, 0.0, 3.5, 3.5, -4.0));
     for j in 0..16 {
         assert_eq!(y[j], (j as f32 - 8.0) * 0.5);
         assert_eq!(y[j + 16], (7.0 - j as f32) * 0.5);
@@ -80,10 +75,7 @@ fn q4_1_hand_block() {
     let mut b = vec![0x00, 0x34, 0x00, 0xbe];
     b.extend((0..16u8).map(|j| j | (15 - j) << 4));
     let y = decode(GgmlType::Q4_1, &b);
-    assert_eq!(
-        (y[0], y[6], y[15], y[16], y[31]),
-        (-1.5, 0.0, 2.25, 2.25, -1.5)
-    );
+    assert_eq!((y[0], y[6], y[15], y[16], y[31]), (-1.5, 0.0, 2.25, 2.25, -1.5));
 }
 
 #[test]
@@ -93,10 +85,7 @@ fn q5_0_hand_block() {
     b.extend(0x0001_0002u32.to_le_bytes());
     b.extend((0..16u8).map(|j| j | j << 4));
     let y = decode(GgmlType::Q5_0, &b);
-    assert_eq!(
-        (y[0], y[1], y[2], y[16], y[17], y[31]),
-        (-16.0, 1.0, -14.0, 0.0, -15.0, -1.0)
-    );
+    assert_eq!((y[0], y[1], y[2], y[16], y[17], y[31]), (-16.0, 1.0, -14.0, 0.0, -15.0, -1.0));
 }
 
 #[test]
@@ -106,10 +95,7 @@ fn q5_1_hand_block() {
     b.extend(0x8000_0001u32.to_le_bytes());
     b.extend((0..16u8).map(|j| j | j << 4));
     let y = decode(GgmlType::Q5_1, &b);
-    assert_eq!(
-        (y[0], y[1], y[15], y[16], y[31]),
-        (4.0, 2.125, 3.875, 2.0, 5.875)
-    );
+    assert_eq!((y[0], y[1], y[15], y[16], y[31]), (4.0, 2.125, 3.875, 2.0, 5.875));
 }
 
 #[test]
@@ -175,49 +161,31 @@ fn q4_k_hand_block() {
     // d = 1, dmin = 0.5; sub-block s (32 elements) has scale s + 1 and min 2s; qs bytes 0x3a
     // (low nibble 10 for even sub-blocks, high nibble 3 for odd ones).
     let mut b = vec![0x00, 0x3c, 0x00, 0x38];
-    b.extend(pack_k4_scales(
-        [1, 2, 3, 4, 5, 6, 7, 8],
-        [0, 2, 4, 6, 8, 10, 12, 14],
-    ));
+    b.extend(pack_k4_scales([1, 2, 3, 4, 5, 6, 7, 8], [0, 2, 4, 6, 8, 10, 12, 14]));
     b.extend([0x3au8; 128]);
     let y = decode(GgmlType::Q4_K, &b);
-    assert_eq!(
-        (y[0], y[33], y[64], y[130], y[255]),
-        (10.0, 5.0, 28.0, 46.0, 17.0)
-    );
+    assert_eq!((y[0], y[33], y[64], y[130], y[255]), (10.0, 5.0, 28.0, 46.0, 17.0));
 }
 
 #[test]
 fn q4_k_large_scales_use_high_bits() {
     // Scales/mins >= 16 in sub-blocks 4..8 need the top two bits stored in bytes 0..8.
     let mut b = vec![0x00, 0x3c, 0x00, 0x3c];
-    b.extend(pack_k4_scales(
-        [0, 0, 0, 0, 63, 16, 33, 48],
-        [0, 0, 0, 0, 0, 62, 0, 17],
-    ));
+    b.extend(pack_k4_scales([0, 0, 0, 0, 63, 16, 33, 48], [0, 0, 0, 0, 0, 62, 0, 17]));
     b.extend([0x11u8; 128]);
     let y = decode(GgmlType::Q4_K, &b);
-    assert_eq!(
-        (y[128], y[160], y[192], y[224]),
-        (63.0, 16.0 - 62.0, 33.0, 48.0 - 17.0)
-    );
+    assert_eq!((y[128], y[160], y[192], y[224]), (63.0, 16.0 - 62.0, 33.0, 48.0 - 17.0));
 }
 
 #[test]
 fn q5_k_hand_block() {
     // As the Q4_K block, plus qh bit 0 set for every byte: sub-block 0 gets +16.
     let mut b = vec![0x00, 0x3c, 0x00, 0x38];
-    b.extend(pack_k4_scales(
-        [1, 2, 3, 4, 5, 6, 7, 8],
-        [0, 2, 4, 6, 8, 10, 12, 14],
-    ));
+    b.extend(pack_k4_scales([1, 2, 3, 4, 5, 6, 7, 8], [0, 2, 4, 6, 8, 10, 12, 14]));
     b.extend([0x01u8; 32]);
     b.extend([0x3au8; 128]);
     let y = decode(GgmlType::Q5_K, &b);
-    assert_eq!(
-        (y[0], y[33], y[64], y[130], y[255]),
-        (26.0, 5.0, 28.0, 46.0, 17.0)
-    );
+    assert_eq!((y[0], y[33], y[64], y[130], y[255]), (26.0, 5.0, 28.0, 46.0, 17.0));
 }
 
 #[test]
@@ -242,42 +210,26 @@ fn q8_k_hand_block() {
     b.extend((0..=255u8).collect::<Vec<_>>());
     b.extend([0u8; 32]);
     let y = decode(GgmlType::Q8_K, &b);
-    assert_eq!(
-        (y[0], y[1], y[127], y[128], y[255]),
-        (0.0, 0.5, 63.5, -64.0, -0.5)
-    );
+    assert_eq!((y[0], y[1], y[127], y[128], y[255]), (0.0, 0.5, 63.5, -64.0, -0.5));
 }
 
 #[test]
 fn matches_gguf_py_on_random_blocks() {
-    let refs: Value =
-        serde_json::from_str(&std::fs::read_to_string(GGUF_PY_REFS).unwrap()).unwrap();
+    let refs: Value = serde_json::from_str(&std::fs::read_to_string(GGUF_PY_REFS).unwrap()).unwrap();
     let cases = refs["cases"].as_array().unwrap();
     assert_eq!(cases.len(), 12);
     for case in cases {
         let name = case["type"].as_str().unwrap();
         let ty = *GgmlType::ALL.iter().find(|t| t.name() == name).unwrap();
-        let hex = |s: &str| -> Vec<u8> {
-            (0..s.len())
-                .step_by(2)
-                .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-                .collect()
-        };
+        let hex = |s: &str| -> Vec<u8> { (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect() };
         let bytes = hex(case["bytes_hex"].as_str().unwrap());
-        let want: Vec<u32> = hex(case["f32_bits_hex"].as_str().unwrap())
-            .chunks(4)
-            .map(|c| u32::from_be_bytes(c.try_into().unwrap()))
-            .collect();
+        let want: Vec<u32> =
+            hex(case["f32_bits_hex"].as_str().unwrap()).chunks(4).map(|c| u32::from_be_bytes(c.try_into().unwrap())).collect();
         let n = case["n"].as_u64().unwrap() as usize;
         let mut got = vec![0f32; n];
         dequantize(ty, &bytes, &mut got).unwrap();
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(
-                g.to_bits(),
-                *w,
-                "{name} element {i}: {g} vs {}",
-                f32::from_bits(*w)
-            );
+            assert_eq!(g.to_bits(), *w, "{name} element {i}: {g} vs {}", f32::from_bits(*w));
         }
     }
 }
@@ -354,15 +306,8 @@ fn quantize_dequantize_round_trip_error_bounds() {
                 for (&a, &b) in xb.iter().zip(yb) {
                     let err = (a - b).abs();
                     // float types: relative to |x|, plus half of f16's smallest subnormal
-                    let bound = if bs == 1 {
-                        max_rel * a.abs() + 3e-8
-                    } else {
-                        max_rel * amax
-                    };
-                    assert!(
-                        err <= bound,
-                        "{ty} n={n}: {a} decoded as {b} (block amax {amax})"
-                    );
+                    let bound = if bs == 1 { max_rel * a.abs() + 3e-8 } else { max_rel * amax };
+                    assert!(err <= bound, "{ty} n={n}: {a} decoded as {b} (block amax {amax})");
                     se += f64::from(err).powi(2);
                     ss += f64::from(a).powi(2);
                 }
@@ -415,65 +360,33 @@ fn all_zero_input_round_trips_exactly() {
 fn error_wrong_src_length() {
     let mut dst = [0f32; 256];
     let e = dequantize(GgmlType::Q4_K, &[0u8; 143], &mut dst).unwrap_err();
-    assert!(matches!(
-        e,
-        QuantError::SrcLength {
-            expected: 144,
-            actual: 143,
-            n: 256,
-            ..
-        }
-    ));
-    assert_eq!(
-        e.to_string(),
-        "Q4_K: source has 143 bytes, but 256 elements take 144 bytes"
-    );
+    assert!(matches!(e, QuantError::SrcLength { expected: 144, actual: 143, n: 256, .. }));
+    assert_eq!(e.to_string(), "Q4_K: source has 143 bytes, but 256 elements take 144 bytes");
     let e = dequantize(GgmlType::F32, &[0u8; 12], &mut dst[..4]).unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        "F32: source has 12 bytes, but 4 elements take 16 bytes"
-    );
+    assert_eq!(e.to_string(), "F32: source has 12 bytes, but 4 elements take 16 bytes");
 }
 
 #[test]
 fn error_not_block_multiple() {
     let mut dst = [0f32; 100];
     let e = dequantize(GgmlType::Q8_0, &[0u8; 34 * 3], &mut dst).unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        "Q8_0: 100 elements is not a multiple of the block size 32"
-    );
+    assert_eq!(e.to_string(), "Q8_0: 100 elements is not a multiple of the block size 32");
     let e = quantize(GgmlType::Q6_K, &[0f32; 300]).unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        "Q6_K: 300 elements is not a multiple of the block size 256"
-    );
+    assert_eq!(e.to_string(), "Q6_K: 300 elements is not a multiple of the block size 256");
 }
 
 #[test]
 fn error_unsupported_types() {
     let mut dst = [0f32; 256];
     let e = dequantize(GgmlType::IQ2_XXS, &[0u8; 66], &mut dst).unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        "IQ2_XXS: dequantize is not supported for this type"
-    );
+    assert_eq!(e.to_string(), "IQ2_XXS: dequantize is not supported for this type");
     let e = quantize(GgmlType::Q8_1, &[0f32; 32]).unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        "Q8_1: quantize is not supported for this type"
-    );
+    assert_eq!(e.to_string(), "Q8_1: quantize is not supported for this type");
     for &ty in GgmlType::ALL.iter().filter(|t| !t.can_dequantize()) {
         let n = ty.block_size();
         let src = vec![0u8; ty.type_size()];
         let mut dst = vec![0f32; n];
-        assert!(
-            matches!(
-                dequantize(ty, &src, &mut dst),
-                Err(QuantError::Unsupported { .. })
-            ),
-            "{ty}"
-        );
+        assert!(matches!(dequantize(ty, &src, &mut dst), Err(QuantError::Unsupported { .. })), "{ty}");
     }
 }
 
@@ -482,48 +395,18 @@ fn error_non_finite_and_overflowing_input() {
     let mut x = vec![0.5f32; 64];
     x[40] = f32::NAN;
     let e = quantize(GgmlType::Q4_0, &x).unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        "Q4_0: cannot quantize non-finite value NaN at index 40"
-    );
+    assert_eq!(e.to_string(), "Q4_0: cannot quantize non-finite value NaN at index 40");
     x[40] = f32::INFINITY;
-    assert!(matches!(
-        quantize(GgmlType::Q5_K, &[f32::NEG_INFINITY; 256]),
-        Err(QuantError::NonFinite { index: 0, .. })
-    ));
+    assert!(matches!(quantize(GgmlType::Q5_K, &[f32::NEG_INFINITY; 256]), Err(QuantError::NonFinite { index: 0, .. })));
     // F16 represents infinity, so it is encoded rather than rejected.
-    assert_eq!(
-        decode(GgmlType::F16, &quantize(GgmlType::F16, &x).unwrap())[40],
-        f32::INFINITY
-    );
+    assert_eq!(decode(GgmlType::F16, &quantize(GgmlType::F16, &x).unwrap())[40], f32::INFINITY);
     let mut x = vec![1.0f32; 64];
     x[33] = 1e7;
     let e = quantize(GgmlType::Q8_0, &x).unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        "Q8_0: block 1 (elements 32..64) has values too large for its f16 scale"
-    );
-    for ty in [
-        GgmlType::Q2_K,
-        GgmlType::Q3_K,
-        GgmlType::Q4_K,
-        GgmlType::Q5_K,
-        GgmlType::Q6_K,
-    ] {
-        assert!(
-            matches!(
-                quantize(ty, &[3e9; 256]),
-                Err(QuantError::ScaleOverflow { block: 0, .. })
-            ),
-            "{ty}"
-        );
+    assert_eq!(e.to_string(), "Q8_0: block 1 (elements 32..64) has values too large for its f16 scale");
+    for ty in [GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+        assert!(matches!(quantize(ty, &[3e9; 256]), Err(QuantError::ScaleOverflow { block: 0, .. })), "{ty}");
     }
     // Q8_K's scale is f32: large values are fine.
-    assert_eq!(
-        decode(
-            GgmlType::Q8_K,
-            &quantize(GgmlType::Q8_K, &[3e9; 256]).unwrap()
-        )[0],
-        3e9
-    );
+    assert_eq!(decode(GgmlType::Q8_K, &quantize(GgmlType::Q8_K, &[3e9; 256]).unwrap())[0], 3e9);
 }

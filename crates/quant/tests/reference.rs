@@ -9,10 +9,7 @@ use sha2::{Digest, Sha256};
 use std::io::{Read, Seek, SeekFrom};
 use std::path::PathBuf;
 
-const REFS: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../../shared/refs/dequant_refs.json"
-);
+const REFS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/refs/dequant_refs.json");
 
 /// The cached default model (downloaded through kiln-hub on first use).
 fn model_path() -> PathBuf {
@@ -49,22 +46,13 @@ fn check_tensor(path: &PathBuf, t: &Value) -> usize {
     let name = t["name"].as_str().unwrap();
     let ty = GgmlType::from_id(t["ggml_type_id"].as_u64().unwrap() as u32).unwrap();
     assert_eq!(ty.name(), t["ggml_type"].as_str().unwrap());
-    let ne: Vec<usize> = t["ne"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap() as usize)
-        .collect();
+    let ne: Vec<usize> = t["ne"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
     let row_len = ne[0];
     let n_rows: usize = ne[1..].iter().product();
     let n_bytes = t["n_bytes"].as_u64().unwrap() as usize;
     assert_eq!(ty.row_bytes(row_len).unwrap() * n_rows, n_bytes, "{name}");
     let raw = read_range(path, t["data_offset"].as_u64().unwrap(), n_bytes);
-    assert_eq!(
-        sha256_hex(&raw),
-        t["raw_sha256"].as_str().unwrap(),
-        "{name}: raw bytes"
-    );
+    assert_eq!(sha256_hex(&raw), t["raw_sha256"].as_str().unwrap(), "{name}: raw bytes");
 
     // Row by row, as the CPU kernels call it.
     let row_bytes = ty.row_bytes(row_len).unwrap();
@@ -74,12 +62,8 @@ fn check_tensor(path: &PathBuf, t: &Value) -> usize {
     let (mut sum, mut abs_sum) = (0f64, 0f64);
     let (mut min, mut max) = (f32::INFINITY, f32::NEG_INFINITY);
     let mut first64 = Vec::new();
-    let samples: Vec<(usize, f32)> = t["sample_indices"]
-        .as_object()
-        .unwrap()
-        .iter()
-        .map(|(k, v)| (k.parse().unwrap(), as_f32(v)))
-        .collect();
+    let samples: Vec<(usize, f32)> =
+        t["sample_indices"].as_object().unwrap().iter().map(|(k, v)| (k.parse().unwrap(), as_f32(v))).collect();
     for (r, src) in raw.chunks_exact(row_bytes).enumerate() {
         dequantize(ty, src, &mut row).unwrap();
         le.clear();
@@ -100,27 +84,12 @@ fn check_tensor(path: &PathBuf, t: &Value) -> usize {
             }
         }
     }
-    let want_first: Vec<f32> = t["first64"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(as_f32)
-        .collect();
+    let want_first: Vec<f32> = t["first64"].as_array().unwrap().iter().map(as_f32).collect();
     assert_eq!(first64, want_first, "{name}: first64");
-    assert_eq!(
-        hex(hash),
-        t["f32_sha256"].as_str().unwrap(),
-        "{name}: sha256 of all values"
-    );
+    assert_eq!(hex(hash), t["f32_sha256"].as_str().unwrap(), "{name}: sha256 of all values");
     let tol = 1e-9 * t["abs_sum_f64"].as_f64().unwrap();
-    assert!(
-        (sum - t["sum_f64"].as_f64().unwrap()).abs() <= tol,
-        "{name}: sum {sum}"
-    );
-    assert!(
-        (abs_sum - t["abs_sum_f64"].as_f64().unwrap()).abs() <= tol,
-        "{name}: abs sum {abs_sum}"
-    );
+    assert!((sum - t["sum_f64"].as_f64().unwrap()).abs() <= tol, "{name}: sum {sum}");
+    assert!((abs_sum - t["abs_sum_f64"].as_f64().unwrap()).abs() <= tol, "{name}: abs sum {abs_sum}");
     assert_eq!(min, as_f32(&t["min"]), "{name}: min");
     assert_eq!(max, as_f32(&t["max"]), "{name}: max");
 
@@ -131,11 +100,7 @@ fn check_tensor(path: &PathBuf, t: &Value) -> usize {
         let mut h = Sha256::new();
         let bytes: Vec<u8> = all.iter().flat_map(|v| v.to_le_bytes()).collect();
         h.update(&bytes);
-        assert_eq!(
-            hex(h),
-            t["f32_sha256"].as_str().unwrap(),
-            "{name}: whole-tensor call"
-        );
+        assert_eq!(hex(h), t["f32_sha256"].as_str().unwrap(), "{name}: whole-tensor call");
     }
     row_len * n_rows
 }
@@ -151,8 +116,5 @@ fn real_model_tensors_match_gguf_py_bit_for_bit() {
         check_tensor(&path, t);
         seen.insert(t["ggml_type"].as_str().unwrap().to_string());
     }
-    assert_eq!(
-        seen.into_iter().collect::<Vec<_>>(),
-        ["F32", "Q4_K", "Q5_0", "Q6_K", "Q8_0"]
-    );
+    assert_eq!(seen.into_iter().collect::<Vec<_>>(), ["F32", "Q4_K", "Q5_0", "Q6_K", "Q8_0"]);
 }

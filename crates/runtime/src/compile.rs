@@ -96,7 +96,11 @@ fn row_kinds(graph: &Graph) -> Vec<Rows> {
                 let operands = op.operands();
                 let data: Vec<Rows> =
                     operands.iter().filter(|o| !matches!(graph.node(**o).op, Op::Weight { .. })).map(|o| rows[o.0]).collect();
-                if data.contains(&Rows::One) { Rows::One } else { Rows::Active }
+                if data.contains(&Rows::One) {
+                    Rows::One
+                } else {
+                    Rows::Active
+                }
             }
         };
         rows.push(r);
@@ -141,10 +145,8 @@ impl Lowering<'_> {
     }
 
     fn read(&mut self, node: NodeId) -> Result<usize, RuntimeError> {
-        let b = *self
-            .value_buf
-            .get(&node)
-            .ok_or_else(|| RuntimeError::Compile(format!("node {} is read before it is computed", node.0)))?;
+        let b =
+            *self.value_buf.get(&node).ok_or_else(|| RuntimeError::Compile(format!("node {} is read before it is computed", node.0)))?;
         self.buffers[b].last = self.buffers[b].last.max(self.steps.len());
         Ok(b)
     }
@@ -214,19 +216,9 @@ impl Lowering<'_> {
                     self.emit(id, |_, out| {
                         Ok(match softcap {
                             None => Kernel::Attention { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale },
-                            Some(softcap) => Kernel::AttentionSoftCap {
-                                q,
-                                k,
-                                v,
-                                out,
-                                layer,
-                                q_heads,
-                                kv_heads,
-                                head_dim,
-                                window,
-                                scale,
-                                softcap,
-                            },
+                            Some(softcap) => {
+                                Kernel::AttentionSoftCap { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale, softcap }
+                            }
                         })
                     })?;
                 }
@@ -307,9 +299,7 @@ impl Lowering<'_> {
             };
             let residual = if norm == b { a } else { b };
             let (w, xb, rb) = (self.weight(weight)?, self.read(x)?, self.read(residual)?);
-            self.emit(id, |_, out| {
-                Ok(Kernel::RmsNorm { x: placeholder(xb), weight: w, out, width, eps, residual: Some(placeholder(rb)) })
-            })
+            self.emit(id, |_, out| Ok(Kernel::RmsNorm { x: placeholder(xb), weight: w, out, width, eps, residual: Some(placeholder(rb)) }))
         } else {
             let (ab, bb) = (self.read(a)?, self.read(b)?);
             self.emit(id, |_, out| Ok(Kernel::Add { a: placeholder(ab), b: placeholder(bb), out, width }))
@@ -346,10 +336,8 @@ impl Lowering<'_> {
                 Step { kernel, rows }
             })
             .collect();
-        let outputs = outputs
-            .into_iter()
-            .map(|(name, b, dtype, width, rows)| PlanOutput { name, slot: slot(b, bufs), dtype, width, rows })
-            .collect();
+        let outputs =
+            outputs.into_iter().map(|(name, b, dtype, width, rows)| PlanOutput { name, slot: slot(b, bufs), dtype, width, rows }).collect();
         Ok(Plan { bucket: self.graph.bucket(), steps, arena_words, inputs, outputs })
     }
 }
@@ -369,9 +357,7 @@ fn for_each_slot(kernel: &mut Kernel, mut f: impl FnMut(&mut Slot)) {
         Kernel::Rope { x, positions, out, .. } | Kernel::RopeScaled { x, positions, out, .. } => {
             [x, positions, out].into_iter().for_each(f)
         }
-        Kernel::Attention { q, k, v, out, .. } | Kernel::AttentionSoftCap { q, k, v, out, .. } => {
-            [q, k, v, out].into_iter().for_each(f)
-        }
+        Kernel::Attention { q, k, v, out, .. } | Kernel::AttentionSoftCap { q, k, v, out, .. } => [q, k, v, out].into_iter().for_each(f),
         Kernel::Add { a, b, out, .. } | Kernel::Mul { a, b, out, .. } => [a, b, out].into_iter().for_each(f),
         Kernel::GeluMul { gate, up, out, .. } | Kernel::SiluMul { gate, up, out, .. } => [gate, up, out].into_iter().for_each(f),
         Kernel::Gelu { x, out, .. }

@@ -52,13 +52,7 @@ impl WeightStore {
             }
             let dims: Vec<usize> = t.dims.iter().map(|&d| d as usize).collect();
             index.insert(t.name.clone(), WeightId(infos.len()));
-            infos.push(WeightInfo {
-                name: t.name.clone(),
-                ty: t.ty,
-                row_len: dims[0],
-                n_rows: dims[1..].iter().product(),
-                dims,
-            });
+            infos.push(WeightInfo { name: t.name.clone(), ty: t.ty, row_len: dims[0], n_rows: dims[1..].iter().product(), dims });
         }
         Ok(WeightStore { file, infos, index })
     }

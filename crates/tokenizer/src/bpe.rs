@@ -10,10 +10,10 @@ use crate::vocab::Vocab;
 use crate::TokenizerError;
 
 /// GPT-2's pre-tokenizer regex.
-const GPT2_REGEX: &str =
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+const GPT2_REGEX: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 /// Llama 3's pre-tokenizer regex (digits in groups of at most three).
-const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const LLAMA3_REGEX: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen2's pre-tokenizer regex (single digits).
 const QWEN2_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
@@ -108,10 +108,7 @@ struct Candidate {
 impl Ord for Candidate {
     /// Lowest rank first; on ties the leftmost pair first (max-heap order reversed).
     fn cmp(&self, other: &Self) -> Ordering {
-        other
-            .rank
-            .cmp(&self.rank)
-            .then_with(|| other.left.cmp(&self.left))
+        other.rank.cmp(&self.rank).then_with(|| other.left.cmp(&self.left))
     }
 }
 
@@ -127,36 +124,21 @@ const NONE: usize = usize::MAX;
 impl Bpe {
     /// Builds the model from `merges` ("left right" token texts, in rank order) and the
     /// pre-tokenizer named `pre`.
-    pub(crate) fn new<S: AsRef<str>>(
-        vocab: &Vocab,
-        merges: &[S],
-        pre: &str,
-    ) -> Result<Bpe, TokenizerError> {
+    pub(crate) fn new<S: AsRef<str>>(vocab: &Vocab, merges: &[S], pre: &str) -> Result<Bpe, TokenizerError> {
         let (pattern, ignore_merges) = PRE_TOKENIZERS
             .iter()
             .find(|&&(name, _, _)| name == pre)
             .map(|&(_, p, ignore)| (p, ignore))
             .ok_or_else(|| TokenizerError::UnsupportedPreTokenizer(pre.to_owned()))?;
-        let regex = Regex::new(pattern).map_err(|e| TokenizerError::PreTokenizerRegex {
-            name: pre.to_owned(),
-            message: e.to_string(),
-        })?;
+        let regex = Regex::new(pattern).map_err(|e| TokenizerError::PreTokenizerRegex { name: pre.to_owned(), message: e.to_string() })?;
 
         let mut ranks = HashMap::with_capacity(merges.len());
         let mut merged = String::new();
         for (rank, m) in (0u32..).zip(merges) {
             let m = m.as_ref();
-            let bad = || TokenizerError::BadMerge {
-                rank,
-                text: m.to_owned(),
-            };
+            let bad = || TokenizerError::BadMerge { rank, text: m.to_owned() };
             // As llama.cpp: the separator is the first space after the first character.
-            let split = m
-                .char_indices()
-                .skip(1)
-                .find(|&(_, c)| c == ' ')
-                .map(|(i, _)| i)
-                .ok_or_else(bad)?;
+            let split = m.char_indices().skip(1).find(|&(_, c)| c == ' ').map(|(i, _)| i).ok_or_else(bad)?;
             let (left, right) = (&m[..split], &m[split + 1..]);
             let (Some(l), Some(r)) = (vocab.id_of(left), vocab.id_of(right)) else {
                 return Err(bad());
@@ -175,24 +157,12 @@ impl Bpe {
         for (slot, c) in byte_tokens.iter_mut().zip(table) {
             *slot = vocab.id_of(c.encode_utf8(&mut [0; 4]));
         }
-        Ok(Bpe {
-            merges: ranks,
-            byte_chars: table,
-            byte_tokens,
-            pre: regex,
-            ignore_merges,
-        })
+        Ok(Bpe { merges: ranks, byte_chars: table, byte_tokens, pre: regex, ignore_merges })
     }
 
     /// Tokenizes one fragment of text (no special tokens in it), appending ids to `out`. Bytes
     /// without a token become `unk` when there is one and are dropped otherwise.
-    pub(crate) fn encode_fragment(
-        &self,
-        vocab: &Vocab,
-        text: &str,
-        unk: Option<u32>,
-        out: &mut Vec<u32>,
-    ) {
+    pub(crate) fn encode_fragment(&self, vocab: &Vocab, text: &str, unk: Option<u32>, out: &mut Vec<u32>) {
         let mut pos = 0;
         for m in self.pre.find_iter(text) {
             let Ok(m) = m else {
@@ -216,10 +186,7 @@ impl Bpe {
             return;
         }
         if self.ignore_merges {
-            let mapped: String = word
-                .bytes()
-                .map(|b| self.byte_chars[usize::from(b)])
-                .collect();
+            let mapped: String = word.bytes().map(|b| self.byte_chars[usize::from(b)]).collect();
             if let Some(id) = vocab.id_of(&mapped) {
                 out.push(id);
                 return;
@@ -253,12 +220,7 @@ impl Bpe {
                 return;
             }
             if let Some(&(rank, _)) = self.merges.get(&(ids[left], ids[right])) {
-                queue.push(Candidate {
-                    rank,
-                    left,
-                    left_id: ids[left],
-                    right_id: ids[right],
-                });
+                queue.push(Candidate { rank, left, left_id: ids[left], right_id: ids[right] });
             }
         };
         for i in 1..n {
@@ -266,11 +228,7 @@ impl Bpe {
         }
         while let Some(c) = queue.pop() {
             let right = next[c.left];
-            if !alive[c.left]
-                || right == NONE
-                || ids[c.left] != c.left_id
-                || ids[right] != c.right_id
-            {
+            if !alive[c.left] || right == NONE || ids[c.left] != c.left_id || ids[right] != c.right_id {
                 continue;
             }
             let Some(&(_, merged)) = self.merges.get(&(c.left_id, c.right_id)) else {
@@ -327,18 +285,12 @@ mod tests {
     fn encode(vocab: &Vocab, bpe: &Bpe, text: &str) -> Vec<String> {
         let mut out = Vec::new();
         bpe.encode_fragment(vocab, text, None, &mut out);
-        out.iter()
-            .map(|&id| vocab.piece(id).expect("id").to_owned())
-            .collect()
+        out.iter().map(|&id| vocab.piece(id).expect("id").to_owned()).collect()
     }
 
     #[test]
     fn lowest_rank_merges_first_and_ties_go_left() {
-        let (v, b) = model(
-            &["ab", "bc", "abc", "aa"],
-            &["b c", "a b", "a bc", "a a"],
-            "default",
-        );
+        let (v, b) = model(&["ab", "bc", "abc", "aa"], &["b c", "a b", "a bc", "a a"], "default");
         // "b c" has the lower rank, then "a bc".
         assert_eq!(encode(&v, &b, "abc"), ["abc"]);
         let (v, b) = model(&["ab", "bc"], &["a b", "b c"], "default");
@@ -359,19 +311,11 @@ mod tests {
 
     #[test]
     fn llama_bpe_digits_and_whole_word_tokens() {
-        let (v, b) = model(
-            &["12", "123", "bc", "abc"],
-            &["1 2", "12 3", "b c"],
-            "llama-bpe",
-        );
+        let (v, b) = model(&["12", "123", "bc", "abc"], &["1 2", "12 3", "b c"], "llama-bpe");
         assert_eq!(encode(&v, &b, "1234"), ["123", "4"]);
         // "abc" is a token, emitted whole; the merges alone give "a", "bc".
         assert_eq!(encode(&v, &b, "abc"), ["abc"]);
-        let (v, b) = model(
-            &["12", "123", "bc", "abc"],
-            &["1 2", "12 3", "b c"],
-            "qwen2",
-        );
+        let (v, b) = model(&["12", "123", "bc", "abc"], &["1 2", "12 3", "b c"], "qwen2");
         assert_eq!(encode(&v, &b, "1234"), ["1", "2", "3", "4"]);
         assert_eq!(encode(&v, &b, "abc"), ["a", "bc"]);
     }
@@ -380,14 +324,8 @@ mod tests {
     fn bad_merges_and_unknown_pre_tokenizers_are_errors() {
         let texts = ["a", "b", "ab"];
         let vocab = Vocab::new(&texts, vec![0.0; 3], vec![TokenKind::Normal; 3]).expect("vocab");
-        assert!(matches!(
-            Bpe::new(&vocab, &["ab"], "default"),
-            Err(TokenizerError::BadMerge { rank: 0, .. })
-        ));
-        assert!(matches!(
-            Bpe::new(&vocab, &["a b", "a c"], "default"),
-            Err(TokenizerError::BadMerge { rank: 1, .. })
-        ));
+        assert!(matches!(Bpe::new(&vocab, &["ab"], "default"), Err(TokenizerError::BadMerge { rank: 0, .. })));
+        assert!(matches!(Bpe::new(&vocab, &["a b", "a c"], "default"), Err(TokenizerError::BadMerge { rank: 1, .. })));
         let err = Bpe::new(&vocab, &["a b"], "starcoder").expect_err("unknown pre");
         assert!(err.to_string().contains("starcoder"), "{err}");
         // A merge whose result is not a token is skipped.

@@ -12,10 +12,7 @@ pub struct ChatMessage {
 impl ChatMessage {
     /// A message with the given role and content.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+        ChatMessage { role: role.into(), content: content.into() }
     }
 }
 
@@ -33,11 +30,7 @@ pub fn gemma_chat_prompt(messages: &[ChatMessage], add_generation_prompt: bool) 
     };
     let mut out = String::new();
     for (i, m) in turns.iter().enumerate() {
-        let role = if m.role == "assistant" {
-            "model"
-        } else {
-            m.role.as_str()
-        };
+        let role = if m.role == "assistant" { "model" } else { m.role.as_str() };
         out.push_str("<start_of_turn>");
         out.push_str(role);
         out.push('\n');
@@ -59,36 +52,20 @@ mod tests {
 
     #[test]
     fn user_model_user() {
-        let msgs = [
-            ChatMessage::new("user", "Hi!"),
-            ChatMessage::new("assistant", "Hello."),
-            ChatMessage::new("user", " What is 2+2?\n"),
-        ];
+        let msgs = [ChatMessage::new("user", "Hi!"), ChatMessage::new("assistant", "Hello."), ChatMessage::new("user", " What is 2+2?\n")];
         assert_eq!(
             gemma_chat_prompt(&msgs, true),
             "<start_of_turn>user\nHi!<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n\
              <start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n"
         );
-        assert_eq!(
-            gemma_chat_prompt(&msgs[..1], false),
-            "<start_of_turn>user\nHi!<end_of_turn>\n"
-        );
+        assert_eq!(gemma_chat_prompt(&msgs[..1], false), "<start_of_turn>user\nHi!<end_of_turn>\n");
     }
 
     #[test]
     fn system_goes_into_first_user_turn() {
-        let msgs = [
-            ChatMessage::new("system", "Be brief."),
-            ChatMessage::new("user", "Hi"),
-        ];
-        assert_eq!(
-            gemma_chat_prompt(&msgs, true),
-            "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
-        );
-        assert_eq!(
-            gemma_chat_prompt(&msgs[..1], true),
-            "<start_of_turn>model\n"
-        );
+        let msgs = [ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi")];
+        assert_eq!(gemma_chat_prompt(&msgs, true), "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n");
+        assert_eq!(gemma_chat_prompt(&msgs[..1], true), "<start_of_turn>model\n");
         assert_eq!(gemma_chat_prompt(&[], false), "");
     }
 }

@@ -27,18 +27,11 @@ fn optional<'f, T>(
     if f.get(key).is_none() {
         return Ok(None);
     }
-    get(f, key)
-        .map(Some)
-        .map_err(|source| TokenizerError::Metadata { key, source })
+    get(f, key).map(Some).map_err(|source| TokenizerError::Metadata { key, source })
 }
 
 /// Reads a special-token id; an absent key gives `default` if that is inside the vocabulary.
-fn special_id(
-    f: &GgufFile,
-    key: &'static str,
-    default: Option<u32>,
-    n_vocab: usize,
-) -> Result<Option<u32>, TokenizerError> {
+fn special_id(f: &GgufFile, key: &'static str, default: Option<u32>, n_vocab: usize) -> Result<Option<u32>, TokenizerError> {
     Ok(match optional(f, key, GgufFile::get_u32)? {
         Some(id) => Some(id),
         None => default.filter(|&id| (id as usize) < n_vocab),
@@ -54,9 +47,7 @@ impl Tokenizer {
     /// `tokenizer.ggml.pre` defaults to `"default"` (GPT-2's regex), special ids default to none,
     /// BOS is added only when `add_bos_token` says so, and no space prefix is added.
     pub fn from_gguf(f: &GgufFile) -> Result<Tokenizer, TokenizerError> {
-        let model = f
-            .get_str(MODEL)
-            .map_err(|source| TokenizerError::Metadata { key: MODEL, source })?;
+        let model = f.get_str(MODEL).map_err(|source| TokenizerError::Metadata { key: MODEL, source })?;
         let byte_level = match model {
             "llama" => false,
             "gpt2" => true,
@@ -64,32 +55,17 @@ impl Tokenizer {
         };
         let pieces = f
             .get_array(TOKENS)
-            .map_err(|source| TokenizerError::Metadata {
-                key: TOKENS,
-                source,
-            })?
+            .map_err(|source| TokenizerError::Metadata { key: TOKENS, source })?
             .as_strings()
-            .ok_or(TokenizerError::ArrayType {
-                key: TOKENS,
-                expected: "strings",
-            })?;
+            .ok_or(TokenizerError::ArrayType { key: TOKENS, expected: "strings" })?;
         let n = pieces.len();
         let scores = match optional(f, SCORES, GgufFile::get_array)? {
-            Some(a) => a
-                .as_f32s()
-                .ok_or(TokenizerError::ArrayType {
-                    key: SCORES,
-                    expected: "f32",
-                })?
-                .to_vec(),
+            Some(a) => a.as_f32s().ok_or(TokenizerError::ArrayType { key: SCORES, expected: "f32" })?.to_vec(),
             None => vec![0.0; n],
         };
         let default_types;
         let type_codes: &[i32] = match optional(f, TOKEN_TYPE, GgufFile::get_array)? {
-            Some(a) => a.as_i32s().ok_or(TokenizerError::ArrayType {
-                key: TOKEN_TYPE,
-                expected: "i32",
-            })?,
+            Some(a) => a.as_i32s().ok_or(TokenizerError::ArrayType { key: TOKEN_TYPE, expected: "i32" })?,
             None => {
                 default_types = vec![1; n];
                 &default_types
@@ -116,15 +92,9 @@ impl Tokenizer {
         }
         let merges = f
             .get_array(MERGES)
-            .map_err(|source| TokenizerError::Metadata {
-                key: MERGES,
-                source,
-            })?
+            .map_err(|source| TokenizerError::Metadata { key: MERGES, source })?
             .as_strings()
-            .ok_or(TokenizerError::ArrayType {
-                key: MERGES,
-                expected: "strings",
-            })?;
+            .ok_or(TokenizerError::ArrayType { key: MERGES, expected: "strings" })?;
         let pre = optional(f, PRE, GgufFile::get_str)?.unwrap_or("default");
         tokenizer.into_byte_level(merges, pre)
     }

@@ -47,9 +47,7 @@ pub enum TokenizerError {
     },
 
     /// The tokenizer model named by `tokenizer.ggml.model` is not implemented.
-    #[error(
-        "unsupported tokenizer model `{0}` (tokenizer.ggml.model); supported: `llama` (SentencePiece), `gpt2` (byte-level BPE)"
-    )]
+    #[error("unsupported tokenizer model `{0}` (tokenizer.ggml.model); supported: `llama` (SentencePiece), `gpt2` (byte-level BPE)")]
     UnsupportedModel(String),
 
     /// The pre-tokenizer named by `tokenizer.ggml.pre` is not implemented.

@@ -37,9 +37,7 @@ struct Bigram {
 impl Ord for Bigram {
     /// Higher score first; on ties the leftmost pair first.
     fn cmp(&self, other: &Self) -> Ordering {
-        self.score
-            .total_cmp(&other.score)
-            .then_with(|| other.left.cmp(&self.left))
+        self.score.total_cmp(&other.score).then_with(|| other.left.cmp(&self.left))
     }
 }
 
@@ -58,26 +56,14 @@ impl PartialEq for Bigram {
 impl Eq for Bigram {}
 
 /// Queues the merge of `left` and `right` if their concatenation is a token.
-fn try_add_bigram(
-    vocab: &Vocab,
-    text: &str,
-    symbols: &[Symbol],
-    left: usize,
-    right: usize,
-    queue: &mut BinaryHeap<Bigram>,
-) {
+fn try_add_bigram(vocab: &Vocab, text: &str, symbols: &[Symbol], left: usize, right: usize, queue: &mut BinaryHeap<Bigram>) {
     if left == NONE || right == NONE {
         return;
     }
     let (l, r) = (symbols[left], symbols[right]);
     let merged = &text[l.start..r.start + r.len];
     if let Some(id) = vocab.id_of(merged) {
-        queue.push(Bigram {
-            score: vocab.score(id),
-            left,
-            right,
-            len: merged.len(),
-        });
+        queue.push(Bigram { score: vocab.score(id), left, right, len: merged.len() });
     }
 }
 
@@ -85,21 +71,11 @@ fn try_add_bigram(
 ///
 /// Characters that end up in no token are emitted through `byte_ids` (byte fallback); bytes that
 /// map to `None` there are dropped.
-pub(crate) fn encode_fragment(
-    vocab: &Vocab,
-    byte_ids: &[Option<u32>; 256],
-    text: &str,
-    out: &mut Vec<u32>,
-) {
+pub(crate) fn encode_fragment(vocab: &Vocab, byte_ids: &[Option<u32>; 256], text: &str, out: &mut Vec<u32>) {
     let mut symbols: Vec<Symbol> = text
         .char_indices()
         .enumerate()
-        .map(|(i, (start, c))| Symbol {
-            start,
-            len: c.len_utf8(),
-            prev: i.checked_sub(1).unwrap_or(NONE),
-            next: i + 1,
-        })
+        .map(|(i, (start, c))| Symbol { start, len: c.len_utf8(), prev: i.checked_sub(1).unwrap_or(NONE), next: i + 1 })
         .collect();
     let Some(last) = symbols.last_mut() else {
         return;
@@ -146,12 +122,7 @@ mod tests {
 
     fn vocab(entries: &[(&str, f32)]) -> Vocab {
         let texts: Vec<&str> = entries.iter().map(|&(t, _)| t).collect();
-        Vocab::new(
-            &texts,
-            entries.iter().map(|&(_, s)| s).collect(),
-            vec![TokenKind::Normal; entries.len()],
-        )
-        .expect("small vocabulary")
+        Vocab::new(&texts, entries.iter().map(|&(_, s)| s).collect(), vec![TokenKind::Normal; entries.len()]).expect("small vocabulary")
     }
 
     fn encode(v: &Vocab, text: &str) -> Vec<u32> {
@@ -167,22 +138,10 @@ mod tests {
     #[test]
     fn highest_score_merges_first() {
         // "ab" (-1) beats "bc" (-2): a b c -> ab c -> abc is not a token -> [ab, c].
-        let v = vocab(&[
-            ("a", 0.0),
-            ("b", 0.0),
-            ("c", 0.0),
-            ("ab", -1.0),
-            ("bc", -2.0),
-        ]);
+        let v = vocab(&[("a", 0.0), ("b", 0.0), ("c", 0.0), ("ab", -1.0), ("bc", -2.0)]);
         assert_eq!(encode(&v, "abc"), vec![3, 2]);
         // With the scores swapped, "bc" merges first.
-        let v = vocab(&[
-            ("a", 0.0),
-            ("b", 0.0),
-            ("c", 0.0),
-            ("ab", -2.0),
-            ("bc", -1.0),
-        ]);
+        let v = vocab(&[("a", 0.0), ("b", 0.0), ("c", 0.0), ("ab", -2.0), ("bc", -1.0)]);
         assert_eq!(encode(&v, "abc"), vec![0, 4]);
     }
 
@@ -195,13 +154,7 @@ mod tests {
 
     #[test]
     fn merges_chain_into_longer_tokens() {
-        let v = vocab(&[
-            ("a", 0.0),
-            ("b", 0.0),
-            ("ab", -1.0),
-            ("abab", -3.0),
-            ("ba", -2.0),
-        ]);
+        let v = vocab(&[("a", 0.0), ("b", 0.0), ("ab", -1.0), ("abab", -3.0), ("ba", -2.0)]);
         // a b a b -> ab a b -> ab ab -> abab ("ba" never wins over "ab").
         assert_eq!(encode(&v, "abab"), vec![3]);
     }

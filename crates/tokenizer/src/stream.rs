@@ -19,11 +19,7 @@ pub struct StreamDecoder {
 impl StreamDecoder {
     /// A decoder at the start of a sequence; `skip_special` as in [`Tokenizer::decode`].
     pub fn new(skip_special: bool) -> Self {
-        StreamDecoder {
-            skip_special,
-            at_start: true,
-            pending: Vec::new(),
-        }
+        StreamDecoder { skip_special, at_start: true, pending: Vec::new() }
     }
 
     /// Adds token `id` and returns the newly completed text; bytes of an incomplete character are
@@ -84,9 +80,7 @@ mod tests {
     }
 
     fn byte_ids(t: &Tokenizer, s: &[u8]) -> Vec<u32> {
-        s.iter()
-            .map(|b| t.token_id(&format!("<0x{b:02X}>")).expect("byte token"))
-            .collect()
+        s.iter().map(|b| t.token_id(&format!("<0x{b:02X}>")).expect("byte token")).collect()
     }
 
     #[test]
@@ -101,14 +95,7 @@ mod tests {
     #[test]
     fn invalid_and_truncated_bytes_match_lossy_decode() {
         let t = tiny(false);
-        for bytes in [
-            &b"\xE2\x82"[..],
-            b"\xFFa\xE2\x82\xACb",
-            b"\xE2\x82a",
-            b"\xF0\x9F\x99",
-            b"\xC3\xC3\xA9",
-            b"\xED\xA0\x80x",
-        ] {
+        for bytes in [&b"\xE2\x82"[..], b"\xFFa\xE2\x82\xACb", b"\xE2\x82a", b"\xF0\x9F\x99", b"\xC3\xC3\xA9", b"\xED\xA0\x80x"] {
             let ids = byte_ids(&t, bytes);
             let parts = stream(&t, &ids, false);
             assert_eq!(parts.concat(), t.decode(&ids, false), "bytes {bytes:?}");
@@ -124,10 +111,6 @@ mod tests {
         let mut d = StreamDecoder::new(true);
         d.push(&t, ids[1]);
         d.finish();
-        assert_eq!(
-            d.push(&t, ids[1]),
-            "hello",
-            "finish resets the leading-space state"
-        );
+        assert_eq!(d.push(&t, ids[1]), "hello", "finish resets the leading-space state");
     }
 }

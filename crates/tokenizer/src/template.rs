@@ -23,9 +23,7 @@ pub struct ChatTemplate {
 /// The template environment: minijinja's builtins plus `raise_exception`, as Hugging Face provides.
 fn environment() -> Environment<'static> {
     let mut env = Environment::new();
-    env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
-        Err(Error::new(ErrorKind::InvalidOperation, msg))
-    });
+    env.add_function("raise_exception", |msg: String| -> Result<String, Error> { Err(Error::new(ErrorKind::InvalidOperation, msg)) });
     env
 }
 
@@ -34,27 +32,18 @@ impl ChatTemplate {
     /// `bos` and `eos` are the texts the template sees as `bos_token` and `eos_token`.
     pub fn new(source: Option<String>, bos: &str, eos: &str) -> Result<Self, TokenizerError> {
         if let Some(src) = &source {
-            environment().template_from_str(src).map_err(|e| {
-                TokenizerError::ChatTemplate(format!("{CHAT_TEMPLATE_KEY} does not parse: {e:#}"))
-            })?;
+            environment()
+                .template_from_str(src)
+                .map_err(|e| TokenizerError::ChatTemplate(format!("{CHAT_TEMPLATE_KEY} does not parse: {e:#}")))?;
         }
-        Ok(ChatTemplate {
-            source,
-            bos: bos.to_string(),
-            eos: eos.to_string(),
-        })
+        Ok(ChatTemplate { source, bos: bos.to_string(), eos: eos.to_string() })
     }
 
     /// The template of a model file (`tokenizer.chat_template`, else the built-in Gemma format).
     pub fn from_gguf(file: &GgufFile, tok: &Tokenizer) -> Result<Self, TokenizerError> {
         let source = match file.get(CHAT_TEMPLATE_KEY) {
             Some(_) => Some(
-                file.get_str(CHAT_TEMPLATE_KEY)
-                    .map_err(|source| TokenizerError::Metadata {
-                        key: CHAT_TEMPLATE_KEY,
-                        source,
-                    })?
-                    .to_string(),
+                file.get_str(CHAT_TEMPLATE_KEY).map_err(|source| TokenizerError::Metadata { key: CHAT_TEMPLATE_KEY, source })?.to_string(),
             ),
             None => None,
         };
@@ -69,11 +58,7 @@ impl ChatTemplate {
 
     /// Renders `messages`; `add_generation_prompt` opens the assistant's turn. A template that
     /// raises (e.g. roles that do not alternate) gives an error with its message.
-    pub fn render(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<String, TokenizerError> {
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, TokenizerError> {
         let Some(src) = &self.source else {
             return Ok(gemma_chat_prompt(messages, add_generation_prompt));
         };
@@ -85,10 +70,7 @@ impl ChatTemplate {
         };
         environment().render_str(src, ctx).map_err(|e| {
             let msg = match e.kind() {
-                ErrorKind::InvalidOperation => e
-                    .detail()
-                    .unwrap_or("the chat template raised an error")
-                    .to_string(),
+                ErrorKind::InvalidOperation => e.detail().unwrap_or("the chat template raised an error").to_string(),
                 _ => format!("{e:#}"),
             };
             TokenizerError::ChatTemplate(msg)
@@ -97,12 +79,7 @@ impl ChatTemplate {
 
     /// The prompt tokens for `messages`: rendered, then encoded. BOS is added unless the rendered
     /// text already starts with it (templates usually write `{{ bos_token }}` themselves).
-    pub fn encode(
-        &self,
-        tok: &Tokenizer,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<Vec<u32>, TokenizerError> {
+    pub fn encode(&self, tok: &Tokenizer, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<Vec<u32>, TokenizerError> {
         let text = self.render(messages, add_generation_prompt)?;
         let has_bos = !self.bos.is_empty() && text.starts_with(&self.bos);
         Ok(tok.encode_with(&text, !has_bos))
@@ -180,19 +157,14 @@ mod tests {
             let msgs = &conversation()[..n];
             for agp in [false, true] {
                 let j = jinja.render(msgs, agp).unwrap();
-                assert_eq!(
-                    j,
-                    format!("<bos>{}", builtin.render(msgs, agp).unwrap()),
-                    "{n} messages, {agp}"
-                );
+                assert_eq!(j, format!("<bos>{}", builtin.render(msgs, agp).unwrap()), "{n} messages, {agp}");
             }
         }
     }
 
     #[test]
     fn llama3_and_qwen2_templates() {
-        let llama =
-            ChatTemplate::new(Some(LLAMA3.to_string()), "<|begin_of_text|>", "<|eot_id|>").unwrap();
+        let llama = ChatTemplate::new(Some(LLAMA3.to_string()), "<|begin_of_text|>", "<|eot_id|>").unwrap();
         let msgs = &conversation()[1..2];
         assert_eq!(
             llama.render(msgs, true).unwrap(),
@@ -211,12 +183,7 @@ mod tests {
         let bad = [ChatMessage::new("user", "a"), ChatMessage::new("user", "b")];
         let err = jinja.render(&bad, true).unwrap_err().to_string();
         assert!(err.contains("Conversation roles must alternate"), "{err}");
-        let err = ChatTemplate::new(Some("{% for %}".into()), "", "")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("tokenizer.chat_template does not parse"),
-            "{err}"
-        );
+        let err = ChatTemplate::new(Some("{% for %}".into()), "", "").unwrap_err().to_string();
+        assert!(err.contains("tokenizer.chat_template does not parse"), "{err}");
     }
 }

@@ -60,50 +60,28 @@ impl Tokenizer {
             return Err(TokenizerError::EmptyVocabulary);
         }
         if scores.len() != n {
-            return Err(TokenizerError::LengthMismatch {
-                what: "scores",
-                got: scores.len(),
-                expected: n,
-            });
+            return Err(TokenizerError::LengthMismatch { what: "scores", got: scores.len(), expected: n });
         }
         if type_codes.len() != n {
-            return Err(TokenizerError::LengthMismatch {
-                what: "token types",
-                got: type_codes.len(),
-                expected: n,
-            });
+            return Err(TokenizerError::LengthMismatch { what: "token types", got: type_codes.len(), expected: n });
         }
-        for (name, id) in [
-            ("bos", config.bos),
-            ("eos", config.eos),
-            ("unk", config.unk),
-            ("pad", config.pad),
-            ("eot", config.eot),
-            ("eom", config.eom),
-        ] {
+        for (name, id) in
+            [("bos", config.bos), ("eos", config.eos), ("unk", config.unk), ("pad", config.pad), ("eot", config.eot), ("eom", config.eom)]
+        {
             if let Some(id) = id.filter(|&id| id as usize >= n) {
-                return Err(TokenizerError::SpecialIdOutOfRange {
-                    name,
-                    id,
-                    n_vocab: n,
-                });
+                return Err(TokenizerError::SpecialIdOutOfRange { name, id, n_vocab: n });
             }
         }
         let kinds = (0u32..)
             .zip(type_codes.iter().zip(pieces))
             .map(|(id, (&code, text))| TokenKind::from_code(id, code, text.as_ref()))
             .collect::<Result<Vec<_>, _>>()?;
-        let vocab =
-            Vocab::new(pieces, scores, kinds).ok_or(TokenizerError::VocabularyTooLarge(n))?;
+        let vocab = Vocab::new(pieces, scores, kinds).ok_or(TokenizerError::VocabularyTooLarge(n))?;
 
         // Byte fallback: the <0xXX> token, else a token that is the byte itself (ASCII), else unk.
         let mut byte_ids = [None; 256];
         for b in 0..=255u8 {
-            byte_ids[usize::from(b)] = b
-                .is_ascii()
-                .then(|| vocab.id_of(char::from(b).encode_utf8(&mut [0; 4])))
-                .flatten()
-                .or(config.unk);
+            byte_ids[usize::from(b)] = b.is_ascii().then(|| vocab.id_of(char::from(b).encode_utf8(&mut [0; 4]))).flatten().or(config.unk);
         }
         for id in 0..n as u32 {
             if let Some(TokenKind::Byte(b)) = vocab.kind(id) {
@@ -112,35 +90,17 @@ impl Tokenizer {
         }
 
         let mut eog = Vec::new();
-        for id in [
-            config.eos,
-            config.eot,
-            config.eom,
-            vocab.id_of("<end_of_turn>"),
-        ]
-        .into_iter()
-        .flatten()
-        {
+        for id in [config.eos, config.eot, config.eom, vocab.id_of("<end_of_turn>")].into_iter().flatten() {
             if !eog.contains(&id) {
                 eog.push(id);
             }
         }
-        Ok(Tokenizer {
-            vocab,
-            bpe: None,
-            byte_ids,
-            config,
-            eog,
-        })
+        Ok(Tokenizer { vocab, bpe: None, byte_ids, config, eog })
     }
 
     /// Makes this a byte-level BPE tokenizer with `merges` ("left right", in rank order) and the
     /// pre-tokenizer named `pre`. No space prefix is added.
-    pub(crate) fn into_byte_level<S: AsRef<str>>(
-        mut self,
-        merges: &[S],
-        pre: &str,
-    ) -> Result<Tokenizer, TokenizerError> {
+    pub(crate) fn into_byte_level<S: AsRef<str>>(mut self, merges: &[S], pre: &str) -> Result<Tokenizer, TokenizerError> {
         self.bpe = Some(Bpe::new(&self.vocab, merges, pre)?);
         self.config.add_space_prefix = false;
         Ok(self)
@@ -205,13 +165,7 @@ impl Tokenizer {
 
     /// Appends the bytes that token `id` decodes to. `at_start` is true until the first token that
     /// is not dropped; with `add_space_prefix`, that token loses one leading space.
-    pub(crate) fn append_piece(
-        &self,
-        id: u32,
-        skip_special: bool,
-        at_start: &mut bool,
-        out: &mut Vec<u8>,
-    ) {
+    pub(crate) fn append_piece(&self, id: u32, skip_special: bool, at_start: &mut bool, out: &mut Vec<u8>) {
         let (Some(kind), Some(text)) = (self.vocab.kind(id), self.vocab.piece(id)) else {
             return;
         };
@@ -234,10 +188,7 @@ impl Tokenizer {
                 }
             }
             TokenKind::Byte(b) => out.push(b),
-            TokenKind::Unknown
-            | TokenKind::Control
-            | TokenKind::UserDefined
-            | TokenKind::Unused => {
+            TokenKind::Unknown | TokenKind::Control | TokenKind::UserDefined | TokenKind::Unused => {
                 out.extend_from_slice(text.as_bytes());
             }
         }
@@ -314,12 +265,7 @@ pub(crate) mod tests {
         for b in 0..=255u8 {
             entries.push((format!("<0x{b:02X}>"), 0.0, 6));
         }
-        for (i, t) in [
-            "▁", "h", "e", "l", "o", "he", "▁h", "ll", "llo", "hello", "▁hello", "w", "é",
-        ]
-        .iter()
-        .enumerate()
-        {
+        for (i, t) in ["▁", "h", "e", "l", "o", "he", "▁h", "ll", "llo", "hello", "▁hello", "w", "é"].iter().enumerate() {
             entries.push((t.to_string(), -(i as f32), 1));
         }
         let types: Vec<i32> = entries.iter().map(|e| e.2).collect();
@@ -342,10 +288,7 @@ pub(crate) mod tests {
     }
 
     fn ids(t: &Tokenizer, pieces: &[&str]) -> Vec<u32> {
-        pieces
-            .iter()
-            .map(|p| t.token_id(p).unwrap_or_else(|| panic!("no token {p:?}")))
-            .collect()
+        pieces.iter().map(|p| t.token_id(p).unwrap_or_else(|| panic!("no token {p:?}"))).collect()
     }
 
     #[test]
@@ -357,21 +300,7 @@ pub(crate) mod tests {
         assert_eq!(t.encode_with(" hello", false), ids(&t, &["▁hello"]));
         assert_eq!(
             t.encode("<start_of_turn>hello\n\n\nhe<end_of_turn>  w<bos>"),
-            ids(
-                &t,
-                &[
-                    "<bos>",
-                    "<start_of_turn>",
-                    "hello",
-                    "\n\n",
-                    "\n",
-                    "he",
-                    "<end_of_turn>",
-                    "  ",
-                    "w",
-                    "<bos>"
-                ]
-            )
+            ids(&t, &["<bos>", "<start_of_turn>", "hello", "\n\n", "\n", "he", "<end_of_turn>", "  ", "w", "<bos>"])
         );
         // "<start_of_tur" is not special: plain characters, all via byte fallback except 'e' ... 'o'.
         let partial = t.encode_with("<end", false);
@@ -381,59 +310,30 @@ pub(crate) mod tests {
     #[test]
     fn encode_byte_fallback() {
         let t = tiny(false);
-        assert_eq!(
-            t.encode_with("é€", false),
-            ids(&t, &["é", "<0xE2>", "<0x82>", "<0xAC>"])
-        );
+        assert_eq!(t.encode_with("é€", false), ids(&t, &["é", "<0xE2>", "<0x82>", "<0xAC>"]));
     }
 
     #[test]
     fn space_prefix_at_start_and_after_specials() {
         let t = tiny(true);
         assert_eq!(t.encode_with("hello", false), ids(&t, &["▁hello"]));
-        assert_eq!(
-            t.encode_with("hello<eos>hello", false),
-            ids(&t, &["▁hello", "<eos>", "▁hello"])
-        );
+        assert_eq!(t.encode_with("hello<eos>hello", false), ids(&t, &["▁hello", "<eos>", "▁hello"]));
         assert_eq!(t.decode(&t.encode("hello hello"), true), "hello hello");
         assert_eq!(t.decode(&t.encode_with("hello", false), false), "hello");
-        assert_eq!(
-            t.decode(&ids(&t, &["<bos>", "▁hello"]), false),
-            "<bos> hello"
-        );
+        assert_eq!(t.decode(&ids(&t, &["<bos>", "▁hello"]), false), "<bos> hello");
         let t = tiny(false);
-        assert_eq!(
-            t.decode(&ids(&t, &["▁hello", "▁hello"]), true),
-            " hello hello"
-        );
+        assert_eq!(t.decode(&ids(&t, &["▁hello", "▁hello"]), true), " hello hello");
     }
 
     #[test]
     fn decode_specials_bytes_and_unknown_ids() {
         let t = tiny(false);
-        let x = ids(
-            &t,
-            &[
-                "<bos>",
-                "<start_of_turn>",
-                "▁hello",
-                "\n",
-                "<0xC3>",
-                "<0xA9>",
-                "<eos>",
-            ],
-        );
+        let x = ids(&t, &["<bos>", "<start_of_turn>", "▁hello", "\n", "<0xC3>", "<0xA9>", "<eos>"]);
         assert_eq!(t.decode(&x, false), "<bos><start_of_turn> hello\né<eos>");
         assert_eq!(t.decode(&x, true), " hello\né");
-        assert_eq!(
-            t.decode(&[u32::MAX, 100_000, t.vocab_size() as u32], false),
-            ""
-        );
+        assert_eq!(t.decode(&[u32::MAX, 100_000, t.vocab_size() as u32], false), "");
         let e = t.token_id("<0xE2>").expect("byte token");
-        assert_eq!(
-            t.decode(&[e, t.token_id("h").expect("h")], false),
-            "\u{FFFD}h"
-        );
+        assert_eq!(t.decode(&[e, t.token_id("h").expect("h")], false), "\u{FFFD}h");
         assert_eq!(t.decode(&ids(&t, &["<unk>"]), false), "<unk>");
         assert_eq!(t.decode(&ids(&t, &["<unk>"]), true), "");
     }
@@ -441,14 +341,9 @@ pub(crate) mod tests {
     #[test]
     fn accessors() {
         let t = tiny(false);
-        assert_eq!(
-            (t.bos_id(), t.eos_id(), t.unk_id(), t.pad_id()),
-            (Some(2), Some(1), Some(3), Some(0))
-        );
+        assert_eq!((t.bos_id(), t.eos_id(), t.unk_id(), t.pad_id()), (Some(2), Some(1), Some(3), Some(0)));
         assert_eq!(t.end_of_generation_ids(), &[1, 5]);
-        assert!(
-            t.is_end_of_generation(5) && t.is_end_of_generation(1) && !t.is_end_of_generation(2)
-        );
+        assert!(t.is_end_of_generation(5) && t.is_end_of_generation(1) && !t.is_end_of_generation(2));
         assert!(t.is_control(2) && !t.is_control(3) && !t.is_control(6) && !t.is_control(u32::MAX));
         assert_eq!(t.piece(4), Some("<start_of_turn>"));
         assert_eq!(t.piece(u32::MAX), None);
@@ -461,15 +356,8 @@ pub(crate) mod tests {
         let ok = |c: SpecialConfig| Tokenizer::from_parts(&p, vec![0.0; 2], &[1, 1], c);
         assert!(ok(SpecialConfig::default()).is_ok());
         assert!(matches!(
-            ok(SpecialConfig {
-                eos: Some(2),
-                ..SpecialConfig::default()
-            }),
-            Err(TokenizerError::SpecialIdOutOfRange {
-                name: "eos",
-                id: 2,
-                n_vocab: 2
-            })
+            ok(SpecialConfig { eos: Some(2), ..SpecialConfig::default() }),
+            Err(TokenizerError::SpecialIdOutOfRange { name: "eos", id: 2, n_vocab: 2 })
         ));
         assert!(matches!(
             Tokenizer::from_parts(&p, vec![0.0; 1], &[1, 1], SpecialConfig::default()),
@@ -477,24 +365,15 @@ pub(crate) mod tests {
         ));
         assert!(matches!(
             Tokenizer::from_parts(&p, vec![0.0; 2], &[1], SpecialConfig::default()),
-            Err(TokenizerError::LengthMismatch {
-                what: "token types",
-                ..
-            })
+            Err(TokenizerError::LengthMismatch { what: "token types", .. })
         ));
-        assert!(matches!(
-            Tokenizer::from_parts::<&str>(&[], vec![], &[], SpecialConfig::default()),
-            Err(TokenizerError::EmptyVocabulary)
-        ));
+        assert!(matches!(Tokenizer::from_parts::<&str>(&[], vec![], &[], SpecialConfig::default()), Err(TokenizerError::EmptyVocabulary)));
     }
 
     #[test]
     fn byte_fallback_without_byte_tokens_uses_ascii_tokens_then_unk() {
         let pieces = ["<unk>", "x"];
-        let config = SpecialConfig {
-            unk: Some(0),
-            ..SpecialConfig::default()
-        };
+        let config = SpecialConfig { unk: Some(0), ..SpecialConfig::default() };
         let t = Tokenizer::from_parts(&pieces, vec![0.0; 2], &[2, 1], config).expect("valid");
         // 'x' is a token; 'y' and 'é' fall back to unk per byte.
         assert_eq!(t.encode_with("xyé", false), vec![1, 0, 0, 0]);

@@ -28,30 +28,19 @@ impl TokenKind {
             3 => TokenKind::Control,
             4 => TokenKind::UserDefined,
             5 => TokenKind::Unused,
-            6 => TokenKind::Byte(parse_byte_token(text).ok_or_else(|| {
-                TokenizerError::BadByteToken {
-                    id,
-                    text: text.to_owned(),
-                }
-            })?),
+            6 => TokenKind::Byte(parse_byte_token(text).ok_or_else(|| TokenizerError::BadByteToken { id, text: text.to_owned() })?),
             _ => return Err(TokenizerError::BadTokenType { id, code }),
         })
     }
 
     /// Whether the input text is split on this token's text before the SentencePiece merges.
     pub(crate) fn is_matched_literally(self) -> bool {
-        matches!(
-            self,
-            TokenKind::Unknown | TokenKind::Control | TokenKind::UserDefined
-        )
+        matches!(self, TokenKind::Unknown | TokenKind::Control | TokenKind::UserDefined)
     }
 
     /// Whether `skip_special` decoding drops this token.
     pub(crate) fn is_special(self) -> bool {
-        matches!(
-            self,
-            TokenKind::Unknown | TokenKind::Control | TokenKind::Unused
-        )
+        matches!(self, TokenKind::Unknown | TokenKind::Control | TokenKind::Unused)
     }
 }
 
@@ -127,9 +116,7 @@ impl PieceIndex {
     /// Indexes `texts`; when a text occurs twice, the later id wins (as in llama.cpp).
     fn build(texts: &Texts) -> PieceIndex {
         let cap = (texts.len() * 2).next_power_of_two().max(16);
-        let mut index = PieceIndex {
-            slots: vec![EMPTY; cap],
-        };
+        let mut index = PieceIndex { slots: vec![EMPTY; cap] };
         for id in 0..texts.len() as u32 {
             let text = texts.get(id).unwrap_or_default();
             let (slot, tag) = index.find_slot(texts, text);
@@ -181,9 +168,7 @@ struct TrieNode {
 impl SpecialTrie {
     /// An empty trie.
     fn new() -> SpecialTrie {
-        SpecialTrie {
-            nodes: vec![TrieNode::default()],
-        }
+        SpecialTrie { nodes: vec![TrieNode::default()] }
     }
 
     /// Adds `text` (non-empty) as token `id`, replacing an earlier token with the same text.
@@ -249,11 +234,7 @@ pub(crate) struct Vocab {
 impl Vocab {
     /// Builds a vocabulary; the three inputs must have the same length (checked by the caller).
     /// `None` if there are 2^32 or more tokens or bytes of token text.
-    pub(crate) fn new<S: AsRef<str>>(
-        pieces: &[S],
-        scores: Vec<f32>,
-        kinds: Vec<TokenKind>,
-    ) -> Option<Vocab> {
+    pub(crate) fn new<S: AsRef<str>>(pieces: &[S], scores: Vec<f32>, kinds: Vec<TokenKind>) -> Option<Vocab> {
         let texts = Texts::new(pieces)?;
         let index = PieceIndex::build(&texts);
         let mut specials = SpecialTrie::new();
@@ -263,13 +244,7 @@ impl Vocab {
                 specials.insert(piece, id);
             }
         }
-        Some(Vocab {
-            texts,
-            scores,
-            kinds,
-            index,
-            specials,
-        })
+        Some(Vocab { texts, scores, kinds, index, specials })
     }
 
     /// Number of tokens.
@@ -330,12 +305,7 @@ mod tests {
 
     fn vocab(entries: &[(&str, TokenKind)]) -> Vocab {
         let texts: Vec<&str> = entries.iter().map(|&(t, _)| t).collect();
-        Vocab::new(
-            &texts,
-            vec![0.0; entries.len()],
-            entries.iter().map(|&(_, k)| k).collect(),
-        )
-        .expect("small vocabulary")
+        Vocab::new(&texts, vec![0.0; entries.len()], entries.iter().map(|&(_, k)| k).collect()).expect("small vocabulary")
     }
 
     #[test]
@@ -345,14 +315,8 @@ mod tests {
         assert_eq!(parse_byte_token("<0x100>"), None);
         assert_eq!(parse_byte_token("<0x+1>"), None);
         assert_eq!(parse_byte_token("0x41"), None);
-        assert!(matches!(
-            TokenKind::from_code(7, 6, "A"),
-            Err(TokenizerError::BadByteToken { id: 7, .. })
-        ));
-        assert!(matches!(
-            TokenKind::from_code(3, 9, "x"),
-            Err(TokenizerError::BadTokenType { id: 3, code: 9 })
-        ));
+        assert!(matches!(TokenKind::from_code(7, 6, "A"), Err(TokenizerError::BadByteToken { id: 7, .. })));
+        assert!(matches!(TokenKind::from_code(3, 9, "x"), Err(TokenizerError::BadTokenType { id: 3, code: 9 })));
     }
 
     #[test]
@@ -385,18 +349,7 @@ mod tests {
         use Fragment::*;
         assert_eq!(v.split_specials(""), vec![]);
         assert_eq!(v.split_specials("ab"), vec![Text("ab")]);
-        assert_eq!(
-            v.split_specials("a<s>\n\n\nb<s>x<s"),
-            vec![
-                Text("a"),
-                Token(0),
-                Token(2),
-                Token(1),
-                Text("b"),
-                Token(3),
-                Text("<s")
-            ]
-        );
+        assert_eq!(v.split_specials("a<s>\n\n\nb<s>x<s"), vec![Text("a"), Token(0), Token(2), Token(1), Text("b"), Token(3), Text("<s")]);
         assert_eq!(v.split_specials("é\n"), vec![Text("é"), Token(1)]);
     }
 }

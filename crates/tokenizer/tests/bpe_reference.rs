@@ -11,8 +11,7 @@ const DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data");
 
 fn reference() -> Value {
     let path = PathBuf::from(DATA).join("bpe_reference.json");
-    let text =
-        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
     serde_json::from_str(&text).expect("valid json")
 }
 
@@ -24,11 +23,7 @@ fn load(name: &str) -> (GgufFile, Tokenizer) {
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("id array")
-        .iter()
-        .map(|x| u32::try_from(x.as_u64().expect("id")).expect("u32 id"))
-        .collect()
+    v.as_array().expect("id array").iter().map(|x| u32::try_from(x.as_u64().expect("id")).expect("u32 id")).collect()
 }
 
 #[test]
@@ -52,11 +47,8 @@ fn every_pre_tokenizer_matches_the_reference_ids() {
             }
             // With BOS when the model adds one.
             let with_bos = tok.encode(text);
-            let expected: Vec<u32> = if m["add_bos"].as_bool().expect("add_bos") {
-                bos.into_iter().chain(want.iter().copied()).collect()
-            } else {
-                want.clone()
-            };
+            let expected: Vec<u32> =
+                if m["add_bos"].as_bool().expect("add_bos") { bos.into_iter().chain(want.iter().copied()).collect() } else { want.clone() };
             assert_eq!(with_bos, expected, "{name}: {text:?} with specials");
             // Decoding gives the text back, also through the streaming decoder one id at a time.
             assert_eq!(tok.decode(&got, false), text, "{name}: decode {got:?}");
@@ -87,20 +79,12 @@ fn special_tokens_are_matched_and_skipped_on_decode() {
 fn variant(kvs: Vec<(&str, MetaValue)>) -> Result<Tokenizer, TokenizerError> {
     let (file, _) = load("bpe_qwen2");
     let mut w = GgufWriter::new(3).expect("writer");
-    let tokens = file
-        .get_array("tokenizer.ggml.tokens")
-        .expect("tokens")
-        .clone();
-    w.add_metadata("tokenizer.ggml.tokens", MetaValue::Array(tokens))
-        .expect("tokens");
+    let tokens = file.get_array("tokenizer.ggml.tokens").expect("tokens").clone();
+    w.add_metadata("tokenizer.ggml.tokens", MetaValue::Array(tokens)).expect("tokens");
     let replaced: Vec<&str> = kvs.iter().map(|(k, _)| *k).collect();
     if !replaced.contains(&"tokenizer.ggml.merges") {
-        let merges = file
-            .get_array("tokenizer.ggml.merges")
-            .expect("merges")
-            .clone();
-        w.add_metadata("tokenizer.ggml.merges", MetaValue::Array(merges))
-            .expect("merges");
+        let merges = file.get_array("tokenizer.ggml.merges").expect("merges").clone();
+        w.add_metadata("tokenizer.ggml.merges", MetaValue::Array(merges)).expect("merges");
     }
     for (k, v) in kvs {
         w.add_metadata(k, v).expect("metadata");
@@ -115,35 +99,20 @@ fn string(s: &str) -> MetaValue {
 
 #[test]
 fn gguf_errors_name_what_is_wrong() {
-    let err = variant(vec![
-        ("tokenizer.ggml.model", string("gpt2")),
-        ("tokenizer.ggml.pre", string("starcoder")),
-    ])
-    .expect_err("unknown pre-tokenizer");
+    let err = variant(vec![("tokenizer.ggml.model", string("gpt2")), ("tokenizer.ggml.pre", string("starcoder"))])
+        .expect_err("unknown pre-tokenizer");
     assert!(matches!(&err, TokenizerError::UnsupportedPreTokenizer(p) if p == "starcoder"));
     assert!(err.to_string().contains("tokenizer.ggml.pre"), "{err}");
 
     let err = variant(vec![
         ("tokenizer.ggml.model", string("gpt2")),
-        (
-            "tokenizer.ggml.merges",
-            MetaValue::Array(MetaArray::String(vec!["nospace".into()])),
-        ),
+        ("tokenizer.ggml.merges", MetaValue::Array(MetaArray::String(vec!["nospace".into()]))),
     ])
     .expect_err("bad merge");
-    assert!(
-        matches!(err, TokenizerError::BadMerge { rank: 0, .. }),
-        "{err}"
-    );
+    assert!(matches!(err, TokenizerError::BadMerge { rank: 0, .. }), "{err}");
 
-    let err = variant(vec![
-        ("tokenizer.ggml.model", string("gpt2")),
-        (
-            "tokenizer.ggml.merges",
-            MetaValue::Array(MetaArray::I32(vec![1])),
-        ),
-    ])
-    .expect_err("merges of the wrong type");
+    let err = variant(vec![("tokenizer.ggml.model", string("gpt2")), ("tokenizer.ggml.merges", MetaValue::Array(MetaArray::I32(vec![1])))])
+        .expect_err("merges of the wrong type");
     assert!(err.to_string().contains("tokenizer.ggml.merges"), "{err}");
 }
 

@@ -7,10 +7,7 @@ use kiln_gguf::GgufFile;
 use kiln_tokenizer::Tokenizer;
 use serde_json::Value;
 
-const FAMILIES: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../models/tests/fixtures/families"
-);
+const FAMILIES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tests/fixtures/families");
 
 #[test]
 fn every_family_fixture_tokenizes_its_reference_texts() {
@@ -22,9 +19,7 @@ fn every_family_fixture_tokenizes_its_reference_texts() {
         .collect();
     entries.sort();
     for json_path in entries {
-        let r: Value =
-            serde_json::from_str(&std::fs::read_to_string(&json_path).expect("read json"))
-                .expect("valid json");
+        let r: Value = serde_json::from_str(&std::fs::read_to_string(&json_path).expect("read json")).expect("valid json");
         let family = r["family"].as_str().expect("family");
         let file = GgufFile::open(&json_path.with_extension("gguf")).expect("open gguf");
         let tok = Tokenizer::from_gguf(&file).unwrap_or_else(|e| panic!("{family}: {e}"));
@@ -32,12 +27,7 @@ fn every_family_fixture_tokenizes_its_reference_texts() {
             let Some(text) = case["text"].as_str() else {
                 continue;
             };
-            let want: Vec<u32> = case["ids"]
-                .as_array()
-                .expect("ids")
-                .iter()
-                .map(|x| x.as_u64().expect("id") as u32)
-                .collect();
+            let want: Vec<u32> = case["ids"].as_array().expect("ids").iter().map(|x| x.as_u64().expect("id") as u32).collect();
             assert_eq!(tok.encode(text), want, "{family} {}", case["name"]);
             assert_eq!(tok.decode(&want, true), text, "{family} decode");
         }

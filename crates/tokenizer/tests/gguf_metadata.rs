@@ -19,26 +19,16 @@ fn build(kvs: Vec<(&str, MetaValue)>) -> Result<Tokenizer, TokenizerError> {
 }
 
 fn words(ws: &[&str]) -> MetaValue {
-    MetaValue::Array(MetaArray::String(
-        ws.iter().map(|w| w.to_string()).collect(),
-    ))
+    MetaValue::Array(MetaArray::String(ws.iter().map(|w| w.to_string()).collect()))
 }
 
 #[test]
 fn minimal_llama_vocab_uses_llama_cpp_defaults() {
-    let t = build(vec![
-        ("tokenizer.ggml.model", string("llama")),
-        (
-            "tokenizer.ggml.tokens",
-            words(&["<unk>", "<s>", "</s>", "▁a", "a", "▁"]),
-        ),
-    ])
-    .expect("minimal vocabulary");
+    let t =
+        build(vec![("tokenizer.ggml.model", string("llama")), ("tokenizer.ggml.tokens", words(&["<unk>", "<s>", "</s>", "▁a", "a", "▁"]))])
+            .expect("minimal vocabulary");
     assert_eq!(t.vocab_size(), 6);
-    assert_eq!(
-        (t.bos_id(), t.eos_id(), t.unk_id(), t.pad_id()),
-        (Some(1), Some(2), Some(0), None)
-    );
+    assert_eq!((t.bos_id(), t.eos_id(), t.unk_id(), t.pad_id()), (Some(1), Some(2), Some(0), None));
     // BOS added, space prefix added, no scores: merges by position (all 0, leftmost first).
     assert_eq!(t.encode("a a"), vec![1, 3, 3]);
     // Without types all tokens are normal, so "<s>" is not parsed as a special token.
@@ -51,18 +41,9 @@ fn minimal_llama_vocab_uses_llama_cpp_defaults() {
 fn explicit_metadata_is_used() {
     let t = build(vec![
         ("tokenizer.ggml.model", string("llama")),
-        (
-            "tokenizer.ggml.tokens",
-            words(&["<pad>", "<eos>", "<bos>", "<unk>", "<eot>", "a", "aa"]),
-        ),
-        (
-            "tokenizer.ggml.scores",
-            MetaValue::Array(MetaArray::F32(vec![0.0, 0.0, 0.0, 0.0, 0.0, -1.0, -2.0])),
-        ),
-        (
-            "tokenizer.ggml.token_type",
-            MetaValue::Array(MetaArray::I32(vec![3, 3, 3, 2, 3, 1, 1])),
-        ),
+        ("tokenizer.ggml.tokens", words(&["<pad>", "<eos>", "<bos>", "<unk>", "<eot>", "a", "aa"])),
+        ("tokenizer.ggml.scores", MetaValue::Array(MetaArray::F32(vec![0.0, 0.0, 0.0, 0.0, 0.0, -1.0, -2.0]))),
+        ("tokenizer.ggml.token_type", MetaValue::Array(MetaArray::I32(vec![3, 3, 3, 2, 3, 1, 1]))),
         ("tokenizer.ggml.bos_token_id", MetaValue::U32(2)),
         ("tokenizer.ggml.eos_token_id", MetaValue::U32(1)),
         ("tokenizer.ggml.unknown_token_id", MetaValue::U32(3)),
@@ -101,10 +82,7 @@ fn missing_and_bad_keys_are_named() {
     let err = build(vec![
         ("tokenizer.ggml.model", string("llama")),
         ("tokenizer.ggml.tokens", words(&["a", "b"])),
-        (
-            "tokenizer.ggml.scores",
-            MetaValue::Array(MetaArray::I32(vec![0, 0])),
-        ),
+        ("tokenizer.ggml.scores", MetaValue::Array(MetaArray::I32(vec![0, 0]))),
     ])
     .expect_err("scores of the wrong type");
     assert!(err.to_string().contains("tokenizer.ggml.scores"), "{err}");
@@ -112,20 +90,10 @@ fn missing_and_bad_keys_are_named() {
     let err = build(vec![
         ("tokenizer.ggml.model", string("llama")),
         ("tokenizer.ggml.tokens", words(&["a", "b"])),
-        (
-            "tokenizer.ggml.scores",
-            MetaValue::Array(MetaArray::F32(vec![0.0])),
-        ),
+        ("tokenizer.ggml.scores", MetaValue::Array(MetaArray::F32(vec![0.0]))),
     ])
     .expect_err("too few scores");
-    assert!(matches!(
-        err,
-        TokenizerError::LengthMismatch {
-            what: "scores",
-            got: 1,
-            expected: 2
-        }
-    ));
+    assert!(matches!(err, TokenizerError::LengthMismatch { what: "scores", got: 1, expected: 2 }));
 
     let err = build(vec![
         ("tokenizer.ggml.model", string("llama")),
@@ -133,14 +101,7 @@ fn missing_and_bad_keys_are_named() {
         ("tokenizer.ggml.bos_token_id", MetaValue::U32(7)),
     ])
     .expect_err("bos out of range");
-    assert!(matches!(
-        err,
-        TokenizerError::SpecialIdOutOfRange {
-            name: "bos",
-            id: 7,
-            n_vocab: 2
-        }
-    ));
+    assert!(matches!(err, TokenizerError::SpecialIdOutOfRange { name: "bos", id: 7, n_vocab: 2 }));
 
     let err = build(vec![
         ("tokenizer.ggml.model", string("llama")),
@@ -148,18 +109,12 @@ fn missing_and_bad_keys_are_named() {
         ("tokenizer.ggml.bos_token_id", string("1")),
     ])
     .expect_err("bos of the wrong type");
-    assert!(
-        err.to_string().contains("tokenizer.ggml.bos_token_id"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("tokenizer.ggml.bos_token_id"), "{err}");
 
     let err = build(vec![
         ("tokenizer.ggml.model", string("llama")),
         ("tokenizer.ggml.tokens", words(&["a", "<0xZZ>"])),
-        (
-            "tokenizer.ggml.token_type",
-            MetaValue::Array(MetaArray::I32(vec![1, 6])),
-        ),
+        ("tokenizer.ggml.token_type", MetaValue::Array(MetaArray::I32(vec![1, 6]))),
     ])
     .expect_err("bad byte token");
     assert!(matches!(err, TokenizerError::BadByteToken { id: 1, .. }));

@@ -17,10 +17,7 @@ fn load_tokenizer() -> Tokenizer {
     let file = kiln_gguf::GgufFile::open(&path).expect("open gguf");
     let opened = start.elapsed();
     let tok = Tokenizer::from_gguf(&file).expect("tokenizer from gguf");
-    eprintln!(
-        "timing: open gguf {opened:?}, build tokenizer {:?}",
-        start.elapsed() - opened
-    );
+    eprintln!("timing: open gguf {opened:?}, build tokenizer {:?}", start.elapsed() - opened);
     tok
 }
 
@@ -31,17 +28,12 @@ fn tok() -> &'static Tokenizer {
 
 fn json(name: &str) -> Value {
     let path = PathBuf::from(REFS).join(name);
-    let text =
-        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
     serde_json::from_str(&text).expect("valid json")
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("id array")
-        .iter()
-        .map(|x| u32::try_from(x.as_u64().expect("id")).expect("u32 id"))
-        .collect()
+    v.as_array().expect("id array").iter().map(|x| u32::try_from(x.as_u64().expect("id")).expect("u32 id")).collect()
 }
 
 fn text(v: &Value) -> &str {
@@ -51,8 +43,7 @@ fn text(v: &Value) -> &str {
 /// The prompt of a reference file; the long one is read from `long_passage.txt` as-is.
 fn prompt(name: &str, r: &Value) -> String {
     if name == "long" {
-        let p = std::fs::read_to_string(PathBuf::from(REFS).join("long_passage.txt"))
-            .expect("long passage");
+        let p = std::fs::read_to_string(PathBuf::from(REFS).join("long_passage.txt")).expect("long passage");
         assert_eq!(p, text(&r["prompt"]));
         p
     } else {
@@ -68,22 +59,10 @@ fn prompts_encode_like_reference() {
         let p = prompt(name, &r);
         let want = ids(&r["input_ids"]);
         assert_eq!(t.encode(&p), want, "{name}: encode");
-        assert_eq!(
-            t.encode_with(&p, false),
-            ids(&r["input_ids_add_special_tokens_false"]),
-            "{name}: no BOS"
-        );
+        assert_eq!(t.encode_with(&p, false), ids(&r["input_ids_add_special_tokens_false"]), "{name}: no BOS");
         // transformers shows spaces inside user-defined tokens as `▁` ("  " -> "▁▁").
-        let pieces: Vec<String> = want
-            .iter()
-            .map(|&id| t.piece(id).expect("piece").replace(' ', "\u{2581}"))
-            .collect();
-        let want_pieces: Vec<&str> = r["input_pieces"]
-            .as_array()
-            .expect("pieces")
-            .iter()
-            .map(text)
-            .collect();
+        let pieces: Vec<String> = want.iter().map(|&id| t.piece(id).expect("piece").replace(' ', "\u{2581}")).collect();
+        let want_pieces: Vec<&str> = r["input_pieces"].as_array().expect("pieces").iter().map(text).collect();
         assert_eq!(pieces, want_pieces, "{name}: pieces");
     }
 }
@@ -95,11 +74,7 @@ fn prompts_decode_like_reference() {
         let r = json(&format!("{name}.json"));
         let p = prompt(name, &r);
         let input = ids(&r["input_ids"]);
-        assert_eq!(
-            t.decode(&input, false),
-            text(&r["decode_roundtrip"]),
-            "{name}: roundtrip"
-        );
+        assert_eq!(t.decode(&input, false), text(&r["decode_roundtrip"]), "{name}: roundtrip");
         let skipped = t.decode(&input, true);
         if name == "p6" {
             assert_eq!(skipped, "user\nWhat is 2+2?\nmodel\n");
@@ -108,17 +83,9 @@ fn prompts_decode_like_reference() {
         }
         let g = &r["greedy"];
         let new = ids(&g["ids"]);
-        assert_eq!(
-            t.decode(&new, false),
-            text(&g["text"]),
-            "{name}: greedy text"
-        );
+        assert_eq!(t.decode(&new, false), text(&g["text"]), "{name}: greedy text");
         let all: Vec<u32> = input.iter().chain(&new).copied().collect();
-        assert_eq!(
-            t.decode(&all, false),
-            text(&g["full_text"]),
-            "{name}: full text"
-        );
+        assert_eq!(t.decode(&all, false), text(&g["full_text"]), "{name}: full text");
     }
 }
 
@@ -134,11 +101,7 @@ fn cross_check_strings() {
         assert_eq!(t.encode(s), want, "encode {s:?}");
         assert_eq!(ids(&e["llamacpp_style"]), want);
         // No normalization and byte fallback: decoding is lossless.
-        assert_eq!(
-            t.decode(&t.encode_with(s, false), false),
-            s,
-            "roundtrip {s:?}"
-        );
+        assert_eq!(t.decode(&t.encode_with(s, false), false), s, "roundtrip {s:?}");
         assert_eq!(t.decode(&want, false), format!("<bos>{s}"));
     }
 }
@@ -151,12 +114,7 @@ fn check_stream(t: &Tokenizer, ids: &[u32], skip_special: bool) -> Vec<String> {
     let full = t.decode(ids, skip_special);
     assert_eq!(parts.concat(), full);
     if !full.contains(char::REPLACEMENT_CHARACTER) {
-        assert!(
-            parts
-                .iter()
-                .all(|p| !p.contains(char::REPLACEMENT_CHARACTER)),
-            "{parts:?}"
-        );
+        assert!(parts.iter().all(|p| !p.contains(char::REPLACEMENT_CHARACTER)), "{parts:?}");
     }
     parts
 }
@@ -165,33 +123,20 @@ fn check_stream(t: &Tokenizer, ids: &[u32], skip_special: bool) -> Vec<String> {
 fn stream_decoder_yields_whole_characters() {
     let t = tok();
     // Fraktur letters, fullwidth letters, emoji and CJK; several go through byte tokens.
-    for s in [
-        "ℌ𝔢𝔩𝔩𝔬 ＡＢＣ",
-        "🙂🙃 日本語のテキスト 🦀🧪",
-        "naïve café — ünïcödé 日本語 🙂",
-        "\u{a0}nbsp\r\n",
-    ] {
+    for s in ["ℌ𝔢𝔩𝔩𝔬 ＡＢＣ", "🙂🙃 日本語のテキスト 🦀🧪", "naïve café — ünïcödé 日本語 🙂", "\u{a0}nbsp\r\n"]
+    {
         let ids = t.encode(s);
-        let bytes = ids
-            .iter()
-            .filter(|&&id| t.piece(id).is_some_and(|p| p.starts_with("<0x")))
-            .count();
+        let bytes = ids.iter().filter(|&&id| t.piece(id).is_some_and(|p| p.starts_with("<0x"))).count();
         let parts = check_stream(t, &ids, true);
         assert_eq!(parts.concat(), s);
         if bytes > 1 {
-            assert!(
-                parts.iter().any(String::is_empty),
-                "{s:?}: some byte tokens must be held back"
-            );
+            assert!(parts.iter().any(String::is_empty), "{s:?}: some byte tokens must be held back");
         }
         check_stream(t, &ids, false);
     }
     for name in PROMPTS {
         let r = json(&format!("{name}.json"));
-        let all: Vec<u32> = ids(&r["input_ids"])
-            .into_iter()
-            .chain(ids(&r["greedy"]["ids"]))
-            .collect();
+        let all: Vec<u32> = ids(&r["input_ids"]).into_iter().chain(ids(&r["greedy"]["ids"])).collect();
         check_stream(t, &all, false);
         check_stream(t, &all, true);
     }
@@ -200,28 +145,12 @@ fn stream_decoder_yields_whole_characters() {
 #[test]
 fn chat_template_encodes_like_reference() {
     let t = tok();
-    let user = |c: &str| ChatMessage {
-        role: "user".into(),
-        content: c.into(),
-    };
+    let user = |c: &str| ChatMessage { role: "user".into(), content: c.into() };
     let p6 = json("p6.json");
-    assert_eq!(
-        gemma_chat_prompt(&[user("What is 2+2?")], true),
-        text(&p6["prompt"])
-    );
-    assert_eq!(
-        t.encode(&gemma_chat_prompt(&[user("What is 2+2?")], true)),
-        ids(&p6["input_ids"])
-    );
+    assert_eq!(gemma_chat_prompt(&[user("What is 2+2?")], true), text(&p6["prompt"]));
+    assert_eq!(t.encode(&gemma_chat_prompt(&[user("What is 2+2?")], true)), ids(&p6["input_ids"]));
 
-    let conv = [
-        user("Hi"),
-        ChatMessage {
-            role: "assistant".into(),
-            content: "Hello! How can I help?".into(),
-        },
-        user("Tell me a joke."),
-    ];
+    let conv = [user("Hi"), ChatMessage { role: "assistant".into(), content: "Hello! How can I help?".into() }, user("Tell me a joke.")];
     let prompt = gemma_chat_prompt(&conv, true);
     assert_eq!(
         prompt,
@@ -238,27 +167,15 @@ fn chat_template_encodes_like_reference() {
     assert_eq!(&ids[ids.len() - 3..], &[105, 4368, 107]);
     assert_eq!(t.decode(&ids, false), format!("<bos>{prompt}"));
 
-    let sys = [
-        ChatMessage {
-            role: "system".into(),
-            content: "Answer briefly.".into(),
-        },
-        user("What is 2+2?"),
-    ];
-    assert_eq!(
-        gemma_chat_prompt(&sys, true),
-        "<start_of_turn>user\nAnswer briefly.\n\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n"
-    );
+    let sys = [ChatMessage { role: "system".into(), content: "Answer briefly.".into() }, user("What is 2+2?")];
+    assert_eq!(gemma_chat_prompt(&sys, true), "<start_of_turn>user\nAnswer briefly.\n\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n");
 }
 
 #[test]
 fn special_tokens_and_metadata() {
     let t = tok();
     assert_eq!(t.vocab_size(), 262_144);
-    assert_eq!(
-        (t.bos_id(), t.eos_id(), t.unk_id(), t.pad_id()),
-        (Some(2), Some(1), Some(3), Some(0))
-    );
+    assert_eq!((t.bos_id(), t.eos_id(), t.unk_id(), t.pad_id()), (Some(2), Some(1), Some(3), Some(0)));
     assert!(t.is_end_of_generation(1) && t.is_end_of_generation(106));
     assert!(!t.is_end_of_generation(2) && !t.is_end_of_generation(107));
     assert!(t.end_of_generation_ids().contains(&1) && t.end_of_generation_ids().contains(&106));
@@ -274,10 +191,7 @@ fn special_tokens_and_metadata() {
     assert_eq!(t.token_id("<0x0A>"), Some(248));
     assert_eq!(t.token_id("no such token at all"), None);
     // Ids outside the vocabulary are ignored when decoding.
-    assert_eq!(
-        t.decode(&[818, 262_144, u32::MAX, 5279], true),
-        "The capital"
-    );
+    assert_eq!(t.decode(&[818, 262_144, u32::MAX, 5279], true), "The capital");
 }
 
 #[test]
@@ -292,15 +206,12 @@ fn arbitrary_input_does_not_panic_and_roundtrips() {
     };
     for _ in 0..200 {
         let len = next() % 64;
-        let s: String = (0..len)
-            .filter_map(|_| char::from_u32(next() % 0x3_0000))
-            .collect();
+        let s: String = (0..len).filter_map(|_| char::from_u32(next() % 0x3_0000)).collect();
         let s = s + "<start_of_turn><0x41>  \n\t<unused0>";
         assert_eq!(t.decode(&t.encode_with(&s, false), false), s);
         let ids: Vec<u32> = (0..len).map(|_| next() % 300_000).collect();
         let mut d = StreamDecoder::new(false);
-        let streamed: String =
-            ids.iter().map(|&id| d.push(t, id)).collect::<String>() + &d.finish();
+        let streamed: String = ids.iter().map(|&id| d.push(t, id)).collect::<String>() + &d.finish();
         assert_eq!(streamed, t.decode(&ids, false));
     }
 }
@@ -308,8 +219,7 @@ fn arbitrary_input_does_not_panic_and_roundtrips() {
 #[test]
 fn long_passage_encodes_quickly() {
     let t = tok();
-    let p = std::fs::read_to_string(PathBuf::from(REFS).join("long_passage.txt"))
-        .expect("long passage");
+    let p = std::fs::read_to_string(PathBuf::from(REFS).join("long_passage.txt")).expect("long passage");
     let rounds = 50;
     let start = Instant::now();
     let mut n = 0;
@@ -317,9 +227,6 @@ fn long_passage_encodes_quickly() {
         n = t.encode(&p).len();
     }
     let per = start.elapsed() / rounds;
-    eprintln!(
-        "timing: encode long passage ({} bytes, {n} tokens) {per:?}",
-        p.len()
-    );
+    eprintln!("timing: encode long passage ({} bytes, {n} tokens) {per:?}", p.len());
     assert_eq!(n, 700);
 }

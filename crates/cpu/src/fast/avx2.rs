@@ -1,11 +1,12 @@
-//! AVX2 unpack functions and integer dot cores (`maddubs` of unsigned weights by signed
+//! AVX2 block decoders and integer dot cores (`maddubs` of unsigned weights by signed
 //! activations, `madd` by the scales), and the AVX2 activation quantizer.
 
 use std::arch::x86_64::*;
 
-use kiln_quant::{f16_to_f32, GgmlType};
+use kiln_quant::GgmlType;
 
-use super::{scalar, ActRow, KRow, KRowMut, LegacyRow, Unpacked, ROW_GROUP};
+use super::screen::GROUP_BLOCK_BYTES;
+use super::{scalar, ActRow, KBlock};
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -25,18 +26,15 @@ unsafe fn hmax(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-fn f16_at(b: &[u8], at: usize) -> f32 {
-    f16_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
-}
-
-/// Quantizes one row per block of `block` (32 or 256): `d = max|x| / 127`, `q = round(x / d)`.
+/// Quantizes one row per block of `block` (32 or 256) to 16-bit levels: `d = max|x| / max_level`,
+/// `q = round(x / d)`; a block holding a NaN or an infinity gets `d = NaN` and zero levels.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn quantize_row(x: &[f32], block: usize, qs: &mut [i8], d: &mut [f32]) {
-    assert!(x.len() == qs.len() && x.len() == block * d.len() && block.is_multiple_of(32));
+pub unsafe fn quantize_row(x: &[f32], block: usize, max_level: f32, qs: &mut [i16], d: &mut [f32]) {
+    assert!(x.len() == qs.len() && x.len() == block * d.len() && block.is_multiple_of(16));
     let sign_mask = _mm256_set1_ps(-0.0);
-    let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (b, db) in d.iter_mut().enumerate() {
         let xp = x.as_ptr().add(b * block);
+        let qp = qs.as_mut_ptr().add(b * block);
         let (mut m, mut nan) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for i in (0..block).step_by(8) {
             let v = _mm256_loadu_ps(xp.add(i));
@@ -44,19 +42,19 @@ pub unsafe fn quantize_row(x: &[f32], block: usize, qs: &mut [i8], d: &mut [f32]
             nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
         }
         let amax = hmax(m);
-        // A NaN makes the block's scale NaN, so every product with it is flagged.
-        *db = if _mm256_movemask_ps(nan) != 0 { f32::NAN } else { amax / 127.0 };
-        let id = _mm256_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
-        for i in (0..block).step_by(32) {
-            let mut v = [_mm256_setzero_si256(); 4];
-            for (j, vj) in v.iter_mut().enumerate() {
-                let f = _mm256_mul_ps(_mm256_loadu_ps(xp.add(i + 8 * j)), id);
-                *vj = _mm256_cvtps_epi32(_mm256_round_ps(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            }
-            let p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        if _mm256_movemask_ps(nan) != 0 || !amax.is_finite() {
+            *db = f32::NAN;
+            std::ptr::write_bytes(qp, 0, block);
+            continue;
+        }
+        *db = amax / max_level;
+        let id = _mm256_set1_ps(if amax > 0.0 { max_level / amax } else { 0.0 });
+        for i in (0..block).step_by(16) {
+            let lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xp.add(i)), id));
+            let hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xp.add(i + 8)), id));
             // packs interleaves the 128-bit lanes; restore element order.
-            let p = _mm256_permutevar8x32_epi32(p, perm);
-            _mm256_storeu_si256(qs.as_mut_ptr().add(b * block + i) as *mut __m256i, p);
+            let p = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0b11_01_10_00);
+            _mm256_storeu_si256(qp.add(i) as *mut __m256i, p);
         }
     }
 }
@@ -80,121 +78,233 @@ unsafe fn nibbles16(p: *const u8) -> __m256i {
     _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m), _mm_and_si128(x, m))
 }
 
-/// Unpacks one row of Q4_0, Q5_0 or Q8_0.
-#[target_feature(enable = "avx2,fma")]
-pub unsafe fn unpack_legacy(ty: GgmlType, src: &[u8], q: &mut [i8], d: &mut [f32]) {
-    let bytes = ty.type_size();
-    assert!(src.len() == bytes * d.len() && q.len() == 32 * d.len());
-    for (i, db) in d.iter_mut().enumerate() {
-        let b = &src[i * bytes..(i + 1) * bytes];
-        *db = f16_at(b, 0);
-        let v = match ty {
-            GgmlType::Q4_0 => _mm256_sub_epi8(nibbles16(b.as_ptr().add(2)), _mm256_set1_epi8(8)),
-            GgmlType::Q5_0 => {
-                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-                // Elements whose fifth bit is clear get 0xf0 or-ed in: as i8 that is level - 16.
-                let high = _mm256_andnot_si256(bytes_from_bits(qh), _mm256_set1_epi8(0xf0u8 as i8));
-                _mm256_or_si256(nibbles16(b.as_ptr().add(6)), high)
-            }
-            GgmlType::Q8_0 => _mm256_loadu_si256(b.as_ptr().add(2) as *const __m256i),
-            _ => unreachable!("{ty} is not a 32-block fast format"),
-        };
-        _mm256_storeu_si256(q.as_mut_ptr().add(32 * i) as *mut __m256i, v);
-    }
-}
+/// Decoder selectors of the 32-block formats (const generic parameters of [`legacy_rows`]).
+const DEC_Q4_0: u8 = 0;
+const DEC_Q5_0: u8 = 1;
+const DEC_Q8_0: u8 = 2;
 
-/// Unpacks one row of a K-quant: Q4_K and Q6_K levels with SIMD, the others with the portable code.
-#[target_feature(enable = "avx2,fma")]
-pub unsafe fn unpack_k(ty: GgmlType, src: &[u8], out: KRowMut<'_>) {
-    let bytes = ty.type_size();
-    let nb = out.d.len();
-    assert!(src.len() == bytes * nb && out.q.len() == 256 * nb && out.sc.len() == 16 * nb && out.corr.len() == 16 * nb);
-    match ty {
-        GgmlType::Q4_K => {
-            let m = _mm256_set1_epi8(15);
-            for i in 0..nb {
-                let b = &src[i * bytes..(i + 1) * bytes];
-                out.d[i] = f16_at(b, 0);
-                out.dcorr[i] = f16_at(b, 2);
-                let (s, mn) = kiln_quant::unpack_scale_min_k4(&b[4..16]);
-                for g in 0..16 {
-                    out.sc[16 * i + g] = i16::from(s[g / 2]);
-                    out.corr[16 * i + g] = i16::from(mn[g / 2]);
-                }
-                let qo = out.q.as_mut_ptr().add(256 * i);
-                for j in 0..4 {
-                    let v = _mm256_loadu_si256(b.as_ptr().add(16 + 32 * j) as *const __m256i);
-                    _mm256_storeu_si256(qo.add(64 * j) as *mut __m256i, _mm256_and_si256(v, m));
-                    _mm256_storeu_si256(qo.add(64 * j + 32) as *mut __m256i, _mm256_and_si256(_mm256_srli_epi16(v, 4), m));
-                }
-            }
-        }
-        GgmlType::Q6_K => {
-            let m4 = _mm256_set1_epi8(15);
-            let (m2, m2b, m30) = (_mm256_set1_epi8(3), _mm256_set1_epi8(12), _mm256_set1_epi8(0x30));
-            for i in 0..nb {
-                let b = &src[i * bytes..(i + 1) * bytes];
-                out.d[i] = f16_at(b, 208);
-                out.dcorr[i] = out.d[i];
-                for g in 0..16 {
-                    let s = i16::from(b[192 + g] as i8);
-                    out.sc[16 * i + g] = s;
-                    out.corr[16 * i + g] = 32 * s;
-                }
-                for n in 0..2 {
-                    let p = b.as_ptr();
-                    let ql0 = _mm256_loadu_si256(p.add(64 * n) as *const __m256i);
-                    let ql1 = _mm256_loadu_si256(p.add(64 * n + 32) as *const __m256i);
-                    let h = _mm256_loadu_si256(p.add(128 + 32 * n) as *const __m256i);
-                    let o0 = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4));
-                    let o1 = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2b), 2));
-                    let o2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(h, m30));
-                    let o3 =
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
-                    let qo = out.q.as_mut_ptr().add(256 * i + 128 * n);
-                    _mm256_storeu_si256(qo as *mut __m256i, o0);
-                    _mm256_storeu_si256(qo.add(32) as *mut __m256i, o1);
-                    _mm256_storeu_si256(qo.add(64) as *mut __m256i, o2);
-                    _mm256_storeu_si256(qo.add(96) as *mut __m256i, o3);
-                }
-            }
-        }
-        _ => scalar::unpack_k(ty, src, out),
-    }
-}
-
-/// Products of every unpacked 32-block row of `tile` (`out.len()` of them) with `R` Q8_0 rows.
-#[target_feature(enable = "avx2,fma")]
-pub unsafe fn legacy_tile<const R: usize>(tile: &Unpacked, k: usize, a: [ActRow<'_>; R], out: &mut [[f32; ROW_GROUP]]) {
-    for (j, o) in out.iter_mut().enumerate() {
-        o[..R].copy_from_slice(&legacy_dot(tile.legacy(j, k), a));
-    }
-}
-
-/// Products of every unpacked K-quant row of `tile` (`out.len()` of them) with `R` Q8_K rows.
-#[target_feature(enable = "avx2,fma")]
-pub unsafe fn k_tile<const R: usize>(tile: &Unpacked, k: usize, a: [ActRow<'_>; R], out: &mut [[f32; ROW_GROUP]]) {
-    for (j, o) in out.iter_mut().enumerate() {
-        o[..R].copy_from_slice(&k_dot(tile.kquant(j, k), a));
-    }
-}
-
-/// Products of one unpacked 32-block row with `R` Q8_0 activation rows.
+/// The signed levels of the 32-element block at `p` (format `T`, its f16 scale first).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn legacy_dot<const R: usize>(w: LegacyRow<'_>, a: [ActRow<'_>; R]) -> [f32; R] {
-    let nb = w.d.len();
-    assert!(w.qs.len() == 32 * nb && a.iter().all(|a| a.qs.len() == 32 * nb && a.d.len() == nb));
-    let ones = _mm256_set1_epi16(1);
+unsafe fn legacy_levels<const T: u8>(p: *const u8) -> __m256i {
+    match T {
+        DEC_Q4_0 => _mm256_sub_epi8(nibbles16(p.add(2)), _mm256_set1_epi8(8)),
+        DEC_Q5_0 => {
+            let qh = std::ptr::read_unaligned(p.add(2) as *const u32);
+            // Elements whose fifth bit is clear get 0xf0 or-ed in: as i8 that is level - 16.
+            let high = _mm256_andnot_si256(bytes_from_bits(qh), _mm256_set1_epi8(0xf0u8 as i8));
+            _mm256_or_si256(nibbles16(p.add(6)), high)
+        }
+        _ => _mm256_loadu_si256(p.add(2) as *const __m256i),
+    }
+}
+
+/// The f16 at `p`, converted with F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_load(p: *const u8) -> f32 {
+    let h = std::ptr::read_unaligned(p as *const u16);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))))
+}
+
+/// Products of one packed Q4_0, Q5_0 or Q8_0 row with `R` Q8_0 activation rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn legacy_rows<const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R]) -> [f32; R] {
+    match ty {
+        GgmlType::Q4_0 => legacy_rows_of::<DEC_Q4_0, R>(src, ty.type_size(), a),
+        GgmlType::Q5_0 => legacy_rows_of::<DEC_Q5_0, R>(src, ty.type_size(), a),
+        GgmlType::Q8_0 => legacy_rows_of::<DEC_Q8_0, R>(src, ty.type_size(), a),
+        _ => unreachable!("{ty} is not a 32-block fast format"),
+    }
+}
+
+/// [`legacy_rows`] for decoder `T` with `bytes` per block: each block is decoded into registers
+/// (levels widened to 16 bits) and multiplied with every activation row by `madd`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn legacy_rows_of<const T: u8, const R: usize>(src: &[u8], bytes: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
+    let nb = src.len() / bytes;
+    assert!(src.len() == bytes * nb && a.iter().all(|a| a.qs.len() == 32 * nb && a.d.len() == nb));
+    // With one or two activation rows, even and odd blocks go to separate accumulators so the
+    // additions of consecutive blocks do not wait on each other.
+    let (mut acc, mut acc_odd) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
+    let block = |b: usize, acc: &mut [__m256; R]| {
+        let p = src.as_ptr().add(b * bytes);
+        let dw = _mm256_set1_ps(f16_load(p));
+        let wq = legacy_levels::<T>(p);
+        let w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(wq));
+        let w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(wq, 1));
+        for r in 0..R {
+            let ap = a[r].qs.as_ptr().add(32 * b);
+            let a0 = _mm256_loadu_si256(ap as *const __m256i);
+            let a1 = _mm256_loadu_si256(ap.add(16) as *const __m256i);
+            let prod = _mm256_add_epi32(_mm256_madd_epi16(w0, a0), _mm256_madd_epi16(w1, a1));
+            let scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(a[r].d.get_unchecked(b)));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), scale, acc[r]);
+        }
+    };
+    let mut b = 0;
+    if R <= 2 {
+        while b + 2 <= nb {
+            block(b, &mut acc);
+            block(b + 1, &mut acc_odd);
+            b += 2;
+        }
+    }
+    while b < nb {
+        block(b, &mut acc);
+        b += 1;
+    }
+    for r in 0..R {
+        acc[r] = _mm256_add_ps(acc[r], acc_odd[r]);
+    }
+    let mut out = [0f32; R];
+    for r in 0..R {
+        out[r] = hsum(acc[r]);
+    }
+    out
+}
+
+/// Decoder selectors of the K-quants (const generic parameters of [`k_rows_of`]); the others
+/// (Q2_K, Q3_K) are unpacked onto the stack by the portable code.
+const DEC_Q4_K: u8 = 0;
+const DEC_Q5_K: u8 = 1;
+const DEC_Q6_K: u8 = 2;
+const DEC_STACK: u8 = 3;
+
+/// Products of one packed K-quant row with `R` activation rows.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn k_rows<const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R]) -> [f32; R] {
+    match ty {
+        GgmlType::Q4_K => k_rows_of::<DEC_Q4_K, R>(ty, src, a),
+        GgmlType::Q5_K => k_rows_of::<DEC_Q5_K, R>(ty, src, a),
+        GgmlType::Q6_K => k_rows_of::<DEC_Q6_K, R>(ty, src, a),
+        _ => k_rows_of::<DEC_STACK, R>(ty, src, a),
+    }
+}
+
+/// 32 unsigned bytes widened to two vectors of 16 `i16`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn widen_u8(v: __m256i) -> [__m256i; 2] {
+    [_mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1))]
+}
+
+/// The levels of elements `64c..64c + 64` of the super-block at `p` (format `T`) as four vectors of
+/// 16 `i16`: unsigned for Q4_K, Q5_K and the stack-unpacked formats (`w.q`), `q - 32` for Q6_K.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn k_levels<const T: u8>(p: *const u8, c: usize, w: &KBlock) -> [__m256i; 4] {
+    let m4 = _mm256_set1_epi8(15);
+    let (a, b) = match T {
+        DEC_Q4_K | DEC_Q5_K => {
+            let qs = if T == DEC_Q5_K { 48 } else { 16 };
+            let v = _mm256_loadu_si256(p.add(qs + 32 * c) as *const __m256i);
+            let (mut lo, mut hi) = (_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+            if T == DEC_Q5_K {
+                // Fifth bits: bit 2c of qh[l] for element 64c + l, bit 2c + 1 for 64c + 32 + l.
+                let qh = _mm256_loadu_si256(p.add(16) as *const __m256i);
+                let sixteen = _mm256_set1_epi8(16);
+                let (bl, bh) = (_mm256_set1_epi8((1u8 << (2 * c)) as i8), _mm256_set1_epi8((2u8 << (2 * c)) as i8));
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bl), bl), sixteen));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bh), bh), sixteen));
+            }
+            (lo, hi)
+        }
+        DEC_Q6_K => {
+            let n = c / 2;
+            let ql0 = _mm256_loadu_si256(p.add(64 * n) as *const __m256i);
+            let ql1 = _mm256_loadu_si256(p.add(64 * n + 32) as *const __m256i);
+            let h = _mm256_loadu_si256(p.add(128 + 32 * n) as *const __m256i);
+            if c.is_multiple_of(2) {
+                let (m2, m2b) = (_mm256_set1_epi8(3), _mm256_set1_epi8(12));
+                (
+                    _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4)),
+                    _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2b), 2)),
+                )
+            } else {
+                let m30 = _mm256_set1_epi8(0x30);
+                (
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(h, m30)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30)),
+                )
+            }
+        }
+        _ => (
+            _mm256_loadu_si256(w.q.as_ptr().add(64 * c) as *const __m256i),
+            _mm256_loadu_si256(w.q.as_ptr().add(64 * c + 32) as *const __m256i),
+        ),
+    };
+    let ([a0, a1], [b0, b1]) = (widen_u8(a), widen_u8(b));
+    if T == DEC_Q6_K {
+        let off = _mm256_set1_epi16(32);
+        [_mm256_sub_epi16(a0, off), _mm256_sub_epi16(a1, off), _mm256_sub_epi16(b0, off), _mm256_sub_epi16(b1, off)]
+    } else {
+        [a0, a1, b0, b1]
+    }
+}
+
+/// [`k_rows`] for decoder `T`: per super-block the scales (and corrections) are read into `w`,
+/// every 16 levels times their integer scale (at most 4096 in magnitude: Q6_K) are multiplied with the
+/// activations by `madd`, and the corrections are applied with the activations' 16-sums.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn k_rows_of<const T: u8, const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R]) -> [f32; R] {
+    let bytes = ty.type_size();
+    let nb = src.len() / bytes;
+    assert!(src.len() == bytes * nb);
+    assert!(a.iter().all(|a| a.qs.len() == 256 * nb && a.d.len() == nb && a.sums.len() == 16 * nb));
+    let mut w = KBlock::default();
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..nb {
-        let wq = _mm256_loadu_si256(w.qs.as_ptr().add(32 * b) as *const __m256i);
-        let wabs = _mm256_sign_epi8(wq, wq);
-        let dw = *w.d.get_unchecked(b);
+        let p = src.as_ptr().add(b * bytes);
+        match T {
+            DEC_Q4_K | DEC_Q5_K => {
+                w.d[0] = f16_load(p);
+                w.dcorr[0] = f16_load(p.add(2));
+                let (sc, m) = kiln_quant::unpack_scale_min_k4(std::slice::from_raw_parts(p.add(4), 12));
+                for g in 0..16 {
+                    w.sc[g] = i16::from(sc[g / 2]);
+                    w.corr[g] = i16::from(m[g / 2]);
+                }
+            }
+            DEC_Q6_K => {
+                w.d[0] = f16_load(p.add(208));
+                for g in 0..16 {
+                    w.sc[g] = i16::from(*p.add(192 + g) as i8);
+                }
+            }
+            _ => scalar::unpack_k(ty, std::slice::from_raw_parts(p, bytes), w.as_mut()),
+        }
+        let mut iacc = [_mm256_setzero_si256(); R];
+        for c in 0..4 {
+            let lv = k_levels::<T>(p, c, &w);
+            for (i, &l) in lv.iter().enumerate() {
+                let wv = _mm256_mullo_epi16(l, _mm256_set1_epi16(w.sc[4 * c + i]));
+                for r in 0..R {
+                    let aq = _mm256_loadu_si256(a[r].qs.as_ptr().add(256 * b + 64 * c + 16 * i) as *const __m256i);
+                    iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(wv, aq));
+                }
+            }
+        }
+        let dw = _mm256_set1_ps(w.d[0]);
+        if T == DEC_Q6_K {
+            // Signed levels: no correction.
+            for r in 0..R {
+                let da = _mm256_broadcast_ss(a[r].d.get_unchecked(b));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]), _mm256_mul_ps(dw, da), acc[r]);
+            }
+            continue;
+        }
+        let c0 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(w.corr.as_ptr() as *const __m128i)));
+        let c1 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(w.corr.as_ptr().add(8) as *const __m128i)));
+        let dc = _mm256_set1_ps(w.dcorr[0]);
         for r in 0..R {
-            let aq = _mm256_loadu_si256(a[r].qs.as_ptr().add(32 * b) as *const __m256i);
-            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(aq, wq)), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * *a[r].d.get_unchecked(b)), acc[r]);
+            let sp = a[r].sums.as_ptr().add(16 * b);
+            let corr = _mm256_fmadd_ps(c1, _mm256_loadu_ps(sp.add(8)), _mm256_mul_ps(c0, _mm256_loadu_ps(sp)));
+            let da = _mm256_broadcast_ss(a[r].d.get_unchecked(b));
+            let v = _mm256_fmsub_ps(_mm256_cvtepi32_ps(iacc[r]), dw, _mm256_mul_ps(corr, dc));
+            acc[r] = _mm256_fmadd_ps(v, da, acc[r]);
         }
     }
     let mut out = [0f32; R];
@@ -204,38 +314,47 @@ unsafe fn legacy_dot<const R: usize>(w: LegacyRow<'_>, a: [ActRow<'_>; R]) -> [f
     out
 }
 
-/// Products of one unpacked K-quant row with `R` Q8_K activation rows.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn k_dot<const R: usize>(w: KRow<'_>, a: [ActRow<'_>; R]) -> [f32; R] {
-    let nb = w.d.len();
-    assert!(w.q.len() == 256 * nb && w.sc.len() == 16 * nb && w.corr.len() == 16 * nb && w.dcorr.len() == nb);
-    assert!(a.iter().all(|a| a.qs.len() == 256 * nb && a.d.len() == nb && a.sums.len() == 16 * nb));
+/// The 8 scores of one group of the screening copy (`nb` blocks; see `screen`) for `R` activation
+/// rows (8-bit levels, block scales, block offset terms), in the copy's lane order.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn screen_group<const R: usize>(grp: &[u8], nb: usize, a: [(&[i8], &[f32], &[f32]); R]) -> [[f32; 8]; R] {
+    assert!(grp.len() == nb * GROUP_BLOCK_BYTES && a.iter().all(|(q, d, o)| q.len() == 32 * nb && d.len() == nb && o.len() == nb));
+    let (m4, ones) = (_mm256_set1_epi8(15), _mm256_set1_epi16(1));
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..nb {
-        let mut iacc = [_mm256_setzero_si256(); R];
-        for c in 0..8 {
-            let q = _mm256_loadu_si256(w.q.as_ptr().add(256 * b + 32 * c) as *const __m256i);
-            let g = 16 * b + 2 * c;
-            let sc = _mm256_set_m128i(_mm_set1_epi16(*w.sc.get_unchecked(g + 1)), _mm_set1_epi16(*w.sc.get_unchecked(g)));
+        let p = grp.as_ptr().add(b * GROUP_BLOCK_BYTES);
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+        let mut lo_act = [_mm256_setzero_si256(); R];
+        let mut hi_act = [_mm256_setzero_si256(); R];
+        for r in 0..R {
+            let ap = a[r].0.as_ptr().add(32 * b);
+            lo_act[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(ap as *const __m128i));
+            hi_act[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(ap.add(16) as *const __m128i));
+        }
+        // Two rows per register: row 2i in the low 128 bits, row 2i + 1 in the high ones.
+        let mut sums = [[_mm256_setzero_si256(); R]; 4];
+        for (i, pair) in sums.iter_mut().enumerate() {
+            let v = _mm256_loadu_si256(p.add(16 + 32 * i) as *const __m256i);
+            let lo = _mm256_and_si256(v, m4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
             for r in 0..R {
-                let aq = _mm256_loadu_si256(a[r].qs.as_ptr().add(256 * b + 32 * c) as *const __m256i);
-                iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, aq), sc));
+                // At most 2 · 2 · 15 · 127 per 16-bit lane.
+                let p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, lo_act[r]), _mm256_maddubs_epi16(hi, hi_act[r]));
+                pair[r] = _mm256_madd_epi16(p16, ones);
             }
         }
-        let corr = _mm256_loadu_si256(w.corr.as_ptr().add(16 * b) as *const __m256i);
-        let (dw, dc) = (*w.d.get_unchecked(b), *w.dcorr.get_unchecked(b));
         for r in 0..R {
-            let sums = _mm256_loadu_si256(a[r].sums.as_ptr().add(16 * b) as *const __m256i);
-            let c = _mm256_cvtepi32_ps(_mm256_madd_epi16(corr, sums));
-            let da = *a[r].d.get_unchecked(b);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]), _mm256_set1_ps(dw * da), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(c, _mm256_set1_ps(dc * da), acc[r]);
+            // Lanes: rows 0, 2, 4, 6, 1, 3, 5, 7 (LANE_ROW).
+            let h01 = _mm256_hadd_epi32(sums[0][r], sums[1][r]);
+            let h = _mm256_hadd_epi32(h01, _mm256_hadd_epi32(sums[2][r], sums[3][r]));
+            let da = _mm256_set1_ps(*a[r].1.get_unchecked(b));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(dw, da), acc[r]);
+            acc[r] = _mm256_fmadd_ps(dw, _mm256_set1_ps(*a[r].2.get_unchecked(b)), acc[r]);
         }
     }
-    let mut out = [0f32; R];
+    let mut out = [[0f32; 8]; R];
     for r in 0..R {
-        out[r] = hsum(acc[r]);
+        _mm256_storeu_ps(out[r].as_mut_ptr(), acc[r]);
     }
     out
 }

@@ -1,8 +1,8 @@
-//! Portable unpack functions and integer dot cores (the reference for the SIMD variants).
+//! Portable block decoders and integer dot cores (the reference for the SIMD variants).
 
 use kiln_quant::{f16_to_f32, unpack_q3_scales, unpack_scale_min_k4, GgmlType};
 
-use super::{ActRow, KRow, KRowMut, LegacyRow};
+use super::{ActRow, KBlock, KRowMut};
 
 fn f16_at(b: &[u8], at: usize) -> f32 {
     f16_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
@@ -121,34 +121,38 @@ pub fn unpack_k(ty: GgmlType, src: &[u8], out: KRowMut<'_>) {
     }
 }
 
-/// Products of one unpacked 32-block row with `R` Q8_0 activation rows.
-pub fn legacy_dot<const R: usize>(w: LegacyRow<'_>, a: [ActRow<'_>; R]) -> [f32; R] {
+/// Products of one packed 32-block row (Q4_0, Q5_0 or Q8_0) with `R` activation rows.
+pub fn legacy_rows<const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R]) -> [f32; R] {
     let mut out = [0f32; R];
-    for (b, &dw) in w.d.iter().enumerate() {
-        let wq = &w.qs[32 * b..32 * b + 32];
-        for (o, a) in out.iter_mut().zip(&a) {
+    let (mut q, mut d) = ([0i8; 32], [0f32]);
+    for (b, block) in src.chunks_exact(ty.type_size()).enumerate() {
+        unpack_legacy(ty, block, &mut q, &mut d);
+        for (o, a) in out.iter_mut().zip(a) {
             let aq = &a.qs[32 * b..32 * b + 32];
-            let s: i32 = wq.iter().zip(aq).map(|(&x, &y)| i32::from(x) * i32::from(y)).sum();
-            *o += dw * a.d[b] * s as f32;
+            let s: i32 = q.iter().zip(aq).map(|(&x, &y)| i32::from(x) * i32::from(y)).sum();
+            *o += d[0] * a.d[b] * s as f32;
         }
     }
     out
 }
 
-/// Products of one unpacked K-quant row with `R` Q8_K activation rows.
-pub fn k_dot<const R: usize>(w: KRow<'_>, a: [ActRow<'_>; R]) -> [f32; R] {
+/// Products of one packed K-quant row (Q2_K..Q6_K) with `R` activation rows.
+pub fn k_rows<const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R]) -> [f32; R] {
     let mut out = [0f32; R];
-    for b in 0..w.d.len() {
-        for (o, a) in out.iter_mut().zip(&a) {
-            let (mut s, mut c) = (0i32, 0i32);
-            for g in 16 * b..16 * b + 16 {
+    let mut w = KBlock::default();
+    for (b, block) in src.chunks_exact(ty.type_size()).enumerate() {
+        unpack_k(ty, block, w.as_mut());
+        for (o, a) in out.iter_mut().zip(a) {
+            // The whole super-block's sum can pass i32 (the SIMD cores spread it over 8 lanes).
+            let (mut s, mut c) = (0i64, 0f32);
+            for g in 0..16 {
                 let wq = &w.q[16 * g..16 * g + 16];
-                let aq = &a.qs[16 * g..16 * g + 16];
+                let aq = &a.qs[256 * b + 16 * g..256 * b + 16 * g + 16];
                 let p: i32 = wq.iter().zip(aq).map(|(&x, &y)| i32::from(x) * i32::from(y)).sum();
-                s += i32::from(w.sc[g]) * p;
-                c += i32::from(w.corr[g]) * i32::from(a.sums[g]);
+                s += i64::from(w.sc[g]) * i64::from(p);
+                c += f32::from(w.corr[g]) * a.sums[16 * b + g];
             }
-            *o += a.d[b] * (w.d[b] * s as f32 - w.dcorr[b] * c as f32);
+            *o += a.d[b] * (w.d[0] * s as f32 - w.dcorr[0] * c);
         }
     }
     out

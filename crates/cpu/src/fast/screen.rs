@@ -1,9 +1,17 @@
-//! The fast greedy head over a large vocabulary: a 4-bit (Q4_0) copy of the output matrix, made
-//! once per weight, scores every row at under half the memory traffic; the [`CANDIDATES`] best
-//! rows per activation row are then rescored with the real weights by the 8-bit kernel, and the
-//! best of those is the answer. The result equals the full 8-bit argmax unless the true best row
-//! is not among the 4-bit scores' top [`CANDIDATES`], which quantization noise of the 4-bit copy
-//! (a few hundredths of a logit) cannot cause in practice.
+//! The fast greedy head over a large vocabulary: a 4-bit copy of the output matrix, made once per
+//! weight, scores every row at about half the memory traffic and a third of the integer work of
+//! the real weights; the [`CANDIDATES`] best rows per activation row are then rescored with the
+//! real weights by the fast kernel, and the best of those is the answer. The result equals the
+//! full fast argmax unless the true best row is not among the 4-bit scores' top [`CANDIDATES`],
+//! which quantization noise of the copy (a few hundredths of a logit) cannot cause in practice.
+//!
+//! The copy is Q4_0 (levels 0..=15 standing for -8..=7, an f16 scale per 32 elements) laid out
+//! for the kernel: rows in groups of [`GROUP`], and per group and 32-element block the group's 8
+//! scales followed by its 8 rows' 16 bytes of nibbles (byte `j`: element `j` low, `j + 16` high).
+//! Two rows' nibbles fill one 256-bit register, each activation row is multiplied with the
+//! unsigned levels by `maddubs` (the -8 offset is applied once per block through the activations'
+//! block sums), and three pairwise additions leave the group's 8 sums in one register, in the lane
+//! order [`LANE_ROW`], which is also the order the scales are stored in.
 
 use kiln_quant::{dequantize, quantize, GgmlType};
 
@@ -19,24 +27,43 @@ pub const CANDIDATES: usize = 64;
 /// Fewest weight rows for which a screening copy pays off (a vocabulary-sized head).
 pub const MIN_ROWS: usize = 32768;
 
-/// Most activation rows screened at once (decode and the last prompt row).
-pub const MAX_ACT_ROWS: usize = 4;
+/// Most activation rows screened at once (decode of up to this many sequences, the last prompt row).
+pub const MAX_ACT_ROWS: usize = 16;
 
-/// Rows read between two calls of `release` while making a copy.
+/// Rows per interleaved group of the copy.
+pub const GROUP: usize = 8;
+
+/// Bytes per group and 32-element block: 8 f16 scales, then 8 rows of 16 bytes of nibbles.
+pub const GROUP_BLOCK_BYTES: usize = 2 * GROUP + 16 * GROUP;
+
+/// The row (within its group) whose sum every result lane holds, and whose scale every scale
+/// slot holds.
+pub const LANE_ROW: [usize; GROUP] = [0, 2, 4, 6, 1, 3, 5, 7];
+
+/// Rows handled between two calls of `release` while making a copy.
 const RELEASE_ROWS: usize = 1024;
 
-/// Makes the Q4_0 copy of `w` (rows of a multiple of 32 elements), in parallel, handing every
-/// stretch of `w`'s bytes it has read to `release` (so a memory-mapped matrix read only for the
-/// copy does not stay resident next to it).
+/// Bytes of the copy of an `n`-row matrix with rows of `k` elements.
+pub fn copy_len(n: usize, k: usize) -> usize {
+    n.div_ceil(GROUP) * (k / 32) * GROUP_BLOCK_BYTES
+}
+
+/// Makes the screening copy of `w` (rows of a multiple of 32 elements; see the module doc), in
+/// parallel, handing every stretch of `w`'s bytes it has read to `release` (so a memory-mapped
+/// matrix read only for the copy does not stay resident next to it). Rows past `n` in the last
+/// group are zero.
 pub fn make_copy(pool: &ThreadPool, w: &PackedMatrix<'_>, release: &(dyn Fn(&[u8]) + Sync)) -> Vec<u8> {
-    let k = w.k;
-    let row_bytes = k / 32 * GgmlType::Q4_0.type_size();
-    let mut out = vec![0u8; w.n * row_bytes];
+    let (k, n) = (w.k, w.n);
+    let nb = k / 32;
+    let group_bytes = nb * GROUP_BLOCK_BYTES;
+    let mut out = vec![0u8; copy_len(n, k)];
     let op = SharedMut(out.as_mut_ptr());
-    pool.for_chunks(w.n, 256, &|range| {
+    let q4 = GgmlType::Q4_0.type_size();
+    pool.for_chunks(n.div_ceil(GROUP), 32, &|groups| {
         let mut row = vec![0f32; k];
-        let mut done = range.start;
-        for r in range.clone() {
+        let rows = groups.start * GROUP..(groups.end * GROUP).min(n);
+        let mut done = rows.start;
+        for r in rows.clone() {
             if r - done == RELEASE_ROWS {
                 release(w.rows_bytes(done..r));
                 done = r;
@@ -44,12 +71,84 @@ pub fn make_copy(pool: &ThreadPool, w: &PackedMatrix<'_>, release: &(dyn Fn(&[u8
             dequantize(w.ty, w.row(r), &mut row).expect("weight layout validated at load");
             // Weights are finite and small, so Q4_0 cannot overflow its f16 scale.
             let q = quantize(GgmlType::Q4_0, &row).expect("finite weights quantize");
-            // SAFETY: row r of the copy is written by this task only.
-            unsafe { std::ptr::copy_nonoverlapping(q.as_ptr(), op.ptr().add(r * row_bytes), row_bytes) };
+            let (g, s) = (r / GROUP, r % GROUP);
+            let lane = LANE_ROW.iter().position(|&l| l == s).expect("every row has a lane");
+            for b in 0..nb {
+                let blk = &q[b * q4..(b + 1) * q4];
+                let at = g * group_bytes + b * GROUP_BLOCK_BYTES;
+                // SAFETY: row r's scale slot and nibbles in group g are written by this task only.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(blk.as_ptr(), op.ptr().add(at + 2 * lane), 2);
+                    std::ptr::copy_nonoverlapping(blk[2..].as_ptr(), op.ptr().add(at + 2 * GROUP + 16 * s), 16);
+                }
+            }
         }
-        release(w.rows_bytes(done..range.end));
+        release(w.rows_bytes(done..rows.end));
     });
     out
+}
+
+/// Activation rows quantized for the copy: 8-bit levels per 32 elements (as ggml's Q8_0), their
+/// scales, and each block's offset term `-8 · d · Σq`.
+pub struct ScreenActs {
+    k: usize,
+    qs: Vec<i8>,
+    d: Vec<f32>,
+    offset: Vec<f32>,
+}
+
+impl ScreenActs {
+    /// Quantizes `rows` rows of `x` (`k` a multiple of 32).
+    pub fn new(x: &[f32], rows: usize, k: usize) -> Self {
+        let nb = k / 32;
+        let mut a = ScreenActs { k, qs: vec![0; rows * k], d: vec![0.0; rows * nb], offset: vec![0.0; rows * nb] };
+        for (i, xb) in x[..rows * k].chunks_exact(32).enumerate() {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = if xb.iter().all(|v| v.is_finite()) { amax / 127.0 } else { f32::NAN };
+            let id = if amax > 0.0 && d.is_finite() { 127.0 / amax } else { 0.0 };
+            let qb = &mut a.qs[32 * i..32 * i + 32];
+            for (q, &v) in qb.iter_mut().zip(xb) {
+                *q = (v * id).round() as i8;
+            }
+            a.d[i] = d;
+            a.offset[i] = -8.0 * d * qb.iter().map(|&q| f32::from(q)).sum::<f32>();
+        }
+        a
+    }
+
+    /// Row `r`: levels, block scales and block offset terms.
+    pub fn row(&self, r: usize) -> (&[i8], &[f32], &[f32]) {
+        let nb = self.k / 32;
+        (&self.qs[r * self.k..(r + 1) * self.k], &self.d[r * nb..(r + 1) * nb], &self.offset[r * nb..(r + 1) * nb])
+    }
+}
+
+/// The 8 scores of group `grp` (one group's bytes of the copy, `nb` blocks) for `R` activation
+/// rows, in lane order ([`LANE_ROW`]).
+pub fn group_scores<const R: usize>(isa: Isa, grp: &[u8], nb: usize, a: [(&[i8], &[f32], &[f32]); R]) -> [[f32; GROUP]; R] {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Avx2Fma is only chosen on CPUs that have it; lengths are checked inside.
+        Isa::Avx2Fma => unsafe { super::avx2::screen_group(grp, nb, a) },
+        _ => {
+            let mut out = [[0f32; GROUP]; R];
+            for (o, (qs, d, offset)) in out.iter_mut().zip(a) {
+                for (lane, &s) in LANE_ROW.iter().enumerate() {
+                    for b in 0..nb {
+                        let blk = &grp[b * GROUP_BLOCK_BYTES..(b + 1) * GROUP_BLOCK_BYTES];
+                        let dw = kiln_quant::f16_to_f32(u16::from_le_bytes([blk[2 * lane], blk[2 * lane + 1]]));
+                        let nib = &blk[2 * GROUP + 16 * s..2 * GROUP + 16 * s + 16];
+                        let aq = &qs[32 * b..32 * b + 32];
+                        let sum: i32 = (0..16)
+                            .map(|j| i32::from(nib[j] & 15) * i32::from(aq[j]) + i32::from(nib[j] >> 4) * i32::from(aq[j + 16]))
+                            .sum();
+                        o[lane] += dw * (d[b] * sum as f32 + offset[b]);
+                    }
+                }
+            }
+            out
+        }
+    }
 }
 
 /// Keeps the `CANDIDATES` largest `(value, index)` pairs seen.
@@ -78,34 +177,52 @@ impl TopK {
     }
 }
 
-/// `out[r] = argmax_j q8(x[r]) · w[j]` through the screening copy `screen` of `w` (see the module
+/// `out[r] = argmax_j q16(x[r]) · w[j]` through the screening copy `copy` of `w` (see the module
 /// doc); `-1` for a row with a non-finite value.
-pub fn argmax(
-    pool: &ThreadPool,
-    isa: Isa,
-    acts: &QuantizedRows,
-    acts4: &QuantizedRows,
-    w: &PackedMatrix<'_>,
-    screen: &PackedMatrix<'_>,
-    out: &mut [i32],
-) {
-    let rows = acts.rows();
-    let n = w.n;
-    let tasks = (pool.threads() * 4).min(n.div_ceil(256)).max(1);
-    let chunk = n.div_ceil(tasks);
+pub fn argmax(pool: &ThreadPool, isa: Isa, x: &[f32], acts: &QuantizedRows, w: &PackedMatrix<'_>, copy: &[u8], out: &mut [i32]) {
+    let (rows, n, k) = (acts.rows(), w.n, w.k);
+    let nb = k / 32;
+    let group_bytes = nb * GROUP_BLOCK_BYTES;
+    assert!(copy.len() == copy_len(n, k) && rows <= MAX_ACT_ROWS);
+    let sa = ScreenActs::new(x, rows, k);
+    let groups = n.div_ceil(GROUP);
+    let tasks = (pool.threads() * 4).min(groups.div_ceil(32)).max(1);
+    let chunk = groups.div_ceil(tasks);
     let mut tops: Vec<(TopK, bool)> = (0..tasks * rows).map(|_| (TopK::new(), false)).collect();
     let tp = SharedMut(tops.as_mut_ptr());
     pool.run(tasks, &|t| {
-        let range = t * chunk..((t + 1) * chunk).min(n);
         // SAFETY: entries t * rows .. (t + 1) * rows belong to task t only.
         let mine = unsafe { std::slice::from_raw_parts_mut(tp.ptr().add(t * rows), rows) };
-        products(isa, screen, acts4, range, |r, j, v| {
-            if v.is_finite() {
-                mine[r].0.push(v, j);
-            } else {
-                mine[r].1 = true;
+        for g in t * chunk..((t + 1) * chunk).min(groups) {
+            let grp = &copy[g * group_bytes..(g + 1) * group_bytes];
+            let mut r0 = 0;
+            while r0 < rows {
+                macro_rules! scores {
+                    ($r:literal) => {{
+                        let a: [_; $r] = std::array::from_fn(|i| sa.row(r0 + i));
+                        for (i, lanes) in group_scores::<$r>(isa, grp, nb, a).iter().enumerate() {
+                            for (lane, &v) in lanes.iter().enumerate() {
+                                let j = g * GROUP + LANE_ROW[lane];
+                                if j >= n {
+                                    continue;
+                                }
+                                if v.is_finite() {
+                                    mine[r0 + i].0.push(v, j);
+                                } else {
+                                    mine[r0 + i].1 = true;
+                                }
+                            }
+                        }
+                        r0 += $r;
+                    }};
+                }
+                match rows - r0 {
+                    1 => scores!(1),
+                    2 | 3 => scores!(2),
+                    _ => scores!(4),
+                }
             }
-        });
+        }
     });
     for (r, o) in out.iter_mut().take(rows).enumerate() {
         let bad = (0..tasks).any(|t| tops[t * rows + r].1);
