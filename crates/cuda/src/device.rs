@@ -295,7 +295,9 @@ mod tests {
         assert!(quant.contains(&"matvec_q4_k".to_string()) && quant.contains(&"dequant_q8_0".to_string()));
         assert_eq!(quant.len(), 13 * 4);
         let ops = kernel_names(FAMILIES[1].1);
-        for k in ["set_inputs", "rms_norm", "rms_norm2", "qk_norm_rope", "rope", "elementwise", "copy_row", "argmax_partial", "argmax_final"] {
+        for k in
+            ["set_inputs", "rms_norm", "rms_norm2", "qk_norm_rope", "rope", "elementwise", "copy_row", "argmax_partial", "argmax_final"]
+        {
             assert!(ops.contains(&k.to_string()), "{k}");
         }
         assert_eq!(kernel_names(FAMILIES[2].1), vec!["attention".to_string(), "kv_append".to_string()]);

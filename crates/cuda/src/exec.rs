@@ -60,9 +60,10 @@ fn overlaps(a: Slot, b: Slot) -> bool {
 fn fusable(writes: &[Slot], reads: &[Slot], same: &[(usize, usize)]) -> bool {
     let disjoint = writes.iter().enumerate().all(|(i, a)| writes[i + 1..].iter().all(|b| !overlaps(*a, *b)));
     disjoint
-        && writes.iter().enumerate().all(|(wi, w)| {
-            reads.iter().enumerate().all(|(ri, r)| !overlaps(*w, *r) || (w.offset == r.offset && same.contains(&(wi, ri))))
-        })
+        && writes
+            .iter()
+            .enumerate()
+            .all(|(wi, w)| reads.iter().enumerate().all(|(ri, r)| !overlaps(*w, *r) || (w.offset == r.offset && same.contains(&(wi, ri)))))
 }
 
 /// The launches of `plan`: fused groups where the pattern and the slots allow, else single steps.
@@ -81,9 +82,20 @@ fn lower(plan: &Plan, weights: &CudaWeights) -> Result<Vec<Op>, RuntimeError> {
                 Some(&Kernel::MatMul { x, out: gate, .. }),
                 Some(&Kernel::MatMul { out: up, .. }),
                 Some(Step { kernel: Kernel::GeluMul { gate: g2, up: u2, out, .. }, rows }),
-            ) = (group.as_slice(), &steps[*second].kernel, steps.get(i).map(|s| &s.kernel), steps.get(i + 1).map(|s| &s.kernel), steps.get(i + 2))
-            {
-                if x == *normed && *g2 == gate && *u2 == up && *rows == steps[*g].rows && *g + 1 == *u && fusable(&[gate, up, *out], &[], &[]) {
+            ) = (
+                group.as_slice(),
+                &steps[*second].kernel,
+                steps.get(i).map(|s| &s.kernel),
+                steps.get(i + 1).map(|s| &s.kernel),
+                steps.get(i + 2),
+            ) {
+                if x == *normed
+                    && *g2 == gate
+                    && *u2 == up
+                    && *rows == steps[*g].rows
+                    && *g + 1 == *u
+                    && fusable(&[gate, up, *out], &[], &[])
+                {
                     *copy = true;
                     let fused = Op::MatVecs { steps: group.clone(), glu: Some(i + 2), private_x: true };
                     ops.push(fused);
