@@ -1,4 +1,4 @@
-//! kiln's CPU backend: exact and fast (8-bit activation, integer dot product) kernels over packed
+//! kiln's CPU backend: exact and fast (16-bit integer activation, integer dot product) kernels over packed
 //! weights, a low-overhead thread pool, a host-resident KV cache, and the executor that runs
 //! compiled plans.
 

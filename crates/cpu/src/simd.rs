@@ -9,6 +9,9 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 with FMA (and F16C, which every AVX2 CPU has).
     Avx2Fma,
+    /// aarch64 Advanced SIMD (NEON, present on every aarch64 CPU).
+    #[cfg(target_arch = "aarch64")]
+    Neon,
 }
 
 impl Isa {
@@ -18,7 +21,12 @@ impl Isa {
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
             return Isa::Avx2Fma;
         }
-        Isa::Scalar
+        // NEON is part of every aarch64 CPU: no run-time check.
+        #[cfg(target_arch = "aarch64")]
+        let baseline = Isa::Neon;
+        #[cfg(not(target_arch = "aarch64"))]
+        let baseline = Isa::Scalar;
+        baseline
     }
 
     /// Every variant this CPU can run (for tests that force each one).
@@ -27,6 +35,8 @@ impl Isa {
         if Isa::detect() == Isa::Avx2Fma {
             v.push(Isa::Avx2Fma);
         }
+        #[cfg(target_arch = "aarch64")]
+        v.push(Isa::Neon);
         v
     }
 }
@@ -45,6 +55,9 @@ pub fn dot4(isa: Isa, w: [&[f32]; 4], x: &[f32]) -> [f32; 4] {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Avx2Fma is only selected when the CPU has both features; lengths checked above.
         Isa::Avx2Fma => unsafe { avx2::dot4(w, x) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: NEON is part of every aarch64 CPU; lengths checked above.
+        Isa::Neon => unsafe { neon::dot4(w, x) },
         _ => w.map(|r| dot_scalar(&r[..n], x)),
     }
 }
@@ -56,6 +69,9 @@ pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in dot4.
         Isa::Avx2Fma => unsafe { avx2::dot(a, b) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: NEON is part of every aarch64 CPU; lengths checked above.
+        Isa::Neon => unsafe { neon::dot(a, b) },
         _ => dot_scalar(a, b),
     }
 }
@@ -67,6 +83,9 @@ pub fn axpy(isa: Isa, y: &mut [f32], a: f32, x: &[f32]) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in dot4.
         Isa::Avx2Fma => unsafe { avx2::axpy(y, a, x) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: NEON is part of every aarch64 CPU; lengths checked above.
+        Isa::Neon => unsafe { neon::axpy(y, a, x) },
         _ => y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x),
     }
 }
@@ -79,6 +98,9 @@ pub fn gelu_mul_fast(isa: Isa, gate: &[f32], up: &[f32], out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in dot4.
         Isa::Avx2Fma => unsafe { avx2::gelu_mul(gate, up, out) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: NEON is part of every aarch64 CPU; lengths checked above.
+        Isa::Neon => unsafe { neon::gelu_mul(gate, up, out) },
         _ => out.iter_mut().zip(gate.iter().zip(up)).for_each(|(o, (g, u))| *o = crate::kernels::gelu_tanh(*g) * u),
     }
 }
@@ -97,6 +119,9 @@ fn dot_scalar(a: &[f32], b: &[f32]) -> f32 {
     }
     s
 }
+
+#[cfg(target_arch = "aarch64")]
+mod neon;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {

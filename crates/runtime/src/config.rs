@@ -14,7 +14,7 @@ pub struct EngineConfig {
     pub max_logit_rows: usize,
     /// Compiled plans kept in the compile cache (least recently used ones are evicted).
     pub plan_cache_capacity: usize,
-    /// Which kernel family the backend runs: fast (8-bit quantized activations, integer dot
+    /// Which kernel family the backend runs: fast (integer-quantized activations, integer dot
     /// products) or exact (weights dequantized to f32, f32 accumulation; the reference path).
     pub kernels: KernelPrecision,
 }
@@ -22,8 +22,9 @@ pub struct EngineConfig {
 /// The numerics of a backend's kernels.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum KernelPrecision {
-    /// Activations quantized to 8-bit blocks per row, integer dot products with the packed weights
-    /// (as ggml does); formats without such a kernel fall back to the exact one.
+    /// Activations quantized to integer blocks per row, integer dot products with the packed
+    /// weights (as ggml does, at a finer level); formats without such a kernel fall back to the
+    /// exact one.
     #[default]
     Fast,
     /// Weights dequantized exactly to f32 and dotted with f32 activations.

@@ -94,6 +94,9 @@ fn quantize_row(isa: Isa, x: &[f32], block: usize, max_level: f32, qs: &mut [i16
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Avx2Fma is only chosen on CPUs that have it; lengths agree.
         Isa::Avx2Fma => unsafe { super::avx2::quantize_row(x, block, max_level, qs, d) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: NEON is part of every aarch64 CPU; lengths are checked inside.
+        Isa::Neon => unsafe { super::neon::quantize_row(x, block, max_level, qs, d) },
         _ => {
             for ((xb, qb), db) in x.chunks_exact(block).zip(qs.chunks_exact_mut(block)).zip(d.iter_mut()) {
                 // A NaN or an infinity makes the block's scale NaN, so every product with it is flagged.

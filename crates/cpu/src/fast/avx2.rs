@@ -125,8 +125,9 @@ pub unsafe fn legacy_rows<const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<
 unsafe fn legacy_rows_of<const T: u8, const R: usize>(src: &[u8], bytes: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
     let nb = src.len() / bytes;
     assert!(src.len() == bytes * nb && a.iter().all(|a| a.qs.len() == 32 * nb && a.d.len() == nb));
-    // With one or two activation rows, even and odd blocks go to separate accumulators so the
-    // additions of consecutive blocks do not wait on each other.
+    // Even and odd blocks go to separate accumulators, so the additions of consecutive blocks do
+    // not wait on each other; the order is the same for every `R` (a row's product does not
+    // depend on the rows batched with it).
     let (mut acc, mut acc_odd) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
     let block = |b: usize, acc: &mut [__m256; R]| {
         let p = src.as_ptr().add(b * bytes);
@@ -144,12 +145,10 @@ unsafe fn legacy_rows_of<const T: u8, const R: usize>(src: &[u8], bytes: usize, 
         }
     };
     let mut b = 0;
-    if R <= 2 {
-        while b + 2 <= nb {
-            block(b, &mut acc);
-            block(b + 1, &mut acc_odd);
-            b += 2;
-        }
+    while b + 2 <= nb {
+        block(b, &mut acc);
+        block(b + 1, &mut acc_odd);
+        b += 2;
     }
     while b < nb {
         block(b, &mut acc);

@@ -130,6 +130,9 @@ pub fn group_scores<const R: usize>(isa: Isa, grp: &[u8], nb: usize, a: [(&[i8],
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Avx2Fma is only chosen on CPUs that have it; lengths are checked inside.
         Isa::Avx2Fma => unsafe { super::avx2::screen_group(grp, nb, a) },
+        #[cfg(target_arch = "aarch64")]
+        // SAFETY: NEON is part of every aarch64 CPU; lengths are checked inside.
+        Isa::Neon => unsafe { super::neon::screen_group(grp, nb, a) },
         _ => {
             let mut out = [[0f32; GROUP]; R];
             for (o, (qs, d, offset)) in out.iter_mut().zip(a) {
@@ -201,6 +204,11 @@ pub fn argmax(pool: &ThreadPool, isa: Isa, x: &[f32], acts: &QuantizedRows, w: &
                     ($r:literal) => {{
                         let a: [_; $r] = std::array::from_fn(|i| sa.row(r0 + i));
                         for (i, lanes) in group_scores::<$r>(isa, grp, nb, a).iter().enumerate() {
+                            // Most groups hold no candidate: one pass over the lanes skips them
+                            // (a NaN fails the comparison and is flagged below).
+                            if lanes.iter().all(|&v| v <= mine[r0 + i].0.floor) {
+                                continue;
+                            }
                             for (lane, &v) in lanes.iter().enumerate() {
                                 let j = g * GROUP + LANE_ROW[lane];
                                 if j >= n {

@@ -298,3 +298,27 @@ fn simd_screen_scores_equal_the_scalar_ones() {
         }
     }
 }
+
+/// A row's product does not depend on the rows multiplied with it (batched decode equals decoding
+/// alone, bit for bit).
+#[test]
+fn a_rows_products_do_not_depend_on_its_group() {
+    let mut rng = Rng(0x0b17_f0a1);
+    let pool = ThreadPool::new(2);
+    for ty in FAST {
+        let k = 3 * ty.block_size().max(96);
+        let n = 7;
+        let packed = quantize(ty, &rng.vec(k * n)).unwrap();
+        let m = PackedMatrix::from_bytes(&packed, ty, k, n);
+        let x = rng.vec(11 * k);
+        for isa in Isa::supported() {
+            let mut all = vec![0f32; 11 * n];
+            matmul(&pool, isa, &x, 11, &m, &mut all);
+            for r in 0..11 {
+                let mut one = vec![0f32; n];
+                matmul(&pool, isa, &x[r * k..(r + 1) * k], 1, &m, &mut one);
+                assert_eq!(one, all[r * n..(r + 1) * n], "{ty} {isa:?} row {r}");
+            }
+        }
+    }
+}
