@@ -56,6 +56,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let bandwidth = backend.read_bandwidth(4 << 30, 9)?;
     let per_token = tg_s / tg as f64;
     println!("device read bandwidth: {:.0} GB/s", bandwidth / 1e9);
+    println!("decode step: {} kernels in its CUDA graph", backend.decode_graph_kernels());
     println!("pp{pp}: {:.0} tokens/s ({:.2} ms)", pp as f64 / pp_s, pp_s * 1e3);
     println!("tg{tg}: {:.0} tokens/s ({:.1} us/token)", tg as f64 / tg_s, per_token * 1e6);
     println!(

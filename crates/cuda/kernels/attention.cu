@@ -2,15 +2,18 @@
 // the new rows. The past length is read from device memory (`step[0]`), so a captured graph
 // replays for any past length of its bucket.
 
-#define ATT_WARPS 8
+#define ATT_WARPS 16
+#define ATT_UNROLL 4
 #define ATT_MAX_DIM 256
 
 // One block per (new row, query head); each warp walks every ATT_WARPS-th position with an online
 // softmax, then the warps' partial results are merged. Sliding layers keep `window` rows in a ring
 // (slot = pos % window); global layers keep every position (slot = pos).
-extern "C" __global__ void attention(const float* q, const float* k_new, const float* v_new, const float* k_cache,
-                                     const float* v_cache, float* out, const int* step, int q_heads, int kv_heads,
-                                     int d, int window, float scale) {
+// With `append` (one new row only), the first query head of each group also appends the row's
+// keys and values to the cache: the slot it writes holds a position no query of this step reads.
+extern "C" __global__ void attention(const float* q, const float* k_new, const float* v_new, float* k_cache,
+                                     float* v_cache, float* out, const int* step, int q_heads, int kv_heads,
+                                     int d, int window, float scale, int append) {
     __shared__ float s_acc[ATT_WARPS][ATT_MAX_DIM];
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
     int i = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
@@ -27,29 +30,54 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
         qv[t] = t < per ? qh[lane + 32 * t] : 0.f;
         acc[t] = 0.f;
     }
-    float m = -INFINITY, l = 0.f;
-    for (int pos = lo + warp; pos <= p; pos += ATT_WARPS) {
-        const float *kr, *vr;
-        if (pos < start) {
-            u64 slot = window > 0 ? (u64)(pos % window) : (u64)pos;
-            kr = k_cache + slot * kvw + g * d;
-            vr = v_cache + slot * kvw + g * d;
-        } else {
-            kr = k_new + (u64)(pos - start) * kvw + g * d;
-            vr = v_new + (u64)(pos - start) * kvw + g * d;
+    if (append && h % (q_heads / kv_heads) == 0) {
+        u64 slot = window > 0 ? (u64)(p % window) : (u64)p;
+        for (int j = threadIdx.x; j < d; j += blockDim.x) {
+            k_cache[slot * kvw + g * d + j] = k_new[(u64)i * kvw + g * d + j];
+            v_cache[slot * kvw + g * d + j] = v_new[(u64)i * kvw + g * d + j];
         }
-        float s = 0.f;
+    }
+    float m = -INFINITY, l = 0.f;
+    // ATT_UNROLL positions per iteration: their key and value loads are in flight together.
+    for (int pos0 = lo + warp; pos0 <= p; pos0 += ATT_UNROLL * ATT_WARPS) {
+        float s[ATT_UNROLL], vv[ATT_UNROLL][ATT_MAX_DIM / 32];
 #pragma unroll
-        for (int t = 0; t < ATT_MAX_DIM / 32; t++)
-            if (t < per) s += qv[t] * kr[lane + 32 * t];
-        s = warp_sum(s) * scale;
-        float mn = fmaxf(m, s);
-        float c = expf(m - mn), e = expf(s - mn);
-        l = l * c + e;
+        for (int u = 0; u < ATT_UNROLL; u++) {
+            int pos = pos0 + u * ATT_WARPS;
+            s[u] = 0.f;
+            if (pos <= p) {
+                const float *kr, *vr;
+                if (pos < start) {
+                    u64 slot = window > 0 ? (u64)(pos % window) : (u64)pos;
+                    kr = k_cache + slot * kvw + g * d;
+                    vr = v_cache + slot * kvw + g * d;
+                } else {
+                    kr = k_new + (u64)(pos - start) * kvw + g * d;
+                    vr = v_new + (u64)(pos - start) * kvw + g * d;
+                }
 #pragma unroll
-        for (int t = 0; t < ATT_MAX_DIM / 32; t++)
-            if (t < per) acc[t] = acc[t] * c + e * vr[lane + 32 * t];
-        m = mn;
+                for (int t = 0; t < ATT_MAX_DIM / 32; t++) {
+                    if (t < per) {
+                        s[u] += qv[t] * kr[lane + 32 * t];
+                        vv[u][t] = vr[lane + 32 * t];
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < ATT_UNROLL; u++) s[u] = warp_sum(s[u]) * scale;
+#pragma unroll
+        for (int u = 0; u < ATT_UNROLL; u++) {
+            if (pos0 + u * ATT_WARPS <= p) {
+                float mn = fmaxf(m, s[u]);
+                float c = expf(m - mn), e = expf(s[u] - mn);
+                l = l * c + e;
+#pragma unroll
+                for (int t = 0; t < ATT_MAX_DIM / 32; t++)
+                    if (t < per) acc[t] = acc[t] * c + e * vv[u][t];
+                m = mn;
+            }
+        }
     }
 #pragma unroll
     for (int t = 0; t < ATT_MAX_DIM / 32; t++)

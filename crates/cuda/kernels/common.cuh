@@ -29,6 +29,12 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// GELU with the tanh approximation (Gemma's MLP activation).
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float k = 0.7978846f;
+    return 0.5f * x * (1.f + tanhf(k * (x + 0.044715f * x * x * x)));
+}
+
 // Sum over a block of at most 1024 threads; every thread gets the result. `scratch` holds 32 floats.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
@@ -39,3 +45,4 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     v = lane < warps ? scratch[lane] : 0.f;
     return warp_sum(v);
 }
+

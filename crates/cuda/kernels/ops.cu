@@ -9,22 +9,108 @@ extern "C" __global__ void set_inputs(const int* step, int* tokens, int* positio
     if (positions) positions[i] = step[0] + i;
 }
 
-// out = x / rms(x) * w (+ residual) over groups of `group` elements: one block per group.
-extern "C" __global__ void rms_norm(const float* x, const float* w, const float* residual, float* out, int group,
+// Norm kernels load every value of their row before the first reduction (up to NORM_PER per
+// thread, at most NORM_THREADS threads: rows of up to 8192), so a row costs one round trip to
+// memory, not one per loop iteration.
+#define NORM_PER 16
+#define NORM_THREADS 512
+
+// out = x / rms(x) * w (+ residual) over groups of `group` <= NORM_PER * blockDim.x elements:
+// one block per group.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm(const float* x, const float* w, const float* residual, float* out, int group,
                                     float eps) {
     __shared__ float scratch[32];
     u64 base = (u64)blockIdx.x * group;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < group; i += blockDim.x) {
-        float v = x[base + i];
-        ss += v * v;
+    float v[NORM_PER], wv[NORM_PER], rv[NORM_PER], ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < NORM_PER; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        bool in = i < group;
+        v[j] = in ? x[base + i] : 0.f;
+        wv[j] = in ? w[i] : 0.f;
+        rv[j] = in && residual ? residual[base + i] : 0.f;
     }
+#pragma unroll
+    for (int j = 0; j < NORM_PER; j++) ss += v[j] * v[j];
     ss = block_sum(ss, scratch);
     float inv = 1.f / sqrtf(ss / (float)group + eps);
-    for (int i = threadIdx.x; i < group; i += blockDim.x) {
-        float v = x[base + i] * inv * w[i];
-        out[base + i] = residual ? residual[base + i] + v : v;
+#pragma unroll
+    for (int j = 0; j < NORM_PER; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        float y = v[j] * inv * wv[j];
+        if (i < group) out[base + i] = residual ? rv[j] + y : y;
     }
+}
+
+// Two norms in one pass over a row (a post-norm and its residual add, then the next pre-norm):
+// h = residual + x / rms(x) * w1, out = h / rms(h) * w2. One block per row of
+// `width` <= NORM_PER * blockDim.x; every input is read before the first barrier. `out` is also
+// written to `copy` when given.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm2(const float* x, const float* w1, const float* residual,
+                                                                     float* h, const float* w2, float* out, float* copy,
+                                                                     int width, float eps) {
+    __shared__ float scratch[32];
+    u64 base = (u64)blockIdx.x * width;
+    float v[NORM_PER], a[NORM_PER], b[NORM_PER], rv[NORM_PER], ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < NORM_PER; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        bool in = i < width;
+        v[j] = in ? x[base + i] : 0.f;
+        rv[j] = in ? residual[base + i] : 0.f;
+        a[j] = in ? w1[i] : 0.f;
+        b[j] = in ? w2[i] : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < NORM_PER; j++) ss += v[j] * v[j];
+    ss = block_sum(ss, scratch);
+    float inv = 1.f / sqrtf(ss / (float)width + eps), ss2 = 0.f;
+#pragma unroll
+    for (int j = 0; j < NORM_PER; j++) {
+        v[j] = rv[j] + v[j] * inv * a[j];
+        ss2 += v[j] * v[j];
+    }
+    ss2 = block_sum(ss2, scratch);
+    float inv2 = 1.f / sqrtf(ss2 / (float)width + eps);
+#pragma unroll
+    for (int j = 0; j < NORM_PER; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        if (i < width) {
+            h[base + i] = v[j];
+            float y = v[j] * inv2 * b[j];
+            out[base + i] = y;
+            if (copy) copy[base + i] = y;
+        }
+    }
+}
+
+// Per-head RMS norms of q and k followed by NeoX RoPE, one block per (row, head) of q's heads
+// then k's: qn/kn = the normed heads, qr/kr = the rotated ones. Block size >= head_dim / 2.
+extern "C" __global__ void qk_norm_rope(const float* q, const float* k, const float* wq, const float* wk,
+                                        const int* positions, float* qn, float* kn, float* qr, float* kr, int q_heads,
+                                        int k_heads, int d, float theta, float eps) {
+    __shared__ float scratch[32];
+    int heads = q_heads + k_heads;
+    int r = blockIdx.x / heads, h = blockIdx.x % heads;
+    bool isq = h < q_heads;
+    u64 off = isq ? ((u64)r * q_heads + h) * d : ((u64)r * k_heads + (h - q_heads)) * d;
+    const float* x = (isq ? q : k) + off;
+    const float* w = isq ? wq : wk;
+    int half = d / 2, i = threadIdx.x;
+    float x0 = i < half ? x[i] : 0.f, x1 = i < half ? x[i + half] : 0.f;
+    float ss = block_sum(x0 * x0 + x1 * x1, scratch);
+    if (i >= half) return;
+    float inv = 1.f / sqrtf(ss / (float)d + eps);
+    float a = x0 * inv * w[i], b = x1 * inv * w[i + half];
+    float* n = (isq ? qn : kn) + off;
+    float* o = (isq ? qr : kr) + off;
+    n[i] = a;
+    n[i + half] = b;
+    double inv_freq = 1.0 / pow((double)theta, (double)(2 * i) / (double)d);
+    double ang = (double)positions[r] * inv_freq;
+    float c = (float)cos(ang), s = (float)sin(ang);
+    o[i] = a * c - b * s;
+    o[i + half] = b * c + a * s;
 }
 
 // NeoX rotary embedding: one block per (row, head), angles in double as the CPU computes them.
@@ -42,11 +128,6 @@ extern "C" __global__ void rope(const float* x, const int* positions, float* out
         out[base + i] = x0 * c - x1 * s;
         out[base + i + half] = x1 * c + x0 * s;
     }
-}
-
-__device__ __forceinline__ float gelu_tanh(float x) {
-    const float k = 0.7978846f;
-    return 0.5f * x * (1.f + tanhf(k * (x + 0.044715f * x * x * x)));
 }
 
 // op 0: a + b, 1: a * b, 2: gelu(a), 3: gelu(a) * b.

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
@@ -89,6 +90,10 @@ pub struct Device {
     pub(crate) lock: Mutex<Scratch>,
     pub(crate) name: String,
     pub(crate) arch: (i32, i32),
+    /// Kernels launched so far (a captured graph's kernel count is the difference across its capture).
+    pub(crate) launches: AtomicUsize,
+    /// Kernels in the most recently captured decode graph.
+    pub(crate) graph_kernels: AtomicUsize,
 }
 
 // SAFETY: the cuBLAS handle is used only while `lock` is held; the other fields are thread-safe.
@@ -122,7 +127,17 @@ impl Device {
             }
         }
         tracing::info!("cuda:{ordinal}: {name}, sm_{}{}, {} kernels", arch.0, arch.1, functions.len());
-        Ok(Device { ctx, stream, blas, functions, lock: Mutex::new(Scratch { dequant: None }), name, arch })
+        Ok(Device {
+            ctx,
+            stream,
+            blas,
+            functions,
+            lock: Mutex::new(Scratch { dequant: None }),
+            name,
+            arch,
+            launches: AtomicUsize::new(0),
+            graph_kernels: AtomicUsize::new(0),
+        })
     }
 
     /// A kernel by name.
@@ -145,6 +160,7 @@ impl Device {
         // SAFETY: the argument lists match the kernels' signatures (see kernels/*.cu); every
         // pointer is a live device allocation sized by the plan.
         unsafe { b.launch(cfg) }.map_err(|e| cuda_err(format!("launching '{name}': {e}")))?;
+        self.launches.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
@@ -177,12 +193,14 @@ fn kernel_names(src: &str) -> Vec<String> {
     let mut names = Vec::new();
     for line in src.lines() {
         if let Some(rest) = line.strip_prefix("extern \"C\" __global__ void ") {
+            // `__launch_bounds__(...)` may precede the name.
+            let rest = rest.strip_prefix("__launch_bounds__(").and_then(|r| r.split_once(')')).map_or(rest, |(_, r)| r.trim_start());
             if let Some(name) = rest.split('(').next() {
                 names.push(name.trim().to_string());
             }
         } else if let Some(rest) = line.strip_prefix("KILN_FORMAT(") {
             let fmt = rest.split(',').next().unwrap_or_default().trim();
-            for k in ["matvec", "embed", "dequant"] {
+            for k in ["matvec", "matvec4", "embed", "dequant"] {
                 names.push(format!("{k}_{fmt}"));
             }
         }
@@ -275,9 +293,11 @@ mod tests {
     fn kernel_names_are_found_in_every_family() {
         let quant = kernel_names(FAMILIES[0].1);
         assert!(quant.contains(&"matvec_q4_k".to_string()) && quant.contains(&"dequant_q8_0".to_string()));
-        assert_eq!(quant.len(), 13 * 3);
+        assert_eq!(quant.len(), 13 * 4);
         let ops = kernel_names(FAMILIES[1].1);
-        for k in ["set_inputs", "rms_norm", "rope", "elementwise", "copy_row", "argmax_partial", "argmax_final"] {
+        for k in
+            ["set_inputs", "rms_norm", "rms_norm2", "qk_norm_rope", "rope", "elementwise", "copy_row", "argmax_partial", "argmax_final"]
+        {
             assert!(ops.contains(&k.to_string()), "{k}");
         }
         assert_eq!(kernel_names(FAMILIES[2].1), vec!["attention".to_string(), "kv_append".to_string()]);

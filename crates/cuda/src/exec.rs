@@ -1,11 +1,12 @@
 //! Runs a [`Plan`] on the GPU: one device arena per executable, kernels launched step by step on
 //! the device's stream; decode plans are captured once per KV cache as a CUDA graph and replayed.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaGraph};
 use kiln_ir::DType;
-use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KvCache, Plan, Rows, RuntimeError, Slot, StepInputs};
+use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KvCache, Plan, Rows, RuntimeError, Slot, Step, StepInputs, WeightId};
 
 use crate::device::{cuda_err, Arg, Device, DeviceBuffer, Scratch};
 use crate::kv::CudaKvCache;
@@ -15,6 +16,158 @@ use crate::weights::{format_name, CudaWeights};
 const MATVEC_ROWS: usize = 8;
 /// Blocks of the first argmax phase per row.
 const ARGMAX_BLOCKS: usize = 64;
+
+/// Threads of an attention block (`ATT_WARPS` warps in attention.cu).
+const ATTENTION_THREADS: u32 = 512;
+/// Warps of a matrix-vector block (`MV_WARPS` in quant.cu).
+const MATVEC_WARPS: usize = 4;
+/// Output rows (all matrices together) from which one activation row uses the 4-rows-per-warp
+/// matrix-vector kernel (enough warps to fill the device).
+const MATVEC4_MIN_ROWS: usize = 2048;
+/// Widest row the norm kernels take (`NORM_PER * NORM_THREADS` in ops.cu).
+const NORM_MAX: usize = 8192;
+/// Threads of a norm block for rows of `width` (at most `NORM_THREADS` in ops.cu).
+fn norm_threads(width: usize) -> u32 {
+    width.next_multiple_of(32).min(512) as u32
+}
+
+/// One launch of an executable: a plan step, or consecutive steps fused into one kernel (decided
+/// once, when the plan is prepared, where the steps' slots allow it).
+#[derive(Debug)]
+enum Op {
+    /// One plan step.
+    Step(usize),
+    /// Consecutive matmuls of one format sharing their input (q/k/v, gate/up), and with `glu`
+    /// the `GeluMul` of the two that follows: one matrix-vector launch for few rows. With
+    /// `private_x` the input is read from the executable's copy (the `GeluMul` output may reuse
+    /// the input's words, which other warps still read).
+    MatVecs { steps: Vec<usize>, glu: Option<usize>, private_x: bool },
+    /// A post-norm with its residual add, then the next pre-norm of its output (also written to
+    /// the executable's private copy with `copy`).
+    NormPair { first: usize, second: usize, copy: bool },
+    /// The per-head q and k norms and their RoPE.
+    QkNormRope([usize; 4]),
+}
+
+/// Whether two slots share a word.
+fn overlaps(a: Slot, b: Slot) -> bool {
+    a.offset < b.offset + b.len && b.offset < a.offset + a.len
+}
+
+/// Whether one kernel may write `writes` while reading `reads`: the writes are pairwise disjoint,
+/// and each write is disjoint from each read or starts at the same word as a read that the kernel
+/// indexes the same way (listed in `same`, by write and read position).
+fn fusable(writes: &[Slot], reads: &[Slot], same: &[(usize, usize)]) -> bool {
+    let disjoint = writes.iter().enumerate().all(|(i, a)| writes[i + 1..].iter().all(|b| !overlaps(*a, *b)));
+    disjoint
+        && writes
+            .iter()
+            .enumerate()
+            .all(|(wi, w)| reads.iter().enumerate().all(|(ri, r)| !overlaps(*w, *r) || (w.offset == r.offset && same.contains(&(wi, ri)))))
+}
+
+/// The launches of `plan`: fused groups where the pattern and the slots allow, else single steps.
+fn lower(plan: &Plan, weights: &CudaWeights) -> Result<Vec<Op>, RuntimeError> {
+    let steps = &plan.steps;
+    let mut ops = Vec::with_capacity(steps.len());
+    let mut i = 0;
+    while i < steps.len() {
+        let (op, used) = fuse_at(steps, i, weights)?.unwrap_or((Op::Step(i), 1));
+        // gate/up and GeluMul whose output may reuse the input's words: fused when the input
+        // comes from the norm pair just before, which then also writes the private copy.
+        if let (Op::MatVecs { steps: group, glu: None, .. }, Some(Op::NormPair { second, copy, .. })) = (&op, ops.last_mut()) {
+            if let (
+                [g, u],
+                Kernel::RmsNorm { out: normed, .. },
+                Some(&Kernel::MatMul { x, out: gate, .. }),
+                Some(&Kernel::MatMul { out: up, .. }),
+                Some(Step { kernel: Kernel::GeluMul { gate: g2, up: u2, out, .. }, rows }),
+            ) = (
+                group.as_slice(),
+                &steps[*second].kernel,
+                steps.get(i).map(|s| &s.kernel),
+                steps.get(i + 1).map(|s| &s.kernel),
+                steps.get(i + 2),
+            ) {
+                if x == *normed
+                    && *g2 == gate
+                    && *u2 == up
+                    && *rows == steps[*g].rows
+                    && *g + 1 == *u
+                    && fusable(&[gate, up, *out], &[], &[])
+                {
+                    *copy = true;
+                    let fused = Op::MatVecs { steps: group.clone(), glu: Some(i + 2), private_x: true };
+                    ops.push(fused);
+                    i += used + 1;
+                    continue;
+                }
+            }
+        }
+        ops.push(op);
+        i += used;
+    }
+    Ok(ops)
+}
+
+/// A fused launch starting at step `i` and how many steps it covers, if one applies.
+fn fuse_at(steps: &[Step], i: usize, weights: &CudaWeights) -> Result<Option<(Op, usize)>, RuntimeError> {
+    let at = |j: usize| steps.get(j).filter(|s| s.rows == steps[i].rows).map(|s| &s.kernel);
+    match steps[i].kernel {
+        Kernel::MatMul { x, w, out, .. } => {
+            let ty = weights.matrix(w)?.ty;
+            let (mut group, mut outs) = (vec![i], vec![out]);
+            while group.len() < 3 {
+                match at(i + group.len()) {
+                    Some(&Kernel::MatMul { x: x2, w: w2, out: o2, .. }) if x2 == x && weights.matrix(w2)?.ty == ty => {
+                        group.push(i + group.len());
+                        outs.push(o2);
+                    }
+                    _ => break,
+                }
+            }
+            if let (2, Some(&Kernel::GeluMul { gate, up, out, .. })) = (group.len(), at(i + 2)) {
+                if gate == outs[0] && up == outs[1] && fusable(&[outs[0], outs[1], out], &[x], &[]) {
+                    return Ok(Some((Op::MatVecs { steps: group, glu: Some(i + 2), private_x: false }, 3)));
+                }
+            }
+            if group.len() > 1 && fusable(&outs, &[x], &[]) {
+                let n = group.len();
+                return Ok(Some((Op::MatVecs { steps: group, glu: None, private_x: false }, n)));
+            }
+        }
+        Kernel::RmsNorm { x, weight, out: h, width, eps, residual: Some(r) } => {
+            if let Some(&Kernel::RmsNorm { x: x2, weight: w2, out, width: width2, eps: eps2, residual: None }) = at(i + 1) {
+                let whole = |w| weights.vector(w).map(|v| v.bytes() / 4 == width);
+                if x2 == h && width2 == width && eps2 == eps && width <= NORM_MAX && whole(weight)? && whole(w2)? {
+                    // The output may reuse x's or the residual's words (one block per row reads its row first).
+                    if fusable(&[h, out], &[x, r], &[(1, 0), (1, 1)]) {
+                        return Ok(Some((Op::NormPair { first: i, second: i + 1, copy: false }, 2)));
+                    }
+                }
+            }
+        }
+        Kernel::RmsNorm { x: q, weight: wq, out: qn, residual: None, eps, .. } => {
+            if let (
+                Some(&Kernel::RmsNorm { x: k, weight: wk, out: kn, residual: None, eps: eps2, .. }),
+                Some(&Kernel::Rope { x: rq, positions, out: qr, head_dim, theta, .. }),
+                Some(&Kernel::Rope { x: rk, positions: p2, out: kr, head_dim: d2, theta: t2, .. }),
+            ) = (at(i + 1), at(i + 2), at(i + 3))
+            {
+                let group = |w| weights.vector(w).map(|v| v.bytes() / 4 == head_dim);
+                if rq == qn && rk == kn && positions == p2 && head_dim == d2 && theta == t2 && eps == eps2
+                    && head_dim.is_multiple_of(2) && head_dim <= 2048 && group(wq)? && group(wk)?
+                    // qr may reuse q's words and kr k's (a block reads its head first).
+                    && fusable(&[qn, kn, qr, kr], &[q, k, positions], &[(2, 0), (3, 1)])
+                {
+                    return Ok(Some((Op::QkNormRope([i, i + 1, i + 2, i + 3]), 4)));
+                }
+            }
+        }
+        _ => {}
+    }
+    Ok(None)
+}
 
 /// A captured decode step, for the KV cache whose addresses it bakes in.
 struct CapturedStep {
@@ -40,6 +193,10 @@ pub struct CudaExecutable {
     vocab: usize,
     graph: Option<CapturedStep>,
     use_graphs: bool,
+    /// The launches, fused where possible.
+    ops: Vec<Op>,
+    /// Private copy of a fused norm pair's output, read by a fused gate/up/GeluMul launch.
+    private_x: Option<DeviceBuffer>,
 }
 
 /// Rows of a step that runs over `active` rows.
@@ -68,7 +225,10 @@ impl CudaExecutable {
                     head_values = head_values.max(rows_of(step.rows, plan.rows()) * n);
                 }
                 Kernel::RmsNorm { weight, .. } => {
-                    weights.vector(*weight)?;
+                    let width = weights.vector(*weight)?.bytes() / 4;
+                    if width > NORM_MAX {
+                        return Err(cuda_err(format!("RMS norm over {width} elements (at most {NORM_MAX})")));
+                    }
                 }
                 Kernel::Attention { head_dim, q_heads, kv_heads, .. } => {
                     if *head_dim > 256 || !head_dim.is_multiple_of(32) || *kv_heads == 0 || !q_heads.is_multiple_of(*kv_heads) {
@@ -91,7 +251,20 @@ impl CudaExecutable {
         let step = DeviceBuffer::new(&device.ctx, (2 + plan.rows()) * 4)?;
         let argmax_rows = plan.rows();
         let head = DeviceBuffer::new(&device.ctx, (head_values + 2 * ARGMAX_BLOCKS * argmax_rows) * 4)?;
-        Ok(CudaExecutable { plan, weights, device, arena, step, head, head_values, vocab, graph: None, use_graphs })
+        let ops = lower(&plan, &weights)?;
+        tracing::debug!("{} steps in {} launches", plan.steps.len(), ops.len());
+        let copy_width = ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::NormPair { first, copy: true, .. } => match plan.steps[*first].kernel {
+                    Kernel::RmsNorm { width, .. } => Some(width),
+                    _ => None,
+                },
+                _ => None,
+            })
+            .max();
+        let private_x = copy_width.map(|w| DeviceBuffer::new(&device.ctx, plan.rows() * w * 4)).transpose()?;
+        Ok(CudaExecutable { plan, weights, device, arena, step, head, head_values, vocab, graph: None, use_graphs, ops, private_x })
     }
 
     fn slot(&self, s: Slot) -> u64 {
@@ -103,8 +276,93 @@ impl CudaExecutable {
         let d = &*self.device;
         let (tokens, positions) = (self.input("tokens"), self.input("positions"));
         d.launch("set_inputs", (n.div_ceil(256) as u32, 1), 256, &[Arg::U64(self.step.ptr()), Arg::U64(tokens), Arg::U64(positions)])?;
-        for step in &self.plan.steps {
-            self.enqueue_step(&step.kernel, rows_of(step.rows, n), n, kv, scratch)?;
+        for op in &self.ops {
+            match op {
+                Op::Step(i) => self.enqueue_step(*i, n, kv, scratch)?,
+                Op::MatVecs { steps, glu, private_x } => {
+                    let rows = rows_of(self.plan.steps[steps[0]].rows, n);
+                    if rows > MATVEC_ROWS {
+                        for &i in steps.iter().chain(glu) {
+                            self.enqueue_step(i, n, kv, scratch)?;
+                        }
+                        continue;
+                    }
+                    let mut x = 0;
+                    let mut mats = Vec::with_capacity(steps.len());
+                    for &i in steps {
+                        if let Kernel::MatMul { x: xs, w, out, .. } = self.plan.steps[i].kernel {
+                            x = self.slot(xs);
+                            mats.push((w, self.slot(out)));
+                        }
+                    }
+                    let glu = match glu.map(|g| &self.plan.steps[g].kernel) {
+                        Some(&Kernel::GeluMul { out, .. }) => self.slot(out),
+                        _ => 0,
+                    };
+                    if *private_x {
+                        x = self.private_x.as_ref().map_or(0, |b| b.ptr());
+                    }
+                    self.matvecs(x, &mats, glu, rows)?;
+                }
+                &Op::NormPair { first: a, second: b, copy } => {
+                    let (Kernel::RmsNorm { x, weight, out: h, width, eps, residual: Some(r) }, Kernel::RmsNorm { weight: w2, out, .. }) =
+                        (&self.plan.steps[a].kernel, &self.plan.steps[b].kernel)
+                    else {
+                        return Err(cuda_err("a fused norm pair is not two norms"));
+                    };
+                    let rows = rows_of(self.plan.steps[a].rows, n);
+                    d.launch(
+                        "rms_norm2",
+                        (rows as u32, 1),
+                        norm_threads(*width),
+                        &[
+                            Arg::U64(self.slot(*x)),
+                            Arg::U64(self.weights.vector(*weight)?.ptr()),
+                            Arg::U64(self.slot(*r)),
+                            Arg::U64(self.slot(*h)),
+                            Arg::U64(self.weights.vector(*w2)?.ptr()),
+                            Arg::U64(self.slot(*out)),
+                            Arg::U64(if copy { self.private_x.as_ref().map_or(0, |b| b.ptr()) } else { 0 }),
+                            Arg::I32(*width as i32),
+                            Arg::F32(*eps),
+                        ],
+                    )?;
+                }
+                &Op::QkNormRope([a, b, c, e]) => {
+                    let s = &self.plan.steps;
+                    let (
+                        Kernel::RmsNorm { x: q, weight: wq, out: qn, eps, .. },
+                        Kernel::RmsNorm { x: k, weight: wk, out: kn, .. },
+                        Kernel::Rope { positions, out: qr, heads: qh, head_dim, theta, .. },
+                        Kernel::Rope { out: kr, heads: kh, .. },
+                    ) = (&s[a].kernel, &s[b].kernel, &s[c].kernel, &s[e].kernel)
+                    else {
+                        return Err(cuda_err("a fused q/k norm and RoPE is not two norms and two RoPEs"));
+                    };
+                    let rows = rows_of(s[a].rows, n);
+                    d.launch(
+                        "qk_norm_rope",
+                        ((rows * (qh + kh)) as u32, 1),
+                        (head_dim / 2).next_multiple_of(32) as u32,
+                        &[
+                            Arg::U64(self.slot(*q)),
+                            Arg::U64(self.slot(*k)),
+                            Arg::U64(self.weights.vector(*wq)?.ptr()),
+                            Arg::U64(self.weights.vector(*wk)?.ptr()),
+                            Arg::U64(self.slot(*positions)),
+                            Arg::U64(self.slot(*qn)),
+                            Arg::U64(self.slot(*kn)),
+                            Arg::U64(self.slot(*qr)),
+                            Arg::U64(self.slot(*kr)),
+                            Arg::I32(*qh as i32),
+                            Arg::I32(*kh as i32),
+                            Arg::I32(*head_dim as i32),
+                            Arg::F32(*theta),
+                            Arg::F32(*eps),
+                        ],
+                    )?;
+                }
+            }
         }
         Ok(())
     }
@@ -113,35 +371,54 @@ impl CudaExecutable {
         self.plan.inputs.iter().find(|i| i.name == name).map_or(0, |i| self.slot(i.slot))
     }
 
+    /// `out_i[r] = x[r] · W_iᵀ` for up to three matrices of one format sharing `x`, for at most
+    /// `MATVEC_ROWS` rows, in one launch; with `glu` (two matrices) also `glu = gelu(out_0) * out_1`.
+    fn matvecs(&self, x: u64, mats: &[(WeightId, u64)], glu: u64, rows: usize) -> Result<(), RuntimeError> {
+        let ms = mats.iter().map(|&(w, _)| self.weights.matrix(w)).collect::<Result<Vec<_>, _>>()?;
+        let m = ms[0];
+        let fmt = format_name(m.ty).ok_or_else(|| cuda_err(format!("no kernels for {:?}", m.ty)))?;
+        let total: usize = ms.iter().map(|m| m.n).sum();
+        let (kernel, per_warp) = if rows == 1 && total >= MATVEC4_MIN_ROWS { ("matvec4", 4) } else { ("matvec", 2) };
+        let groups = if glu != 0 { m.n.div_ceil(per_warp / 2) } else { total.div_ceil(per_warp) };
+        // Long rows are split over 2 or 4 warps (more loads in flight per output row).
+        let split = match m.k / 32 {
+            c if c >= 128 => 4,
+            c if c >= 64 => 2,
+            _ => 1,
+        };
+        let mut args = Vec::with_capacity(14);
+        args.extend((0..3).map(|i| Arg::U64(ms.get(i).map_or(0, |m| m.buf.ptr()))));
+        args.push(Arg::U64(m.row_bytes as u64));
+        args.extend((0..3).map(|i| Arg::I32(ms.get(i).map_or(0, |m| m.n as i32))));
+        args.extend((0..3).map(|i| Arg::U64(mats.get(i).map_or(0, |m| m.1))));
+        args.extend([Arg::U64(glu), Arg::U64(x), Arg::I32(m.k as i32), Arg::I32(rows as i32), Arg::I32(split as i32)]);
+        let blocks = groups.div_ceil(MATVEC_WARPS / split);
+        self.device.launch(&format!("{kernel}_{fmt}"), (blocks as u32, 1), 32 * MATVEC_WARPS as u32, &args)
+    }
+
     /// `out[r] = x[r] · Wᵀ` for `rows` rows: matrix-vector kernels for few rows, else the weight
     /// dequantized to f32 and one cuBLAS GEMM.
-    fn matmul(&self, x: u64, w: kiln_runtime::WeightId, out: u64, rows: usize, scratch: &mut Scratch) -> Result<(), RuntimeError> {
+    fn matmul(&self, x: u64, w: WeightId, out: u64, rows: usize, scratch: &mut Scratch) -> Result<(), RuntimeError> {
+        if rows <= MATVEC_ROWS {
+            return self.matvecs(x, &[(w, out)], 0, rows);
+        }
         let d = &*self.device;
         let m = self.weights.matrix(w)?;
         let fmt = format_name(m.ty).ok_or_else(|| cuda_err(format!("no kernels for {:?}", m.ty)))?;
-        if rows <= MATVEC_ROWS {
-            return d.launch(
-                &format!("matvec_{fmt}"),
-                (m.n.div_ceil(8) as u32, 1),
-                256,
-                &[
-                    Arg::U64(m.buf.ptr()),
-                    Arg::U64(m.row_bytes as u64),
-                    Arg::U64(x),
-                    Arg::U64(out),
-                    Arg::I32(m.k as i32),
-                    Arg::I32(m.n as i32),
-                    Arg::I32(rows as i32),
-                ],
-            );
-        }
         let tmp = scratch.dequant(&d.ctx, m.n * m.k * 4)?;
         let count = (m.n * m.k / 32) as u64;
         d.launch(
             &format!("dequant_{fmt}"),
             (count.div_ceil(256) as u32, 1),
             256,
-            &[Arg::U64(m.buf.ptr()), Arg::U64(m.row_bytes as u64), Arg::U64(tmp), Arg::I32(m.k as i32), Arg::U64(m.n as u64)],
+            &[
+                Arg::U64(m.buf.ptr()),
+                Arg::U64(m.row_bytes as u64),
+                Arg::U64(m.blocks as u64),
+                Arg::U64(tmp),
+                Arg::I32(m.k as i32),
+                Arg::U64(m.n as u64),
+            ],
         )?;
         let (alpha, beta) = (1f32, 0f32);
         // Row-major out[rows, n] = x[rows, k] · W[n, k]ᵀ is column-major outᵀ = W · xᵀ.
@@ -187,14 +464,10 @@ impl CudaExecutable {
         self.device.launch("elementwise", (blocks, 1), 256, &[Arg::U64(a), Arg::U64(b), Arg::U64(out), Arg::U64(len as u64), Arg::I32(op)])
     }
 
-    fn enqueue_step(
-        &self,
-        kernel: &Kernel,
-        rows: usize,
-        active: usize,
-        kv: &CudaKvCache,
-        scratch: &mut Scratch,
-    ) -> Result<(), RuntimeError> {
+    /// Enqueues plan step `i` for `active` rows.
+    fn enqueue_step(&self, i: usize, active: usize, kv: &CudaKvCache, scratch: &mut Scratch) -> Result<(), RuntimeError> {
+        let step = &self.plan.steps[i];
+        let (kernel, rows) = (&step.kernel, rows_of(step.rows, active));
         let d = &*self.device;
         let w = &*self.weights;
         #[allow(unreachable_patterns)]
@@ -209,6 +482,7 @@ impl CudaExecutable {
                     &[
                         Arg::U64(m.buf.ptr()),
                         Arg::U64(m.row_bytes as u64),
+                        Arg::U64(m.blocks as u64),
                         Arg::U64(self.slot(ids)),
                         Arg::U64(self.slot(out)),
                         Arg::I32(width as i32),
@@ -220,7 +494,7 @@ impl CudaExecutable {
                 let wv = w.vector(weight)?;
                 let group = wv.bytes() / 4;
                 let groups = rows * width / group;
-                let block = group.next_multiple_of(32).min(256) as u32;
+                let block = norm_threads(group);
                 d.launch(
                     "rms_norm",
                     (groups as u32, 1),
@@ -262,10 +536,12 @@ impl CudaExecutable {
                     return Err(RuntimeError::StepShape(format!("KV cache layer {layer} does not match the plan")));
                 }
                 let ring = window.map_or(0, |w| w.min(kv.context)) as i32;
+                // A one-row plan appends inside the attention kernel.
+                let append = self.plan.rows() == 1;
                 d.launch(
                     "attention",
                     ((active * q_heads) as u32, 1),
-                    256,
+                    ATTENTION_THREADS,
                     &[
                         Arg::U64(self.slot(q)),
                         Arg::U64(self.slot(k)),
@@ -279,8 +555,12 @@ impl CudaExecutable {
                         Arg::I32(head_dim as i32),
                         Arg::I32(ring),
                         Arg::F32(scale),
+                        Arg::I32(append as i32),
                     ],
                 )?;
+                if append {
+                    return Ok(());
+                }
                 d.launch(
                     "kv_append",
                     (active as u32, 1),
@@ -320,7 +600,9 @@ impl CudaExecutable {
             self.graph = None;
             let stream = self.device.stream.clone();
             stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(cuda_err)?;
+            let before = self.device.launches.load(Ordering::Relaxed);
             let enqueued = self.enqueue(1, kv, scratch);
+            self.device.graph_kernels.store(self.device.launches.load(Ordering::Relaxed) - before, Ordering::Relaxed);
             let graph =
                 stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(|e| cuda_err(format!("capturing a decode graph: {e}")));
             enqueued?;

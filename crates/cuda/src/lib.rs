@@ -48,6 +48,11 @@ impl CudaBackend {
         &self.device.name
     }
 
+    /// Kernels in the most recently captured decode graph (0 before the first capture).
+    pub fn decode_graph_kernels(&self) -> usize {
+        self.device.graph_kernels.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Measured device-memory read bandwidth in bytes per second (median of `reps` reads of a
     /// `bytes`-sized buffer).
     pub fn read_bandwidth(&self, bytes: usize, reps: usize) -> Result<f64, RuntimeError> {

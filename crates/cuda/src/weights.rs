@@ -1,5 +1,6 @@
-//! The device's single copy of the weights: every matrix uploaded once in its packed block form,
-//! vectors (norm weights) expanded to f32; shared by every plan.
+//! The device's single copy of the weights: every matrix uploaded once in its packed block form
+//! (formats with unaligned blocks rearranged planar, same bytes), vectors (norm weights) expanded
+//! to f32; shared by every plan.
 
 use std::any::Any;
 use std::sync::Arc;
@@ -32,6 +33,32 @@ pub(crate) fn format_name(ty: GgmlType) -> Option<&'static str> {
     })
 }
 
+/// The fields of a block format stored planar on the device, as (offset, bytes) within the block
+/// in plane order, for the formats whose blocks are not 4-byte aligned (the kernels' `sub32` and
+/// `Chunk` for Q5_0, Q8_0 and Q6_K read this layout).
+fn planar_fields(ty: GgmlType) -> Option<&'static [(usize, usize)]> {
+    match ty {
+        GgmlType::Q8_0 => Some(&[(2, 32), (0, 2)]),
+        GgmlType::Q5_0 => Some(&[(6, 16), (2, 4), (0, 2)]),
+        GgmlType::Q6_K => Some(&[(0, 128), (128, 64), (192, 16), (208, 2)]),
+        _ => None,
+    }
+}
+
+/// `src` (whole blocks of `ty`) rearranged planar: each field of every block contiguous, in block
+/// order, fields in `planar_fields` order. Same bytes; every field naturally aligned.
+fn to_planar(src: &[u8], block_bytes: usize, fields: &[(usize, usize)]) -> Vec<u8> {
+    let blocks = src.len() / block_bytes;
+    let mut out = Vec::with_capacity(src.len());
+    for &(off, len) in fields {
+        for b in src.chunks_exact(block_bytes) {
+            out.extend_from_slice(&b[off..off + len]);
+        }
+    }
+    debug_assert_eq!(out.len(), blocks * block_bytes);
+    out
+}
+
 /// A packed matrix on the device.
 pub(crate) struct DeviceMatrix {
     pub(crate) buf: DeviceBuffer,
@@ -41,6 +68,8 @@ pub(crate) struct DeviceMatrix {
     /// Rows.
     pub(crate) n: usize,
     pub(crate) row_bytes: usize,
+    /// Blocks in the whole matrix.
+    pub(crate) blocks: usize,
 }
 
 /// Weights as the CUDA kernels read them.
@@ -72,7 +101,12 @@ impl CudaWeights {
                 None
             };
             let matrix = if consistent && !info.is_vector() && format_name(info.ty).is_some() && info.row_len.is_multiple_of(32) {
-                Some(DeviceMatrix { buf: upload_bytes(&device, src)?, ty: info.ty, k: info.row_len, n: info.n_rows, row_bytes })
+                let buf = match planar_fields(info.ty) {
+                    Some(fields) => upload_bytes(&device, &to_planar(src, info.ty.type_size(), fields))?,
+                    None => upload_bytes(&device, src)?,
+                };
+                let blocks = info.n_rows * (info.row_len / info.ty.block_size());
+                Some(DeviceMatrix { buf, ty: info.ty, k: info.row_len, n: info.n_rows, row_bytes, blocks })
             } else {
                 None
             };
@@ -129,5 +163,30 @@ impl DeviceWeights for CudaWeights {
 
     fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn planar_layout_keeps_every_byte_and_aligns_fields() {
+        for ty in [GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q6_K] {
+            let fields = planar_fields(ty).unwrap();
+            let bytes = ty.type_size();
+            assert_eq!(fields.iter().map(|f| f.1).sum::<usize>(), bytes, "{ty:?}");
+            let blocks = 3;
+            let src: Vec<u8> = (0..blocks * bytes).map(|i| (i * 7 + 1) as u8).collect();
+            let out = to_planar(&src, bytes, fields);
+            let mut base = 0;
+            for &(off, len) in fields {
+                assert_eq!(base % len.min(16), 0, "{ty:?}: plane at {base} is not aligned for {len}-byte fields");
+                for b in 0..blocks {
+                    assert_eq!(&out[base + b * len..base + (b + 1) * len], &src[b * bytes + off..b * bytes + off + len]);
+                }
+                base += len * blocks;
+            }
+        }
     }
 }
