@@ -159,7 +159,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 "build_commit": Value::Null,
                 "build_number": Value::Null,
                 "cpu_info": std::env::consts::ARCH,
-                "backends": "CPU",
+                "backends": if backend.starts_with("cuda") { "CUDA" } else { "CPU" },
                 "model_filename": model_filename,
                 "model_type": model_type,
                 "model_size": model_size,
