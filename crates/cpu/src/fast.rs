@@ -99,6 +99,30 @@ impl Default for KBlock {
 }
 
 impl KBlock {
+    /// Reads super-block `b` (format `ty`) for the in-register decoders: Q4_K/Q5_K's scales, mins
+    /// and both super-block scales, Q6_K's scales and `d` (their levels are decoded in registers);
+    /// the other K-quants are unpacked whole by the portable code.
+    pub fn read(&mut self, ty: GgmlType, b: &[u8]) {
+        let f16_at = |at: usize| kiln_quant::f16_to_f32(u16::from_le_bytes([b[at], b[at + 1]]));
+        match ty {
+            GgmlType::Q4_K | GgmlType::Q5_K => {
+                (self.d[0], self.dcorr[0]) = (f16_at(0), f16_at(2));
+                let (sc, m) = kiln_quant::unpack_scale_min_k4(&b[4..16]);
+                for g in 0..16 {
+                    self.sc[g] = i16::from(sc[g / 2]);
+                    self.corr[g] = i16::from(m[g / 2]);
+                }
+            }
+            GgmlType::Q6_K => {
+                self.d[0] = f16_at(208);
+                for (g, sc) in self.sc.iter_mut().enumerate() {
+                    *sc = i16::from(b[192 + g] as i8);
+                }
+            }
+            _ => scalar::unpack_k(ty, b, self.as_mut()),
+        }
+    }
+
     /// The block as an unpack target.
     pub fn as_mut(&mut self) -> KRowMut<'_> {
         KRowMut { q: &mut self.q, sc: &mut self.sc, corr: &mut self.corr, d: &mut self.d, dcorr: &mut self.dcorr }

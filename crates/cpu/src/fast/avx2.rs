@@ -6,7 +6,7 @@ use std::arch::x86_64::*;
 use kiln_quant::GgmlType;
 
 use super::screen::GROUP_BLOCK_BYTES;
-use super::{scalar, ActRow, KBlock};
+use super::{ActRow, KBlock};
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -257,24 +257,7 @@ unsafe fn k_rows_of<const T: u8, const R: usize>(ty: GgmlType, src: &[u8], a: &[
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..nb {
         let p = src.as_ptr().add(b * bytes);
-        match T {
-            DEC_Q4_K | DEC_Q5_K => {
-                w.d[0] = f16_load(p);
-                w.dcorr[0] = f16_load(p.add(2));
-                let (sc, m) = kiln_quant::unpack_scale_min_k4(std::slice::from_raw_parts(p.add(4), 12));
-                for g in 0..16 {
-                    w.sc[g] = i16::from(sc[g / 2]);
-                    w.corr[g] = i16::from(m[g / 2]);
-                }
-            }
-            DEC_Q6_K => {
-                w.d[0] = f16_load(p.add(208));
-                for g in 0..16 {
-                    w.sc[g] = i16::from(*p.add(192 + g) as i8);
-                }
-            }
-            _ => scalar::unpack_k(ty, std::slice::from_raw_parts(p, bytes), w.as_mut()),
-        }
+        w.read(ty, std::slice::from_raw_parts(p, bytes));
         let mut iacc = [_mm256_setzero_si256(); R];
         for c in 0..4 {
             let lv = k_levels::<T>(p, c, &w);

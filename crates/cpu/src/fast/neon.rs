@@ -8,7 +8,7 @@ use std::arch::asm;
 use kiln_quant::GgmlType;
 
 use super::screen::GROUP_BLOCK_BYTES;
-use super::{scalar, ActRow, KBlock};
+use super::{ActRow, KBlock};
 
 /// The four f16 lanes of `h` as f32 (`fcvtl`, base aarch64; the f16 intrinsics need a newer Rust
 /// than the project's minimum).
@@ -23,12 +23,6 @@ unsafe fn f16x4_to_f32(h: uint16x4_t) -> float32x4_t {
 #[inline]
 unsafe fn f16_splat(p: *const u8) -> float32x4_t {
     f16x4_to_f32(vdup_n_u16(u16::from_le(std::ptr::read_unaligned(p as *const u16))))
-}
-
-/// The f16 at `p` (any alignment) as f32.
-#[inline]
-unsafe fn f16_load(p: *const u8) -> f32 {
-    vgetq_lane_f32::<0>(f16_splat(p))
 }
 
 /// Quantizes one row per block of `block` (32 or 256) to 16-bit levels: `d = max|x| / max_level`,
@@ -240,24 +234,7 @@ unsafe fn k_rows_of<const T: u8, const R: usize>(ty: GgmlType, src: &[u8], a: &[
     let mut acc = [vdupq_n_f32(0.0); R];
     for b in 0..nb {
         let p = src.as_ptr().add(b * bytes);
-        match T {
-            DEC_Q4_K | DEC_Q5_K => {
-                w.d[0] = f16_load(p);
-                w.dcorr[0] = f16_load(p.add(2));
-                let (sc, m) = kiln_quant::unpack_scale_min_k4(std::slice::from_raw_parts(p.add(4), 12));
-                for g in 0..16 {
-                    w.sc[g] = i16::from(sc[g / 2]);
-                    w.corr[g] = i16::from(m[g / 2]);
-                }
-            }
-            DEC_Q6_K => {
-                w.d[0] = f16_load(p.add(208));
-                for g in 0..16 {
-                    w.sc[g] = i16::from(*p.add(192 + g) as i8);
-                }
-            }
-            _ => scalar::unpack_k(ty, std::slice::from_raw_parts(p, bytes), w.as_mut()),
-        }
+        w.read(ty, std::slice::from_raw_parts(p, bytes));
         let mut iacc = [[vdupq_n_s32(0); 2]; R];
         for c in 0..4 {
             let lv = k_levels::<T>(p, c, &w);
