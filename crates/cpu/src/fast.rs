@@ -87,14 +87,14 @@ pub struct KBlock {
     /// Correction per 16 elements, multiplied by the activations' 16-sums.
     pub corr: [i16; 16],
     /// Super-block scale.
-    pub d: [f32; 1],
+    pub d: f32,
     /// The multiplier of the corrections (`dmin`, or `d` for offset formats).
-    pub dcorr: [f32; 1],
+    pub dcorr: f32,
 }
 
 impl Default for KBlock {
     fn default() -> Self {
-        KBlock { q: [0; 256], sc: [0; 16], corr: [0; 16], d: [0.0], dcorr: [0.0] }
+        KBlock { q: [0; 256], sc: [0; 16], corr: [0; 16], d: 0.0, dcorr: 0.0 }
     }
 }
 
@@ -106,7 +106,7 @@ impl KBlock {
         let f16_at = |at: usize| kiln_quant::f16_to_f32(u16::from_le_bytes([b[at], b[at + 1]]));
         match ty {
             GgmlType::Q4_K | GgmlType::Q5_K => {
-                (self.d[0], self.dcorr[0]) = (f16_at(0), f16_at(2));
+                (self.d, self.dcorr) = (f16_at(0), f16_at(2));
                 let (sc, m) = kiln_quant::unpack_scale_min_k4(&b[4..16]);
                 for g in 0..16 {
                     self.sc[g] = i16::from(sc[g / 2]);
@@ -114,33 +114,14 @@ impl KBlock {
                 }
             }
             GgmlType::Q6_K => {
-                self.d[0] = f16_at(208);
+                self.d = f16_at(208);
                 for (g, sc) in self.sc.iter_mut().enumerate() {
                     *sc = i16::from(b[192 + g] as i8);
                 }
             }
-            _ => scalar::unpack_k(ty, b, self.as_mut()),
+            _ => scalar::unpack_k(ty, b, self),
         }
     }
-
-    /// The block as an unpack target.
-    pub fn as_mut(&mut self) -> KRowMut<'_> {
-        KRowMut { q: &mut self.q, sc: &mut self.sc, corr: &mut self.corr, d: &mut self.d, dcorr: &mut self.dcorr }
-    }
-}
-
-/// Mutable views of K-quant super-blocks being unpacked (`d.len()` of them).
-pub struct KRowMut<'a> {
-    /// Unsigned levels.
-    pub q: &'a mut [u8],
-    /// Scale per 16 elements.
-    pub sc: &'a mut [i16],
-    /// Correction per 16 elements.
-    pub corr: &'a mut [i16],
-    /// Super-block scale.
-    pub d: &'a mut [f32],
-    /// Super-block correction scale.
-    pub dcorr: &'a mut [f32],
 }
 
 /// Products of one packed weight row `src` (format `ty`, family `fam`) with the activation rows

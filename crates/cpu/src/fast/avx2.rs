@@ -269,7 +269,7 @@ unsafe fn k_rows_of<const T: u8, const R: usize>(ty: GgmlType, src: &[u8], a: &[
                 }
             }
         }
-        let dw = _mm256_set1_ps(w.d[0]);
+        let dw = _mm256_set1_ps(w.d);
         if T == DEC_Q6_K {
             // Signed levels: no correction.
             for r in 0..R {
@@ -280,7 +280,7 @@ unsafe fn k_rows_of<const T: u8, const R: usize>(ty: GgmlType, src: &[u8], a: &[
         }
         let c0 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(w.corr.as_ptr() as *const __m128i)));
         let c1 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(w.corr.as_ptr().add(8) as *const __m128i)));
-        let dc = _mm256_set1_ps(w.dcorr[0]);
+        let dc = _mm256_set1_ps(w.dcorr);
         for r in 0..R {
             let sp = a[r].sums.as_ptr().add(16 * b);
             let corr = _mm256_fmadd_ps(c1, _mm256_loadu_ps(sp.add(8)), _mm256_mul_ps(c0, _mm256_loadu_ps(sp)));

@@ -256,7 +256,7 @@ unsafe fn k_rows_of<const T: u8, const R: usize>(ty: GgmlType, src: &[u8], a: &[
         if T == DEC_Q6_K {
             // Signed levels: no correction.
             for r in 0..R {
-                acc[r] = vfmaq_n_f32(acc[r], prod(r), w.d[0] * *a[r].d.get_unchecked(b));
+                acc[r] = vfmaq_n_f32(acc[r], prod(r), w.d * *a[r].d.get_unchecked(b));
             }
             continue;
         }
@@ -268,14 +268,14 @@ unsafe fn k_rows_of<const T: u8, const R: usize>(ty: GgmlType, src: &[u8], a: &[
             vcvtq_f32_s32(vmovl_s16(vget_low_s16(c1))),
             vcvtq_f32_s32(vmovl_high_s16(c1)),
         ];
-        let dc = vdupq_n_f32(w.dcorr[0]);
+        let dc = vdupq_n_f32(w.dcorr);
         for r in 0..R {
             let sp = a[r].sums.as_ptr().add(16 * b);
             let mut corr = vmulq_f32(cf[0], vld1q_f32(sp));
             for (k, &cfk) in cf.iter().enumerate().skip(1) {
                 corr = vfmaq_f32(corr, cfk, vld1q_f32(sp.add(4 * k)));
             }
-            let v = vfmsq_f32(vmulq_n_f32(prod(r), w.d[0]), corr, dc);
+            let v = vfmsq_f32(vmulq_n_f32(prod(r), w.d), corr, dc);
             acc[r] = vfmaq_n_f32(acc[r], v, *a[r].d.get_unchecked(b));
         }
     }
