@@ -46,3 +46,77 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(v);
 }
 
+
+// Quantized activations (the matrix-vector kernels' input): a row of k floats (k a multiple of 32)
+// is stored as hi[k] and lo[k] (signed bytes), then one {float d, int sum} per 16 elements, with
+// x ≈ d * (254 * hi + lo): d = max|x| / 32258 per 32-element block (both of its 16-element
+// halves carry it) and sum = Σ (254 * hi + lo) over the 16. About 15 bits per value, so the
+// integer dot products (dp4a) lose about as much as the CPU's 16-bit activations.
+#define XQ_LEVELS 32258
+__device__ __forceinline__ u64 xq_bytes(int k) { return (u64)k * 5 / 2; }
+
+// Quantizes the warp's 32 consecutive elements of a row (lane i holds element e0 + i, e0 a
+// multiple of 32) into xq (the row's quantized form). Every lane of the warp must call it.
+__device__ __forceinline__ void quantize32(float y, u8* xq, int k, int e) {
+    float amax = warp_max(fabsf(y));
+    int v = amax > 0.f ? __float2int_rn(y * ((float)XQ_LEVELS / amax)) : 0;
+    v = max(-XQ_LEVELS, min(XQ_LEVELS, v));
+    int hi = __float2int_rn((float)v * (1.f / 254.f));
+    xq[e] = (u8)(i8)hi;
+    xq[k + e] = (u8)(i8)(v - 254 * hi);
+    int s = v;
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if ((threadIdx.x & 15) == 0) ((float2*)(xq + 2 * (u64)k))[e >> 4] = make_float2(amax / (float)XQ_LEVELS, __int_as_float(s));
+}
+
+// One row of a norm or norm pair over `k` elements (k <= per * blockDim.x; every input is read
+// before the first barrier): y = x / rms(x) * w1 (res null), or h = res + x / rms(x) * w1 and
+// y = h / rms(h) * w2. Writes y quantized to xq, h and y, each when given.
+template <int PER>
+__device__ __forceinline__ void norm_row(const float* x, const float* w1, const float* res, const float* w2, float eps, int k,
+                                         u8* xq, float* h, float* y_out, float* scratch) {
+    float v[PER], y[PER], ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        v[j] = i < k ? x[i] : 0.f;
+        y[j] = i < k && res ? res[i] : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < PER; j++) ss += v[j] * v[j];
+    ss = block_sum(ss, scratch);
+    float inv = 1.f / sqrtf(ss / (float)k + eps);
+    if (res) {
+        float ss2 = 0.f;
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            v[j] = i < k ? y[j] + v[j] * inv * w1[i] : 0.f;
+            ss2 += v[j] * v[j];
+        }
+        ss2 = block_sum(ss2, scratch);
+        float inv2 = 1.f / sqrtf(ss2 / (float)k + eps);
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            y[j] = i < k ? v[j] * inv2 * w2[i] : 0.f;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            y[j] = i < k ? v[j] * inv * w1[i] : 0.f;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        if (xq && i - (threadIdx.x & 31) < k) quantize32(y[j], xq, k, i);
+        if (i < k) {
+            if (h && res) h[i] = v[j];
+            if (y_out) y_out[i] = y[j];
+        }
+    }
+}
+

@@ -16,6 +16,13 @@ use crate::weights::{format_name, CudaWeights};
 const MATVEC_ROWS: usize = 8;
 /// Blocks of the first argmax phase per row.
 const ARGMAX_BLOCKS: usize = 64;
+/// Partial maxima per row of the greedy head's fused argmax (`ARGMAX_SLOTS` in quant.cu).
+const ARGMAX_SLOTS: usize = 256;
+/// Widest input a matrix-vector kernel normalises in its prologue (`MV_PRO_PER` values per thread).
+const PROLOGUE_MAX_K: usize = 16 * 32 * MATVEC_WARPS;
+/// Most output rows of a matrix-vector launch with a norm prologue (every block normalises the
+/// whole input again, so only for matrices of few rows).
+const PROLOGUE_MAX_ROWS: usize = 32768;
 
 /// Threads of an attention block (`ATT_WARPS` warps in attention.cu).
 const ATTENTION_THREADS: u32 = 512;
@@ -31,6 +38,16 @@ fn norm_threads(width: usize) -> u32 {
     width.next_multiple_of(32).min(512) as u32
 }
 
+/// A norm computed in a matrix-vector kernel's prologue: a plan `RmsNorm` step over whole rows
+/// without residual, or a post-norm with its residual add and the next pre-norm (two steps).
+#[derive(Clone, Copy, Debug)]
+enum Prologue {
+    /// One norm step.
+    Norm(usize),
+    /// A norm pair's two steps.
+    Pair(usize, usize),
+}
+
 /// One launch of an executable: a plan step, or consecutive steps fused into one kernel (decided
 /// once, when the plan is prepared, where the steps' slots allow it).
 #[derive(Debug)]
@@ -38,15 +55,28 @@ enum Op {
     /// One plan step.
     Step(usize),
     /// Consecutive matmuls of one format sharing their input (q/k/v, gate/up), and with `glu`
-    /// the `GeluMul` of the two that follows: one matrix-vector launch for few rows. With
-    /// `private_x` the input is read from the executable's copy (the `GeluMul` output may reuse
-    /// the input's words, which other warps still read).
-    MatVecs { steps: Vec<usize>, glu: Option<usize>, private_x: bool },
-    /// A post-norm with its residual add, then the next pre-norm of its output (also written to
-    /// the executable's private copy with `copy`).
-    NormPair { first: usize, second: usize, copy: bool },
+    /// the `GeluMul` of the two that follows: one matrix-vector launch for few rows. With `pro`
+    /// the input is the output of a norm (pair) that the kernel computes itself; `write_normed`:
+    /// the norm's output is also stored (a later step reads it).
+    MatVecs { steps: Vec<usize>, glu: Option<usize>, pro: Option<Prologue>, write_normed: bool },
+    /// A post-norm with its residual add, then the next pre-norm of its output.
+    NormPair { first: usize, second: usize },
     /// The per-head q and k norms and their RoPE.
     QkNormRope([usize; 4]),
+    /// The q/k norms and RoPE (the four steps) computed inside the attention step (one-row plans).
+    AttentionQk { qk: [usize; 4], attention: usize },
+}
+
+/// A launch and how its matrix-vector input and output are quantized.
+#[derive(Debug)]
+struct Launch {
+    op: Op,
+    /// The quantized-activation buffer this launch also writes its output to (the next launch's
+    /// matrix-vector input).
+    quant_out: Option<usize>,
+    /// For a matrix-vector launch: the buffer holding its input already quantized (none: a
+    /// quantize kernel runs first, into buffer 0).
+    xq_in: Option<usize>,
 }
 
 /// Whether two slots share a word.
@@ -66,48 +96,299 @@ fn fusable(writes: &[Slot], reads: &[Slot], same: &[(usize, usize)]) -> bool {
             .all(|(wi, w)| reads.iter().enumerate().all(|(ri, r)| !overlaps(*w, *r) || (w.offset == r.offset && same.contains(&(wi, ri)))))
 }
 
-/// The launches of `plan`: fused groups where the pattern and the slots allow, else single steps.
-fn lower(plan: &Plan, weights: &CudaWeights) -> Result<Vec<Op>, RuntimeError> {
+/// The arena slots a kernel reads.
+fn reads(k: &Kernel) -> Vec<Slot> {
+    match *k {
+        Kernel::Embed { ids, .. } => vec![ids],
+        Kernel::RmsNorm { x, residual, .. } => std::iter::once(x).chain(residual).collect(),
+        Kernel::Normalize { x, .. }
+        | Kernel::Scale { x, .. }
+        | Kernel::MatMul { x, .. }
+        | Kernel::MatMulArgmax { x, .. }
+        | Kernel::AddBias { x, .. }
+        | Kernel::Gelu { x, .. }
+        | Kernel::Silu { x, .. }
+        | Kernel::SoftCap { x, .. }
+        | Kernel::LastRow { x, .. }
+        | Kernel::Argmax { x, .. } => vec![x],
+        Kernel::Rope { x, positions, .. } | Kernel::RopeScaled { x, positions, .. } => vec![x, positions],
+        Kernel::Attention { q, k, v, .. } | Kernel::AttentionSoftCap { q, k, v, .. } => vec![q, k, v],
+        Kernel::Add { a, b, .. } | Kernel::Mul { a, b, .. } => vec![a, b],
+        Kernel::GeluMul { gate, up, .. } | Kernel::SiluMul { gate, up, .. } => vec![gate, up],
+    }
+}
+
+/// Whether a step after `from` (or a plan output) reads a word of `s`.
+fn read_after(plan: &Plan, from: usize, s: Slot) -> bool {
+    plan.steps[from + 1..].iter().any(|st| reads(&st.kernel).iter().any(|r| overlaps(*r, s)))
+        || plan.outputs.iter().any(|o| overlaps(o.slot, s))
+}
+
+/// The launches of `plan`: fused groups where the pattern and the slots allow, else single steps;
+/// then, in plans of at most `MATVEC_ROWS` rows, norms moved into the prologue of the
+/// matrix-vector launch that follows, and producers of matrix-vector inputs writing them quantized.
+fn lower(plan: &Plan, weights: &CudaWeights) -> Result<Vec<Launch>, RuntimeError> {
     let steps = &plan.steps;
     let mut ops = Vec::with_capacity(steps.len());
     let mut i = 0;
     while i < steps.len() {
         let (op, used) = fuse_at(steps, i, weights)?.unwrap_or((Op::Step(i), 1));
-        // gate/up and GeluMul whose output may reuse the input's words: fused when the input
-        // comes from the norm pair just before, which then also writes the private copy.
-        if let (Op::MatVecs { steps: group, glu: None, .. }, Some(Op::NormPair { second, copy, .. })) = (&op, ops.last_mut()) {
-            if let (
-                [g, u],
-                Kernel::RmsNorm { out: normed, .. },
-                Some(&Kernel::MatMul { x, out: gate, .. }),
-                Some(&Kernel::MatMul { out: up, .. }),
-                Some(Step { kernel: Kernel::GeluMul { gate: g2, up: u2, out, .. }, rows }),
-            ) = (
-                group.as_slice(),
-                &steps[*second].kernel,
-                steps.get(i).map(|s| &s.kernel),
-                steps.get(i + 1).map(|s| &s.kernel),
-                steps.get(i + 2),
-            ) {
-                if x == *normed
-                    && *g2 == gate
-                    && *u2 == up
-                    && *rows == steps[*g].rows
-                    && *g + 1 == *u
-                    && fusable(&[gate, up, *out], &[], &[])
-                {
-                    *copy = true;
-                    let fused = Op::MatVecs { steps: group.clone(), glu: Some(i + 2), private_x: true };
-                    ops.push(fused);
-                    i += used + 1;
-                    continue;
-                }
-            }
-        }
         ops.push(op);
         i += used;
     }
-    Ok(ops)
+    let small = plan.rows() <= MATVEC_ROWS;
+    // q/k norms and RoPE inside attention (one-row plans; their outputs read by attention only).
+    if plan.rows() == 1 {
+        let mut out = Vec::with_capacity(ops.len());
+        let mut it = ops.into_iter().peekable();
+        while let Some(op) = it.next() {
+            if let (Op::QkNormRope(qk), Some(Op::Step(t))) = (&op, it.peek()) {
+                let (t, qk) = (*t, *qk);
+                if let (
+                    Kernel::Attention { q, k, head_dim, .. },
+                    Kernel::RmsNorm { out: qn, .. },
+                    Kernel::RmsNorm { out: kn, .. },
+                    Kernel::Rope { out: qr, .. },
+                    Kernel::Rope { out: kr, .. },
+                ) = (&steps[t].kernel, &steps[qk[0]].kernel, &steps[qk[1]].kernel, &steps[qk[2]].kernel, &steps[qk[3]].kernel)
+                {
+                    if q == qr
+                        && k == kr
+                        && head_dim.is_multiple_of(64)
+                        && *head_dim <= 256
+                        && [*qn, *kn, *qr, *kr].iter().all(|s| !read_after(plan, t, *s))
+                    {
+                        it.next();
+                        out.push(Op::AttentionQk { qk, attention: t });
+                        continue;
+                    }
+                }
+            }
+            out.push(op);
+        }
+        ops = out;
+    }
+    // Norms into the prologue of the matrix-vector launch reading their output.
+    if small {
+        let mut out: Vec<Op> = Vec::with_capacity(ops.len());
+        for op in ops {
+            let op = match op {
+                Op::Step(t) if matches!(steps[t].kernel, Kernel::MatMul { .. }) => {
+                    Op::MatVecs { steps: vec![t], glu: None, pro: None, write_normed: false }
+                }
+                op => op,
+            };
+            if let (Op::MatVecs { steps: group, glu, pro: None, .. }, Some(prev)) = (&op, out.last()) {
+                if let Some((pro, write_normed)) = prologue_for(plan, weights, prev, group, *glu)? {
+                    let (group, glu) = (group.clone(), *glu);
+                    out.pop();
+                    out.push(Op::MatVecs { steps: group, glu, pro: Some(pro), write_normed });
+                    continue;
+                }
+            }
+            out.push(op);
+        }
+        ops = out;
+    }
+    let mut launches: Vec<Launch> = ops.into_iter().map(|op| Launch { op, quant_out: None, xq_in: None }).collect();
+    if small {
+        let max_k = max_matmul_k(plan);
+        // Which slot's values each quantized buffer holds, launch by launch.
+        let mut held: [Option<Slot>; 2] = [None, None];
+        for l in &mut launches {
+            if let Some(x) = matvec_input(plan, &l.op) {
+                // A GeluMul launch writes buffer 1 while reading its input: never from buffer 1.
+                let glu = matches!(l.op, Op::MatVecs { glu: Some(_), .. });
+                l.xq_in = (0..2).find(|&b| held[b] == Some(x) && !(glu && b == 1));
+                if l.xq_in.is_none() {
+                    held[0] = Some(x);
+                }
+            }
+            let written = op_writes(plan, &l.op);
+            for h in &mut held {
+                if h.is_some_and(|s| written.iter().any(|w| overlaps(*w, s))) {
+                    *h = None;
+                }
+            }
+            let produced = match l.op {
+                Op::NormPair { second, .. } => Some((out_of(&steps[second].kernel), 0)),
+                Op::Step(t) => match steps[t].kernel {
+                    Kernel::RmsNorm { weight, width, out, .. } if weights.vector(weight)?.bytes() / 4 == width => Some((Some(out), 0)),
+                    Kernel::Attention { out, .. } => Some((Some(out), 0)),
+                    _ => None,
+                },
+                Op::AttentionQk { attention, .. } => Some((out_of(&steps[attention].kernel), 0)),
+                Op::MatVecs { glu: Some(g), ref steps, .. } => match plan.steps[steps[0]].kernel {
+                    Kernel::MatMul { n, .. } if n.is_multiple_of(32) => Some((out_of(&plan.steps[g].kernel), 1)),
+                    _ => None,
+                },
+                _ => None,
+            };
+            // (The buffers hold rows of the widest matrix input.)
+            if let Some((Some(out), b)) = produced.filter(|_| launch_width(plan, &l.op) <= max_k) {
+                l.quant_out = Some(b);
+                held[b] = Some(out);
+            }
+            // A prologue whose norm output is read later also stores it quantized in buffer 0.
+            if let Op::MatVecs { pro: Some(p), write_normed: true, .. } = l.op {
+                let second = match p {
+                    Prologue::Norm(t) | Prologue::Pair(_, t) => t,
+                };
+                held[0] = out_of(&steps[second].kernel);
+            }
+        }
+    }
+    Ok(launches)
+}
+
+/// The widest matrix input of a plan (at least 32).
+fn max_matmul_k(plan: &Plan) -> usize {
+    plan.steps
+        .iter()
+        .filter_map(|st| match st.kernel {
+            Kernel::MatMul { k, .. } | Kernel::MatMulArgmax { k, .. } => Some(k),
+            _ => None,
+        })
+        .fold(32, usize::max)
+}
+
+/// Elements per row of the value a producer launch may quantize.
+fn launch_width(plan: &Plan, op: &Op) -> usize {
+    let last = match op {
+        Op::Step(t) => *t,
+        Op::NormPair { second, .. } => *second,
+        Op::AttentionQk { attention, .. } => *attention,
+        Op::MatVecs { glu: Some(g), .. } => *g,
+        _ => return usize::MAX,
+    };
+    match plan.steps[last].kernel {
+        Kernel::RmsNorm { width, .. } | Kernel::GeluMul { width, .. } => width,
+        Kernel::Attention { q_heads, head_dim, .. } => q_heads * head_dim,
+        _ => usize::MAX,
+    }
+}
+
+/// The arena slots a launch writes.
+fn op_writes(plan: &Plan, op: &Op) -> Vec<Slot> {
+    let s = &plan.steps;
+    let idx: Vec<usize> = match op {
+        Op::Step(t) => vec![*t],
+        Op::MatVecs { steps, glu, pro, .. } => {
+            let p = match pro {
+                Some(Prologue::Norm(t)) => vec![*t],
+                Some(Prologue::Pair(a, b)) => vec![*a, *b],
+                None => vec![],
+            };
+            steps.iter().chain(glu).chain(&p).copied().collect()
+        }
+        Op::NormPair { first, second } => vec![*first, *second],
+        Op::QkNormRope(q) => q.to_vec(),
+        Op::AttentionQk { qk, attention } => qk.iter().chain(std::iter::once(attention)).copied().collect(),
+    };
+    idx.iter().map(|&t| kernel_out(&s[t].kernel)).collect()
+}
+
+/// The slot a kernel writes.
+fn kernel_out(k: &Kernel) -> Slot {
+    match *k {
+        Kernel::Embed { out, .. }
+        | Kernel::RmsNorm { out, .. }
+        | Kernel::Normalize { out, .. }
+        | Kernel::Scale { out, .. }
+        | Kernel::MatMul { out, .. }
+        | Kernel::MatMulArgmax { out, .. }
+        | Kernel::Rope { out, .. }
+        | Kernel::RopeScaled { out, .. }
+        | Kernel::Attention { out, .. }
+        | Kernel::AttentionSoftCap { out, .. }
+        | Kernel::Add { out, .. }
+        | Kernel::AddBias { out, .. }
+        | Kernel::Mul { out, .. }
+        | Kernel::Gelu { out, .. }
+        | Kernel::GeluMul { out, .. }
+        | Kernel::Silu { out, .. }
+        | Kernel::SiluMul { out, .. }
+        | Kernel::SoftCap { out, .. }
+        | Kernel::LastRow { out, .. }
+        | Kernel::Argmax { out, .. } => out,
+    }
+}
+
+/// The output slot of a norm, attention or `GeluMul` kernel.
+fn out_of(k: &Kernel) -> Option<Slot> {
+    match *k {
+        Kernel::RmsNorm { out, .. } | Kernel::Attention { out, .. } | Kernel::GeluMul { out, .. } => Some(out),
+        _ => None,
+    }
+}
+
+/// The input slot of a matrix-vector launch that reads quantized activations from a buffer.
+fn matvec_input(plan: &Plan, op: &Op) -> Option<Slot> {
+    match op {
+        Op::MatVecs { steps, pro: None, .. } => match plan.steps[steps[0]].kernel {
+            Kernel::MatMul { x, .. } => Some(x),
+            _ => None,
+        },
+        Op::Step(t) => match plan.steps[*t].kernel {
+            Kernel::MatMul { x, .. } | Kernel::MatMulArgmax { x, .. } => Some(x),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// The prologue replacing launch `prev` (a norm or norm pair) for the matrix-vector group `group`
+/// (and its `glu`), if it applies, and whether the norm's output must still be stored.
+fn prologue_for(
+    plan: &Plan,
+    weights: &CudaWeights,
+    prev: &Op,
+    group: &[usize],
+    glu: Option<usize>,
+) -> Result<Option<(Prologue, bool)>, RuntimeError> {
+    let steps = &plan.steps;
+    let (pro, normed, reads, writes_h) = match *prev {
+        Op::NormPair { first, second } => match (&steps[first].kernel, &steps[second].kernel) {
+            (Kernel::RmsNorm { x, out: h, residual: Some(r), .. }, Kernel::RmsNorm { out, .. }) => {
+                (Prologue::Pair(first, second), *out, vec![*x, *r], Some(*h))
+            }
+            _ => return Ok(None),
+        },
+        Op::Step(t) => match steps[t].kernel {
+            Kernel::RmsNorm { x, weight, out, width, residual: None, .. } if weights.vector(weight)?.bytes() / 4 == width => {
+                (Prologue::Norm(t), out, vec![x], None)
+            }
+            _ => return Ok(None),
+        },
+        _ => return Ok(None),
+    };
+    let mut outs = Vec::new();
+    let mut total = 0;
+    for &t in group {
+        let Kernel::MatMul { x, out, k, n, .. } = steps[t].kernel else { return Ok(None) };
+        if x != normed || k > PROLOGUE_MAX_K || steps[t].rows != steps[group[0]].rows {
+            return Ok(None);
+        }
+        outs.push(out);
+        total += n;
+    }
+    if let Some(g) = glu {
+        outs.extend(out_of(&steps[g].kernel));
+    }
+    let last = glu.unwrap_or(group[group.len() - 1]);
+    let write_normed = read_after(plan, last, normed);
+    // Every block reads the norm's inputs while others write the products; the norm's own
+    // outputs are written by the last block to finish reading.
+    let mut own: Vec<Slot> = writes_h.into_iter().collect();
+    if write_normed {
+        own.push(normed);
+    }
+    let all: Vec<Slot> = outs.iter().chain(&own).copied().collect();
+    let ok = total <= PROLOGUE_MAX_ROWS
+        && fusable(&all, &[], &[])
+        && outs.iter().all(|o| reads.iter().all(|r| !overlaps(*o, *r)))
+        && own.iter().all(|o| reads.iter().all(|r| !overlaps(*o, *r) || o.offset == r.offset));
+    Ok(ok.then_some((pro, write_normed)))
 }
 
 /// A fused launch starting at step `i` and how many steps it covers, if one applies.
@@ -127,13 +408,14 @@ fn fuse_at(steps: &[Step], i: usize, weights: &CudaWeights) -> Result<Option<(Op
                 }
             }
             if let (2, Some(&Kernel::GeluMul { gate, up, out, .. })) = (group.len(), at(i + 2)) {
-                if gate == outs[0] && up == outs[1] && fusable(&[outs[0], outs[1], out], &[x], &[]) {
-                    return Ok(Some((Op::MatVecs { steps: group, glu: Some(i + 2), private_x: false }, 3)));
+                // The matrix-vector kernel reads x quantized (a copy); cuBLAS runs the steps in order.
+                if gate == outs[0] && up == outs[1] && fusable(&[outs[0], outs[1], out], &[], &[]) {
+                    return Ok(Some((Op::MatVecs { steps: group, glu: Some(i + 2), pro: None, write_normed: false }, 3)));
                 }
             }
             if group.len() > 1 && fusable(&outs, &[x], &[]) {
                 let n = group.len();
-                return Ok(Some((Op::MatVecs { steps: group, glu: None, private_x: false }, n)));
+                return Ok(Some((Op::MatVecs { steps: group, glu: None, pro: None, write_normed: false }, n)));
             }
         }
         Kernel::RmsNorm { x, weight, out: h, width, eps, residual: Some(r) } => {
@@ -142,7 +424,7 @@ fn fuse_at(steps: &[Step], i: usize, weights: &CudaWeights) -> Result<Option<(Op
                 if x2 == h && width2 == width && eps2 == eps && width <= NORM_MAX && whole(weight)? && whole(w2)? {
                     // The output may reuse x's or the residual's words (one block per row reads its row first).
                     if fusable(&[h, out], &[x, r], &[(1, 0), (1, 1)]) {
-                        return Ok(Some((Op::NormPair { first: i, second: i + 1, copy: false }, 2)));
+                        return Ok(Some((Op::NormPair { first: i, second: i + 1 }, 2)));
                     }
                 }
             }
@@ -194,9 +476,67 @@ pub struct CudaExecutable {
     graph: Option<CapturedStep>,
     use_graphs: bool,
     /// The launches, fused where possible.
-    ops: Vec<Op>,
-    /// Private copy of a fused norm pair's output, read by a fused gate/up/GeluMul launch.
-    private_x: Option<DeviceBuffer>,
+    launches: Vec<Launch>,
+    /// Two buffers of quantized matrix-vector inputs (`MATVEC_ROWS` rows of the widest input).
+    xq: Vec<DeviceBuffer>,
+    /// Zeroed counters and argmax slots of the fused kernels (each kernel leaves them zeroed):
+    /// `MATVEC_ROWS * ARGMAX_SLOTS` keys, `MATVEC_ROWS` flags, the prologue and argmax arrival
+    /// counters, then the per-32-row counters of the quantized `GeluMul` outputs.
+    sync: DeviceBuffer,
+}
+
+/// Byte offsets in `CudaExecutable::sync`.
+const SYNC_FLAGS: u64 = (MATVEC_ROWS * ARGMAX_SLOTS * 8) as u64;
+const SYNC_PRO: u64 = SYNC_FLAGS + 4 * MATVEC_ROWS as u64;
+const SYNC_ARGMAX: u64 = SYNC_PRO + 4;
+const SYNC_GLU: u64 = SYNC_ARGMAX + 4;
+
+/// Bytes of one row of `k` quantized activations (`xq_bytes` in common.cuh).
+fn xq_bytes(k: usize) -> usize {
+    k * 5 / 2
+}
+
+/// Device addresses and constants of a norm prologue (0: absent).
+#[derive(Clone, Copy)]
+struct PrologueArgs {
+    x: u64,
+    w1: u64,
+    residual: u64,
+    h: u64,
+    w2: u64,
+    out: u64,
+    eps: f32,
+}
+
+/// The raw q/k projections, norm weights and RoPE of a fused attention launch.
+#[derive(Clone, Copy)]
+struct QkArgs {
+    q: u64,
+    k: u64,
+    wq: u64,
+    wk: u64,
+    positions: u64,
+    theta: f32,
+    eps: f32,
+}
+
+/// One matrix-vector launch: up to three matrices of one format (with their outputs) over `rows`
+/// rows of the quantized input `xq`; `glu`: the `GeluMul` output of two matrices (quantized into
+/// `gq` too when not 0); `pro`: the input is a norm computed in the prologue; `argmax` (not 0):
+/// only the argmax of each row is written there.
+struct MatVecArgs<'a> {
+    xq: u64,
+    mats: &'a [(WeightId, u64)],
+    glu: u64,
+    gq: u64,
+    rows: usize,
+    pro: Option<&'a PrologueArgs>,
+    argmax: u64,
+}
+
+/// Input width of a matrix-vector group.
+fn mats_k(weights: &CudaWeights, mats: &[(WeightId, u64)]) -> Result<usize, RuntimeError> {
+    Ok(weights.matrix(mats[0].0)?.k)
 }
 
 /// Rows of a step that runs over `active` rows.
@@ -251,20 +591,21 @@ impl CudaExecutable {
         let step = DeviceBuffer::new(&device.ctx, (2 + plan.rows()) * 4)?;
         let argmax_rows = plan.rows();
         let head = DeviceBuffer::new(&device.ctx, (head_values + 2 * ARGMAX_BLOCKS * argmax_rows) * 4)?;
-        let ops = lower(&plan, &weights)?;
-        tracing::debug!("{} steps in {} launches", plan.steps.len(), ops.len());
-        let copy_width = ops
-            .iter()
-            .filter_map(|op| match op {
-                Op::NormPair { first, copy: true, .. } => match plan.steps[*first].kernel {
-                    Kernel::RmsNorm { width, .. } => Some(width),
-                    _ => None,
-                },
-                _ => None,
-            })
-            .max();
-        let private_x = copy_width.map(|w| DeviceBuffer::new(&device.ctx, plan.rows() * w * 4)).transpose()?;
-        Ok(CudaExecutable { plan, weights, device, arena, step, head, head_values, vocab, graph: None, use_graphs, ops, private_x })
+        let launches = lower(&plan, &weights)?;
+        tracing::debug!("{} steps in {} launches", plan.steps.len(), launches.len());
+        let max_k = max_matmul_k(&plan);
+        let max_n = plan.steps.iter().filter_map(|st| if let Kernel::MatMul { n, .. } = st.kernel { Some(n) } else { None }).fold(32, usize::max);
+        let xq = (0..2).map(|_| DeviceBuffer::new(&device.ctx, MATVEC_ROWS * xq_bytes(max_k))).collect::<Result<Vec<_>, _>>()?;
+        let sync_bytes = SYNC_GLU as usize + 4 * MATVEC_ROWS * max_n.div_ceil(32);
+        let sync = DeviceBuffer::new(&device.ctx, sync_bytes)?;
+        {
+            let _guard = device.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
+            device.ctx.bind_to_thread().map_err(cuda_err)?;
+            // SAFETY: `sync` holds `sync_bytes` bytes.
+            unsafe { cudarc::driver::result::memset_d8_async(sync.ptr(), 0, sync_bytes, device.stream.cu_stream()) }.map_err(cuda_err)?;
+            device.sync()?;
+        }
+        Ok(CudaExecutable { plan, weights, device, arena, step, head, head_values, vocab, graph: None, use_graphs, launches, xq, sync })
     }
 
     fn slot(&self, s: Slot) -> u64 {
@@ -276,14 +617,15 @@ impl CudaExecutable {
         let d = &*self.device;
         let (tokens, positions) = (self.input("tokens"), self.input("positions"));
         d.launch("set_inputs", (n.div_ceil(256) as u32, 1), 256, &[Arg::U64(self.step.ptr()), Arg::U64(tokens), Arg::U64(positions)])?;
-        for op in &self.ops {
-            match op {
-                Op::Step(i) => self.enqueue_step(*i, n, kv, scratch)?,
-                Op::MatVecs { steps, glu, private_x } => {
+        for l in &self.launches {
+            let quant_out = l.quant_out.map_or(0, |b| self.xq[b].ptr());
+            match &l.op {
+                Op::Step(i) => self.enqueue_step(*i, n, kv, scratch, quant_out, l.xq_in)?,
+                Op::MatVecs { steps, glu, pro, write_normed } => {
                     let rows = rows_of(self.plan.steps[steps[0]].rows, n);
                     if rows > MATVEC_ROWS {
                         for &i in steps.iter().chain(glu) {
-                            self.enqueue_step(i, n, kv, scratch)?;
+                            self.enqueue_step(i, n, kv, scratch, 0, None)?;
                         }
                         continue;
                     }
@@ -299,12 +641,18 @@ impl CudaExecutable {
                         Some(&Kernel::GeluMul { out, .. }) => self.slot(out),
                         _ => 0,
                     };
-                    if *private_x {
-                        x = self.private_x.as_ref().map_or(0, |b| b.ptr());
-                    }
-                    self.matvecs(x, &mats, glu, rows)?;
+                    let pro = match pro {
+                        Some(p) => Some(self.prologue_args(*p, *write_normed)?),
+                        None => None,
+                    };
+                    let xq = match (&pro, l.xq_in) {
+                        (Some(_), _) => 0,
+                        (None, Some(b)) => self.xq[b].ptr(),
+                        (None, None) => self.quantize(x, mats_k(&self.weights, &mats)?, rows)?,
+                    };
+                    self.matvecs(MatVecArgs { xq, mats: &mats, glu, gq: quant_out, rows, pro: pro.as_ref(), argmax: 0 })?;
                 }
-                &Op::NormPair { first: a, second: b, copy } => {
+                &Op::NormPair { first: a, second: b } => {
                     let (Kernel::RmsNorm { x, weight, out: h, width, eps, residual: Some(r) }, Kernel::RmsNorm { weight: w2, out, .. }) =
                         (&self.plan.steps[a].kernel, &self.plan.steps[b].kernel)
                     else {
@@ -322,7 +670,7 @@ impl CudaExecutable {
                             Arg::U64(self.slot(*h)),
                             Arg::U64(self.weights.vector(*w2)?.ptr()),
                             Arg::U64(self.slot(*out)),
-                            Arg::U64(if copy { self.private_x.as_ref().map_or(0, |b| b.ptr()) } else { 0 }),
+                            Arg::U64(quant_out),
                             Arg::I32(*width as i32),
                             Arg::F32(*eps),
                         ],
@@ -362,6 +710,27 @@ impl CudaExecutable {
                         ],
                     )?;
                 }
+                &Op::AttentionQk { qk: [a, b, c, _], attention } => {
+                    let s = &self.plan.steps;
+                    let (
+                        Kernel::RmsNorm { x: q, weight: wq, eps, .. },
+                        Kernel::RmsNorm { x: k, weight: wk, .. },
+                        Kernel::Rope { positions, theta, .. },
+                    ) = (&s[a].kernel, &s[b].kernel, &s[c].kernel)
+                    else {
+                        return Err(cuda_err("a fused q/k norm and RoPE is not two norms and two RoPEs"));
+                    };
+                    let qk = QkArgs {
+                        q: self.slot(*q),
+                        k: self.slot(*k),
+                        wq: self.weights.vector(*wq)?.ptr(),
+                        wk: self.weights.vector(*wk)?.ptr(),
+                        positions: self.slot(*positions),
+                        theta: *theta,
+                        eps: *eps,
+                    };
+                    self.attention(attention, n, kv, Some(qk), quant_out)?;
+                }
             }
         }
         Ok(())
@@ -371,36 +740,90 @@ impl CudaExecutable {
         self.plan.inputs.iter().find(|i| i.name == name).map_or(0, |i| self.slot(i.slot))
     }
 
-    /// `out_i[r] = x[r] · W_iᵀ` for up to three matrices of one format sharing `x`, for at most
-    /// `MATVEC_ROWS` rows, in one launch; with `glu` (two matrices) also `glu = gelu(out_0) * out_1`.
-    fn matvecs(&self, x: u64, mats: &[(WeightId, u64)], glu: u64, rows: usize) -> Result<(), RuntimeError> {
-        let ms = mats.iter().map(|&(w, _)| self.weights.matrix(w)).collect::<Result<Vec<_>, _>>()?;
+    /// The kernel arguments of a norm prologue.
+    fn prologue_args(&self, pro: Prologue, write_normed: bool) -> Result<PrologueArgs, RuntimeError> {
+        let s = &self.plan.steps;
+        Ok(match pro {
+            Prologue::Norm(t) => {
+                let Kernel::RmsNorm { x, weight, out, eps, .. } = s[t].kernel else { return Err(cuda_err("a prologue is not a norm")) };
+                PrologueArgs {
+                    x: self.slot(x),
+                    w1: self.weights.vector(weight)?.ptr(),
+                    residual: 0,
+                    h: 0,
+                    w2: 0,
+                    out: if write_normed { self.slot(out) } else { 0 },
+                    eps,
+                }
+            }
+            Prologue::Pair(a, b) => {
+                let (Kernel::RmsNorm { x, weight, out: h, eps, residual: Some(r), .. }, Kernel::RmsNorm { weight: w2, out, .. }) =
+                    (&s[a].kernel, &s[b].kernel)
+                else {
+                    return Err(cuda_err("a prologue is not a norm pair"));
+                };
+                PrologueArgs {
+                    x: self.slot(*x),
+                    w1: self.weights.vector(*weight)?.ptr(),
+                    residual: self.slot(*r),
+                    h: self.slot(*h),
+                    w2: self.weights.vector(*w2)?.ptr(),
+                    out: if write_normed { self.slot(*out) } else { 0 },
+                    eps: *eps,
+                }
+            }
+        })
+    }
+
+    /// Quantizes `rows` rows of `k` activations at `x` into buffer 0; returns its address.
+    fn quantize(&self, x: u64, k: usize, rows: usize) -> Result<u64, RuntimeError> {
+        let xq = self.xq[0].ptr();
+        let blocks = (rows * k).div_ceil(256) as u32;
+        self.device.launch("quantize_rows", (blocks, 1), 256, &[Arg::U64(x), Arg::U64(xq), Arg::I32(k as i32), Arg::I32(rows as i32)])?;
+        Ok(xq)
+    }
+
+    /// One matrix-vector launch (see `MatVecArgs`).
+    fn matvecs(&self, a: MatVecArgs<'_>) -> Result<(), RuntimeError> {
+        let ms = a.mats.iter().map(|&(w, _)| self.weights.matrix(w)).collect::<Result<Vec<_>, _>>()?;
         let m = ms[0];
         let fmt = format_name(m.ty).ok_or_else(|| cuda_err(format!("no kernels for {:?}", m.ty)))?;
         let total: usize = ms.iter().map(|m| m.n).sum();
-        let (kernel, per_warp) = if rows == 1 && total >= MATVEC4_MIN_ROWS { ("matvec4", 4) } else { ("matvec", 2) };
-        let groups = if glu != 0 { m.n.div_ceil(per_warp / 2) } else { total.div_ceil(per_warp) };
+        let (kernel, per_warp) = if a.rows == 1 && total >= MATVEC4_MIN_ROWS { ("matvec4", 4) } else { ("matvec", 2) };
+        let groups = if a.glu != 0 { m.n.div_ceil(per_warp / 2) } else { total.div_ceil(per_warp) };
         // Long rows are split over 2 or 4 warps (more loads in flight per output row).
         let split = match m.k / 32 {
             c if c >= 128 => 4,
             c if c >= 64 => 2,
             _ => 1,
         };
-        let mut args = Vec::with_capacity(14);
+        let sync = self.sync.ptr();
+        let p = a.pro.copied().unwrap_or(PrologueArgs { x: 0, w1: 0, residual: 0, h: 0, w2: 0, out: 0, eps: 0.0 });
+        let mut args = Vec::with_capacity(28);
         args.extend((0..3).map(|i| Arg::U64(ms.get(i).map_or(0, |m| m.buf.ptr()))));
         args.push(Arg::U64(m.row_bytes as u64));
         args.extend((0..3).map(|i| Arg::I32(ms.get(i).map_or(0, |m| m.n as i32))));
-        args.extend((0..3).map(|i| Arg::U64(mats.get(i).map_or(0, |m| m.1))));
-        args.extend([Arg::U64(glu), Arg::U64(x), Arg::I32(m.k as i32), Arg::I32(rows as i32), Arg::I32(split as i32)]);
+        args.extend((0..3).map(|i| Arg::U64(a.mats.get(i).map_or(0, |m| m.1))));
+        args.extend([Arg::U64(a.glu), Arg::U64(a.xq), Arg::I32(m.k as i32), Arg::I32(a.rows as i32), Arg::I32(split as i32)]);
+        args.extend([Arg::U64(a.gq), Arg::U64(sync + SYNC_GLU)]);
+        args.extend([Arg::U64(p.x), Arg::U64(p.w1), Arg::U64(p.residual), Arg::U64(p.h), Arg::U64(p.w2), Arg::U64(p.out)]);
+        args.push(Arg::U64(if p.out != 0 { self.xq[0].ptr() } else { 0 }));
+        args.extend([Arg::U64(sync + SYNC_PRO), Arg::F32(p.eps), Arg::U64(sync), Arg::U64(a.argmax), Arg::U64(sync + SYNC_ARGMAX)]);
         let blocks = groups.div_ceil(MATVEC_WARPS / split);
-        self.device.launch(&format!("{kernel}_{fmt}"), (blocks as u32, 1), 32 * MATVEC_WARPS as u32, &args)
+        let shared = if a.pro.is_some() { a.rows * xq_bytes(m.k) } else { 0 };
+        self.device.launch_shared(&format!("{kernel}_{fmt}"), (blocks as u32, 1), 32 * MATVEC_WARPS as u32, shared as u32, &args)
     }
 
     /// `out[r] = x[r] · Wᵀ` for `rows` rows: matrix-vector kernels for few rows, else the weight
     /// dequantized to f32 and one cuBLAS GEMM.
-    fn matmul(&self, x: u64, w: WeightId, out: u64, rows: usize, scratch: &mut Scratch) -> Result<(), RuntimeError> {
+    /// `xq_in`: the buffer holding x already quantized (else it is quantized first).
+    fn matmul(&self, x: u64, w: WeightId, out: u64, rows: usize, scratch: &mut Scratch, xq_in: Option<usize>) -> Result<(), RuntimeError> {
         if rows <= MATVEC_ROWS {
-            return self.matvecs(x, &[(w, out)], 0, rows);
+            let xq = match xq_in {
+                Some(b) => self.xq[b].ptr(),
+                None => self.quantize(x, self.weights.matrix(w)?.k, rows)?,
+            };
+            return self.matvecs(MatVecArgs { xq, mats: &[(w, out)], glu: 0, gq: 0, rows, pro: None, argmax: 0 });
         }
         let d = &*self.device;
         let m = self.weights.matrix(w)?;
@@ -465,7 +888,17 @@ impl CudaExecutable {
     }
 
     /// Enqueues plan step `i` for `active` rows.
-    fn enqueue_step(&self, i: usize, active: usize, kv: &CudaKvCache, scratch: &mut Scratch) -> Result<(), RuntimeError> {
+    /// `quant_out`: the buffer its output is also written to quantized (0: none); `xq_in`: for a
+    /// matrix product, the buffer holding its input quantized.
+    fn enqueue_step(
+        &self,
+        i: usize,
+        active: usize,
+        kv: &CudaKvCache,
+        scratch: &mut Scratch,
+        quant_out: u64,
+        xq_in: Option<usize>,
+    ) -> Result<(), RuntimeError> {
         let step = &self.plan.steps[i];
         let (kernel, rows) = (&step.kernel, rows_of(step.rows, active));
         let d = &*self.device;
@@ -506,13 +939,24 @@ impl CudaExecutable {
                         Arg::U64(self.slot(out)),
                         Arg::I32(group as i32),
                         Arg::F32(eps),
+                        Arg::U64(if group == width { quant_out } else { 0 }),
                     ],
                 )?;
             }
-            Kernel::MatMul { x, w: wid, out, .. } => self.matmul(self.slot(x), wid, self.slot(out), rows, scratch)?,
+            Kernel::MatMul { x, w: wid, out, .. } => self.matmul(self.slot(x), wid, self.slot(out), rows, scratch, xq_in)?,
             Kernel::MatMulArgmax { x, w: wid, out, n, .. } => {
-                self.matmul(self.slot(x), wid, self.head.ptr(), rows, scratch)?;
-                self.argmax(self.head.ptr(), self.slot(out), rows, n)?;
+                if rows <= MATVEC_ROWS {
+                    // The argmax inside the matrix-vector kernel: no products are stored.
+                    let xq = match xq_in {
+                        Some(b) => self.xq[b].ptr(),
+                        None => self.quantize(self.slot(x), w.matrix(wid)?.k, rows)?,
+                    };
+                    let argmax = self.slot(out);
+                    self.matvecs(MatVecArgs { xq, mats: &[(wid, 0)], glu: 0, gq: 0, rows, pro: None, argmax })?;
+                } else {
+                    self.matmul(self.slot(x), wid, self.head.ptr(), rows, scratch, None)?;
+                    self.argmax(self.head.ptr(), self.slot(out), rows, n)?;
+                }
             }
             Kernel::Rope { x, positions, out, heads, head_dim, theta } => {
                 let block = (head_dim / 2).next_multiple_of(32).min(128) as u32;
@@ -530,52 +974,7 @@ impl CudaExecutable {
                     ],
                 )?;
             }
-            Kernel::Attention { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale } => {
-                let l = kv.layers.get(layer).ok_or_else(|| RuntimeError::StepShape(format!("the KV cache has no layer {layer}")))?;
-                if l.spec.k_width() != kv_heads * head_dim || l.spec.v_width() != kv_heads * head_dim || l.spec.window != window {
-                    return Err(RuntimeError::StepShape(format!("KV cache layer {layer} does not match the plan")));
-                }
-                let ring = window.map_or(0, |w| w.min(kv.context)) as i32;
-                // A one-row plan appends inside the attention kernel.
-                let append = self.plan.rows() == 1;
-                d.launch(
-                    "attention",
-                    ((active * q_heads) as u32, 1),
-                    ATTENTION_THREADS,
-                    &[
-                        Arg::U64(self.slot(q)),
-                        Arg::U64(self.slot(k)),
-                        Arg::U64(self.slot(v)),
-                        Arg::U64(l.k.ptr()),
-                        Arg::U64(l.v.ptr()),
-                        Arg::U64(self.slot(out)),
-                        Arg::U64(self.step.ptr()),
-                        Arg::I32(q_heads as i32),
-                        Arg::I32(kv_heads as i32),
-                        Arg::I32(head_dim as i32),
-                        Arg::I32(ring),
-                        Arg::F32(scale),
-                        Arg::I32(append as i32),
-                    ],
-                )?;
-                if append {
-                    return Ok(());
-                }
-                d.launch(
-                    "kv_append",
-                    (active as u32, 1),
-                    256,
-                    &[
-                        Arg::U64(self.slot(k)),
-                        Arg::U64(self.slot(v)),
-                        Arg::U64(l.k.ptr()),
-                        Arg::U64(l.v.ptr()),
-                        Arg::U64(self.step.ptr()),
-                        Arg::I32((kv_heads * head_dim) as i32),
-                        Arg::I32(ring),
-                    ],
-                )?;
-            }
+            Kernel::Attention { .. } => self.attention(i, active, kv, None, quant_out)?,
             Kernel::Add { a, b, out, width } => self.elementwise(self.slot(a), self.slot(b), self.slot(out), rows * width, 0)?,
             Kernel::Mul { a, b, out, width } => self.elementwise(self.slot(a), self.slot(b), self.slot(out), rows * width, 1)?,
             Kernel::Gelu { x, out, width } => self.elementwise(self.slot(x), 0, self.slot(out), rows * width, 2)?,
@@ -592,6 +991,67 @@ impl CudaExecutable {
             ref other => return Err(cuda_err(format!("the CUDA backend has no kernel for {other:?}"))),
         }
         Ok(())
+    }
+
+    /// Attention step `i` over `active` new rows (q/k normed and rotated inside with `qk`), its
+    /// output also quantized into `quant_out` (0: not), and the KV append.
+    fn attention(&self, i: usize, active: usize, kv: &CudaKvCache, qk: Option<QkArgs>, quant_out: u64) -> Result<(), RuntimeError> {
+        let Kernel::Attention { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale } = self.plan.steps[i].kernel else {
+            return Err(cuda_err("not an attention step"));
+        };
+        let d = &*self.device;
+        let l = kv.layers.get(layer).ok_or_else(|| RuntimeError::StepShape(format!("the KV cache has no layer {layer}")))?;
+        if l.spec.k_width() != kv_heads * head_dim || l.spec.v_width() != kv_heads * head_dim || l.spec.window != window {
+            return Err(RuntimeError::StepShape(format!("KV cache layer {layer} does not match the plan")));
+        }
+        let ring = window.map_or(0, |w| w.min(kv.context)) as i32;
+        // A one-row plan appends inside the attention kernel.
+        let append = self.plan.rows() == 1;
+        let (q, k) = qk.map_or((self.slot(q), self.slot(k)), |a| (a.q, a.k));
+        let a = qk.unwrap_or(QkArgs { q, k, wq: 0, wk: 0, positions: 0, theta: 0.0, eps: 0.0 });
+        d.launch(
+            "attention",
+            ((active * q_heads) as u32, 1),
+            ATTENTION_THREADS,
+            &[
+                Arg::U64(q),
+                Arg::U64(k),
+                Arg::U64(self.slot(v)),
+                Arg::U64(l.k.ptr()),
+                Arg::U64(l.v.ptr()),
+                Arg::U64(self.slot(out)),
+                Arg::U64(self.step.ptr()),
+                Arg::I32(q_heads as i32),
+                Arg::I32(kv_heads as i32),
+                Arg::I32(head_dim as i32),
+                Arg::I32(ring),
+                Arg::F32(scale),
+                Arg::I32(append as i32),
+                Arg::U64(a.wq),
+                Arg::U64(a.wk),
+                Arg::U64(a.positions),
+                Arg::F32(a.theta),
+                Arg::F32(a.eps),
+                Arg::U64(quant_out),
+            ],
+        )?;
+        if append {
+            return Ok(());
+        }
+        d.launch(
+            "kv_append",
+            (active as u32, 1),
+            256,
+            &[
+                Arg::U64(k),
+                Arg::U64(self.slot(v)),
+                Arg::U64(l.k.ptr()),
+                Arg::U64(l.v.ptr()),
+                Arg::U64(self.step.ptr()),
+                Arg::I32((kv_heads * head_dim) as i32),
+                Arg::I32(ring),
+            ],
+        )
     }
 
     /// Replays the captured decode step for `kv`, capturing it first if needed.
