@@ -428,8 +428,6 @@ template <> struct Chunk<F_Q6_K> {
 #define MV_ROWS 8
 // Warps per matrix-vector block.
 #define MV_WARPS 4
-// Widest row a matrix-vector prologue normalises (NORM_PER values per thread of a block).
-#define MV_PRO_PER 16
 // Argmax partial maxima per activation row (spread over addresses: fewer atomics per address).
 #define ARGMAX_SLOTS 256
 
@@ -440,6 +438,37 @@ __device__ __forceinline__ u64 argmax_key(float v, int i) {
     return ((u64)f << 32) | (u64)(0xffffffffu - (u32)i);
 }
 
+// The norm (pair) of one row x of k elements by one block, in three passes over memory:
+// y = x / rms(x) * w1 (res null), or h = res + x / rms(x) * w1 and y = h / rms(h) * w2; y is
+// written to `out` and quantized to xq (when given). x was written by other blocks of this launch
+// (read through L2). h may reuse x's or res's words at the same offsets (each thread reads an
+// element before writing it), y those of x or res (not read in the last pass), never h's.
+__device__ __forceinline__ void norm_epilogue(const float* x, const float* w1, const float* res, float* h, const float* w2,
+                                              float* out, u8* xq, int k, float eps, float* scratch) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        float v = __ldcg(x + i);
+        ss += v * v;
+    }
+    float inv = 1.f / sqrtf(block_sum(ss, scratch) / (float)k + eps), inv2 = inv;
+    if (res) {
+        float ss2 = 0.f;
+        for (int i = threadIdx.x; i < k; i += blockDim.x) {
+            float v = res[i] + __ldcg(x + i) * inv * w1[i];
+            h[i] = v;
+            ss2 += v * v;
+        }
+        inv2 = 1.f / sqrtf(block_sum(ss2, scratch) / (float)k + eps);
+    }
+    for (int base = 0; base < k; base += blockDim.x) {
+        int i = base + threadIdx.x;
+        if (base + (threadIdx.x & ~31) >= k) break;
+        float y = res ? h[i] * inv2 * w2[i] : __ldcg(x + i) * inv * w1[i];
+        out[i] = y;
+        if (xq) quantize32(y, xq, k, i);
+    }
+}
+
 // out_i[r, o] = x[r, :] . W_i[o, :] for up to three matrices W_0..W_2 of one format sharing x
 // (n_i rows each; n_i = 0: absent) and r < rows <= ROWS, x given quantized (xq). Each group of
 // `split` warps computes R consecutive output rows of the concatenation; lanes walk the row in
@@ -447,41 +476,19 @@ __device__ __forceinline__ u64 argmax_key(float v, int i) {
 // - `glu` (R even): a warp computes rows o..o+R/2 of W_0 (gate) and of W_1 (up) and writes
 //   glu[o] = gelu(gate) * up; with `gq`, each 32-row block of glu is also quantized (by the warp
 //   that completes it, counted in `gcnt`) for the next matrix-vector product.
-// - prologue (`px` set, k <= MV_PRO_PER * blockDim.x): x is the norm (pair) of px (see
-//   norm_row), computed by every block into shared memory; the last block to finish reading
-//   (counted in `pcnt`) writes ph and pout (which may therefore reuse px's or pr's words), and
-//   pout quantized to pxq when given.
+// - `ecnt` (one matrix, no glu): the last block to finish (counted in `ecnt`) also computes the
+//   norm (pair) of the products o0 (see norm_epilogue): all of them are written by then.
 // - `aout` (one matrix, no glu): instead of the products, aout[r] = argmax of row r (lowest
 //   index among equal maxima, -1 if any value is not finite), through `aslots` (ARGMAX_SLOTS keys
 //   per row, then a flag per row) and the arrival counter `acnt`; the last warp resets them.
 template <int T, int R, int ROWS>
 __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2, u64 rb, int n0, int n1, int n2, float* o0,
                                        float* o1, float* o2, float* glu, const u8* xq, int k, int rows, int split, u8* gq,
-                                       u32* gcnt, const float* px, const float* pw1, const float* pr, float* ph,
-                                       const float* pw2, float* pout, u8* pxq, u32* pcnt, float eps, u64* aslots, int* aout,
-                                       u32* acnt) {
-    extern __shared__ __align__(16) u8 xs_dyn[];
+                                       u32* gcnt, const float* ew1, const float* er, float* eh, const float* ew2, float* eout,
+                                       u8* exq, u32* ecnt, float eps, u64* aslots, int* aout, u32* acnt) {
     __shared__ float part[MV_WARPS][ROWS][R];
     __shared__ float scratch[32];
     __shared__ int last_block;
-    if (px) {
-        for (int r = 0; r < rows; r++)
-            norm_row<MV_PRO_PER>(px + (u64)r * k, pw1, pr ? pr + (u64)r * k : nullptr, pw2, eps, k, xs_dyn + r * xq_bytes(k),
-                                 nullptr, nullptr, scratch);
-        if (ph || pout) {
-            __syncthreads();
-            if (threadIdx.x == 0) last_block = atomicAdd(pcnt, 1u) == gridDim.x - 1;
-            __syncthreads();
-            if (last_block) {
-                for (int r = 0; r < rows; r++)
-                    norm_row<MV_PRO_PER>(px + (u64)r * k, pw1, pr ? pr + (u64)r * k : nullptr, pw2, eps, k,
-                                         pxq ? pxq + r * xq_bytes(k) : nullptr, ph ? ph + (u64)r * k : nullptr, pout ? pout + (u64)r * k : nullptr, scratch);
-                if (threadIdx.x == 0) *pcnt = 0;
-            }
-        }
-        __syncthreads();
-        xq = xs_dyn;
-    }
     // The block's MV_WARPS warps form MV_WARPS / split groups; the `split` warps of a group share
     // its R output rows, each walking every split-th run of 32 chunks.
     int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -539,10 +546,11 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
             if (lane == 0) part[wi][r][rr] = s;
         }
     __syncthreads();
-    if (piece != 0 || !any) return;
+    bool active = piece == 0 && any;
+    if (!active && !ecnt) return;
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
-        if (r < rows) {
+        if (r < rows && active) {
 #pragma unroll
             for (int rr = 0; rr < R; rr++) {
                 float s = 0.f;
@@ -601,6 +609,20 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
                 }
             }
         }
+    }
+    if (ecnt) {
+        // The last block to finish computes the norm (pair) of the products (see norm_epilogue).
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) last_block = atomicAdd(ecnt, 1u) == gridDim.x - 1;
+        __syncthreads();
+        if (!last_block) return;
+        __threadfence();
+        for (int r = 0; r < rows; r++)
+            norm_epilogue(o0 + (u64)r * n0, ew1, er ? er + (u64)r * n0 : nullptr, eh ? eh + (u64)r * n0 : nullptr, ew2,
+                          eout + (u64)r * n0, exq ? exq + r * xq_bytes(n0) : nullptr, n0, eps, scratch);
+        if (threadIdx.x == 0) *ecnt = 0;
+        return;
     }
     if (aout) {
         // The last warp to finish reduces the slots of every row and resets them.
@@ -676,10 +698,10 @@ extern "C" __global__ void quantize_rows(const float* x, u8* xq, int k, int rows
 // rows per warp, one activation row: large matrices), embed, dequant. `nb`: blocks of the matrix.
 #define MV_ARGS                                                                                                     \
     const u8 *w0, const u8 *w1, const u8 *w2, u64 rb, int n0, int n1, int n2, float *o0, float *o1, float *o2, \
-        float *glu, const u8 *xq, int k, int rows, int split, u8 *gq, u32 *gcnt, const float *px, const float *pw1, \
-        const float *pr, float *ph, const float *pw2, float *pout, u8 *pxq, u32 *pcnt, float eps, u64 *aslots, int *aout, \
+        float *glu, const u8 *xq, int k, int rows, int split, u8 *gq, u32 *gcnt, const float *ew1, \
+        const float *er, float *eh, const float *ew2, float *eout, u8 *exq, u32 *ecnt, float eps, u64 *aslots, int *aout, \
         u32 *acnt
-#define MV_PASS o0, o1, o2, glu, xq, k, rows, split, gq, gcnt, px, pw1, pr, ph, pw2, pout, pxq, pcnt, eps, aslots, aout, acnt
+#define MV_PASS o0, o1, o2, glu, xq, k, rows, split, gq, gcnt, ew1, er, eh, ew2, eout, exq, ecnt, eps, aslots, aout, acnt
 #define KILN_FORMAT(NAME, T)                                                                                        \
     extern "C" __global__ void __launch_bounds__(128) matvec_##NAME(MV_ARGS) {                                     \
         matvec<T, 2, MV_ROWS>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                 \

@@ -147,11 +147,6 @@ impl Device {
 
     /// Launches kernel `name` with `grid` blocks of `block` threads and `args`.
     pub(crate) fn launch(&self, name: &str, grid: (u32, u32), block: u32, args: &[Arg]) -> Result<(), RuntimeError> {
-        self.launch_shared(name, grid, block, 0, args)
-    }
-
-    /// Same, with `shared` bytes of dynamic shared memory per block.
-    pub(crate) fn launch_shared(&self, name: &str, grid: (u32, u32), block: u32, shared: u32, args: &[Arg]) -> Result<(), RuntimeError> {
         let f = self.function(name)?;
         let mut b = self.stream.launch_builder(f);
         for a in args {
@@ -161,7 +156,7 @@ impl Device {
                 Arg::F32(v) => b.arg(v),
             };
         }
-        let cfg = LaunchConfig { grid_dim: (grid.0.max(1), grid.1.max(1), 1), block_dim: (block, 1, 1), shared_mem_bytes: shared };
+        let cfg = LaunchConfig { grid_dim: (grid.0.max(1), grid.1.max(1), 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: the argument lists match the kernels' signatures (see kernels/*.cu); every
         // pointer is a live device allocation sized by the plan.
         unsafe { b.launch(cfg) }.map_err(|e| cuda_err(format!("launching '{name}': {e}")))?;

@@ -18,11 +18,6 @@ const MATVEC_ROWS: usize = 8;
 const ARGMAX_BLOCKS: usize = 64;
 /// Partial maxima per row of the greedy head's fused argmax (`ARGMAX_SLOTS` in quant.cu).
 const ARGMAX_SLOTS: usize = 256;
-/// Widest input a matrix-vector kernel normalises in its prologue (`MV_PRO_PER` values per thread).
-const PROLOGUE_MAX_K: usize = 16 * 32 * MATVEC_WARPS;
-/// Most output rows of a matrix-vector launch with a norm prologue (every block normalises the
-/// whole input again, so only for matrices of few rows).
-const PROLOGUE_MAX_ROWS: usize = 32768;
 
 /// Threads of an attention block (`ATT_WARPS` warps in attention.cu).
 const ATTENTION_THREADS: u32 = 512;
@@ -38,10 +33,11 @@ fn norm_threads(width: usize) -> u32 {
     width.next_multiple_of(32).min(512) as u32
 }
 
-/// A norm computed in a matrix-vector kernel's prologue: a plan `RmsNorm` step over whole rows
-/// without residual, or a post-norm with its residual add and the next pre-norm (two steps).
+/// A norm of a matrix-vector launch's products computed by its last block: a plan `RmsNorm`
+/// step over whole rows without residual, or a post-norm with its residual add and the next
+/// pre-norm (two steps).
 #[derive(Clone, Copy, Debug)]
-enum Prologue {
+enum Epilogue {
     /// One norm step.
     Norm(usize),
     /// A norm pair's two steps.
@@ -55,10 +51,9 @@ enum Op {
     /// One plan step.
     Step(usize),
     /// Consecutive matmuls of one format sharing their input (q/k/v, gate/up), and with `glu`
-    /// the `GeluMul` of the two that follows: one matrix-vector launch for few rows. With `pro`
-    /// the input is the output of a norm (pair) that the kernel computes itself; `write_normed`:
-    /// the norm's output is also stored (a later step reads it).
-    MatVecs { steps: Vec<usize>, glu: Option<usize>, pro: Option<Prologue>, write_normed: bool },
+    /// the `GeluMul` of the two that follows: one matrix-vector launch for few rows. With `epi`
+    /// (one matrix) the norm (pair) of its products that follows is computed by its last block.
+    MatVecs { steps: Vec<usize>, glu: Option<usize>, epi: Option<Epilogue> },
     /// A post-norm with its residual add, then the next pre-norm of its output.
     NormPair { first: usize, second: usize },
     /// The per-head q and k norms and their RoPE.
@@ -118,15 +113,28 @@ fn reads(k: &Kernel) -> Vec<Slot> {
     }
 }
 
-/// Whether a step after `from` (or a plan output) reads a word of `s`.
+/// Whether the value in `s` after step `from` is read by a later step or is a plan output (its
+/// words are followed until later steps have overwritten all of them).
 fn read_after(plan: &Plan, from: usize, s: Slot) -> bool {
-    plan.steps[from + 1..].iter().any(|st| reads(&st.kernel).iter().any(|r| overlaps(*r, s)))
-        || plan.outputs.iter().any(|o| overlaps(o.slot, s))
+    let mut live = vec![(s.offset, s.offset + s.len)];
+    let hits = |live: &[(usize, usize)], r: Slot| live.iter().any(|&(a, b)| r.offset < b && a < r.offset + r.len);
+    for st in &plan.steps[from + 1..] {
+        if reads(&st.kernel).iter().any(|r| hits(&live, *r)) {
+            return true;
+        }
+        let w = kernel_out(&st.kernel);
+        let (wa, wb) = (w.offset, w.offset + w.len);
+        live = live.into_iter().flat_map(|(a, b)| [(a, b.min(wa)), (a.max(wb), b)]).filter(|(a, b)| a < b).collect();
+        if live.is_empty() {
+            return false;
+        }
+    }
+    plan.outputs.iter().any(|o| hits(&live, o.slot))
 }
 
 /// The launches of `plan`: fused groups where the pattern and the slots allow, else single steps;
-/// then, in plans of at most `MATVEC_ROWS` rows, norms moved into the prologue of the
-/// matrix-vector launch that follows, and producers of matrix-vector inputs writing them quantized.
+/// then, in plans of at most `MATVEC_ROWS` rows, norms of matrix-vector products computed in that
+/// launch, and producers of matrix-vector inputs writing them quantized.
 fn lower(plan: &Plan, weights: &CudaWeights) -> Result<Vec<Launch>, RuntimeError> {
     let steps = &plan.steps;
     let mut ops = Vec::with_capacity(steps.len());
@@ -168,21 +176,17 @@ fn lower(plan: &Plan, weights: &CudaWeights) -> Result<Vec<Launch>, RuntimeError
         }
         ops = out;
     }
-    // Norms into the prologue of the matrix-vector launch reading their output.
+    // Norms reading a matrix-vector launch's products into that launch.
     if small {
         let mut out: Vec<Op> = Vec::with_capacity(ops.len());
         for op in ops {
             let op = match op {
-                Op::Step(t) if matches!(steps[t].kernel, Kernel::MatMul { .. }) => {
-                    Op::MatVecs { steps: vec![t], glu: None, pro: None, write_normed: false }
-                }
+                Op::Step(t) if matches!(steps[t].kernel, Kernel::MatMul { .. }) => Op::MatVecs { steps: vec![t], glu: None, epi: None },
                 op => op,
             };
-            if let (Op::MatVecs { steps: group, glu, pro: None, .. }, Some(prev)) = (&op, out.last()) {
-                if let Some((pro, write_normed)) = prologue_for(plan, weights, prev, group, *glu)? {
-                    let (group, glu) = (group.clone(), *glu);
-                    out.pop();
-                    out.push(Op::MatVecs { steps: group, glu, pro: Some(pro), write_normed });
+            if let Some(Op::MatVecs { steps: group, glu: None, epi: epi @ None }) = out.last_mut() {
+                if let Some(e) = epilogue_for(plan, weights, group, &op)? {
+                    *epi = Some(e);
                     continue;
                 }
             }
@@ -222,19 +226,13 @@ fn lower(plan: &Plan, weights: &CudaWeights) -> Result<Vec<Launch>, RuntimeError
                     Kernel::MatMul { n, .. } if n.is_multiple_of(32) => Some((out_of(&plan.steps[g].kernel), 1)),
                     _ => None,
                 },
+                Op::MatVecs { epi: Some(Epilogue::Norm(t) | Epilogue::Pair(_, t)), .. } => Some((out_of(&steps[t].kernel), 0)),
                 _ => None,
             };
             // (The buffers hold rows of the widest matrix input.)
             if let Some((Some(out), b)) = produced.filter(|_| launch_width(plan, &l.op) <= max_k) {
                 l.quant_out = Some(b);
                 held[b] = Some(out);
-            }
-            // A prologue whose norm output is read later also stores it quantized in buffer 0.
-            if let Op::MatVecs { pro: Some(p), write_normed: true, .. } = l.op {
-                let second = match p {
-                    Prologue::Norm(t) | Prologue::Pair(_, t) => t,
-                };
-                held[0] = out_of(&steps[second].kernel);
             }
         }
     }
@@ -259,6 +257,7 @@ fn launch_width(plan: &Plan, op: &Op) -> usize {
         Op::NormPair { second, .. } => *second,
         Op::AttentionQk { attention, .. } => *attention,
         Op::MatVecs { glu: Some(g), .. } => *g,
+        Op::MatVecs { epi: Some(Epilogue::Norm(t) | Epilogue::Pair(_, t)), .. } => *t,
         _ => return usize::MAX,
     };
     match plan.steps[last].kernel {
@@ -273,10 +272,10 @@ fn op_writes(plan: &Plan, op: &Op) -> Vec<Slot> {
     let s = &plan.steps;
     let idx: Vec<usize> = match op {
         Op::Step(t) => vec![*t],
-        Op::MatVecs { steps, glu, pro, .. } => {
-            let p = match pro {
-                Some(Prologue::Norm(t)) => vec![*t],
-                Some(Prologue::Pair(a, b)) => vec![*a, *b],
+        Op::MatVecs { steps, glu, epi } => {
+            let p = match epi {
+                Some(Epilogue::Norm(t)) => vec![*t],
+                Some(Epilogue::Pair(a, b)) => vec![*a, *b],
                 None => vec![],
             };
             steps.iter().chain(glu).chain(&p).copied().collect()
@@ -325,7 +324,7 @@ fn out_of(k: &Kernel) -> Option<Slot> {
 /// The input slot of a matrix-vector launch that reads quantized activations from a buffer.
 fn matvec_input(plan: &Plan, op: &Op) -> Option<Slot> {
     match op {
-        Op::MatVecs { steps, pro: None, .. } => match plan.steps[steps[0]].kernel {
+        Op::MatVecs { steps, .. } => match plan.steps[steps[0]].kernel {
             Kernel::MatMul { x, .. } => Some(x),
             _ => None,
         },
@@ -337,58 +336,28 @@ fn matvec_input(plan: &Plan, op: &Op) -> Option<Slot> {
     }
 }
 
-/// The prologue replacing launch `prev` (a norm or norm pair) for the matrix-vector group `group`
-/// (and its `glu`), if it applies, and whether the norm's output must still be stored.
-fn prologue_for(
-    plan: &Plan,
-    weights: &CudaWeights,
-    prev: &Op,
-    group: &[usize],
-    glu: Option<usize>,
-) -> Result<Option<(Prologue, bool)>, RuntimeError> {
+/// The norm epilogue of the matrix-vector group `group` for the launch `next` after it (a norm
+/// or norm pair of the group's one product), if it applies.
+fn epilogue_for(plan: &Plan, weights: &CudaWeights, group: &[usize], next: &Op) -> Result<Option<Epilogue>, RuntimeError> {
     let steps = &plan.steps;
-    let (pro, normed, reads, writes_h) = match *prev {
-        Op::NormPair { first, second } => match (&steps[first].kernel, &steps[second].kernel) {
-            (Kernel::RmsNorm { x, out: h, residual: Some(r), .. }, Kernel::RmsNorm { out, .. }) => {
-                (Prologue::Pair(first, second), *out, vec![*x, *r], Some(*h))
-            }
-            _ => return Ok(None),
-        },
+    let &[m] = group else { return Ok(None) };
+    let Kernel::MatMul { out: prod, n, .. } = steps[m].kernel else { return Ok(None) };
+    let same = |a: Slot, b: Slot| !overlaps(a, b) || a.offset == b.offset;
+    let (e, first) = match *next {
+        // The pair's slots passed `fusable` when the pair was fused.
+        Op::NormPair { first, second } => (Epilogue::Pair(first, second), first),
         Op::Step(t) => match steps[t].kernel {
-            Kernel::RmsNorm { x, weight, out, width, residual: None, .. } if weights.vector(weight)?.bytes() / 4 == width => {
-                (Prologue::Norm(t), out, vec![x], None)
+            Kernel::RmsNorm { x, weight, out, width, residual: None, .. }
+                if weights.vector(weight)?.bytes() / 4 == width && same(out, x) =>
+            {
+                (Epilogue::Norm(t), t)
             }
             _ => return Ok(None),
         },
         _ => return Ok(None),
     };
-    let mut outs = Vec::new();
-    let mut total = 0;
-    for &t in group {
-        let Kernel::MatMul { x, out, k, n, .. } = steps[t].kernel else { return Ok(None) };
-        if x != normed || k > PROLOGUE_MAX_K || steps[t].rows != steps[group[0]].rows {
-            return Ok(None);
-        }
-        outs.push(out);
-        total += n;
-    }
-    if let Some(g) = glu {
-        outs.extend(out_of(&steps[g].kernel));
-    }
-    let last = glu.unwrap_or(group[group.len() - 1]);
-    let write_normed = read_after(plan, last, normed);
-    // Every block reads the norm's inputs while others write the products; the norm's own
-    // outputs are written by the last block to finish reading.
-    let mut own: Vec<Slot> = writes_h.into_iter().collect();
-    if write_normed {
-        own.push(normed);
-    }
-    let all: Vec<Slot> = outs.iter().chain(&own).copied().collect();
-    let ok = total <= PROLOGUE_MAX_ROWS
-        && fusable(&all, &[], &[])
-        && outs.iter().all(|o| reads.iter().all(|r| !overlaps(*o, *r)))
-        && own.iter().all(|o| reads.iter().all(|r| !overlaps(*o, *r) || o.offset == r.offset));
-    Ok(ok.then_some((pro, write_normed)))
+    let Kernel::RmsNorm { x, width, .. } = steps[first].kernel else { return Ok(None) };
+    Ok((x == prod && width == n && steps[first].rows == steps[m].rows).then_some(e))
 }
 
 /// A fused launch starting at step `i` and how many steps it covers, if one applies.
@@ -410,12 +379,12 @@ fn fuse_at(steps: &[Step], i: usize, weights: &CudaWeights) -> Result<Option<(Op
             if let (2, Some(&Kernel::GeluMul { gate, up, out, .. })) = (group.len(), at(i + 2)) {
                 // The matrix-vector kernel reads x quantized (a copy); cuBLAS runs the steps in order.
                 if gate == outs[0] && up == outs[1] && fusable(&[outs[0], outs[1], out], &[], &[]) {
-                    return Ok(Some((Op::MatVecs { steps: group, glu: Some(i + 2), pro: None, write_normed: false }, 3)));
+                    return Ok(Some((Op::MatVecs { steps: group, glu: Some(i + 2), epi: None }, 3)));
                 }
             }
             if group.len() > 1 && fusable(&outs, &[x], &[]) {
                 let n = group.len();
-                return Ok(Some((Op::MatVecs { steps: group, glu: None, pro: None, write_normed: false }, n)));
+                return Ok(Some((Op::MatVecs { steps: group, glu: None, epi: None }, n)));
             }
         }
         Kernel::RmsNorm { x, weight, out: h, width, eps, residual: Some(r) } => {
@@ -480,15 +449,15 @@ pub struct CudaExecutable {
     /// Two buffers of quantized matrix-vector inputs (`MATVEC_ROWS` rows of the widest input).
     xq: Vec<DeviceBuffer>,
     /// Zeroed counters and argmax slots of the fused kernels (each kernel leaves them zeroed):
-    /// `MATVEC_ROWS * ARGMAX_SLOTS` keys, `MATVEC_ROWS` flags, the prologue and argmax arrival
+    /// `MATVEC_ROWS * ARGMAX_SLOTS` keys, `MATVEC_ROWS` flags, the epilogue and argmax arrival
     /// counters, then the per-32-row counters of the quantized `GeluMul` outputs.
     sync: DeviceBuffer,
 }
 
 /// Byte offsets in `CudaExecutable::sync`.
 const SYNC_FLAGS: u64 = (MATVEC_ROWS * ARGMAX_SLOTS * 8) as u64;
-const SYNC_PRO: u64 = SYNC_FLAGS + 4 * MATVEC_ROWS as u64;
-const SYNC_ARGMAX: u64 = SYNC_PRO + 4;
+const SYNC_EPI: u64 = SYNC_FLAGS + 4 * MATVEC_ROWS as u64;
+const SYNC_ARGMAX: u64 = SYNC_EPI + 4;
 const SYNC_GLU: u64 = SYNC_ARGMAX + 4;
 
 /// Bytes of one row of `k` quantized activations (`xq_bytes` in common.cuh).
@@ -496,15 +465,15 @@ fn xq_bytes(k: usize) -> usize {
     k * 5 / 2
 }
 
-/// Device addresses and constants of a norm prologue (0: absent).
+/// Device addresses and constants of a norm epilogue (0: absent).
 #[derive(Clone, Copy)]
-struct PrologueArgs {
-    x: u64,
+struct EpilogueArgs {
     w1: u64,
     residual: u64,
     h: u64,
     w2: u64,
     out: u64,
+    xq: u64,
     eps: f32,
 }
 
@@ -522,7 +491,7 @@ struct QkArgs {
 
 /// One matrix-vector launch: up to three matrices of one format (with their outputs) over `rows`
 /// rows of the quantized input `xq`; `glu`: the `GeluMul` output of two matrices (quantized into
-/// `gq` too when not 0); `pro`: the input is a norm computed in the prologue; `argmax` (not 0):
+/// `gq` too when not 0); `epi`: the norm of the products computed by the last block; `argmax` (not 0):
 /// only the argmax of each row is written there.
 struct MatVecArgs<'a> {
     xq: u64,
@@ -530,7 +499,7 @@ struct MatVecArgs<'a> {
     glu: u64,
     gq: u64,
     rows: usize,
-    pro: Option<&'a PrologueArgs>,
+    epi: Option<&'a EpilogueArgs>,
     argmax: u64,
 }
 
@@ -621,7 +590,7 @@ impl CudaExecutable {
             let quant_out = l.quant_out.map_or(0, |b| self.xq[b].ptr());
             match &l.op {
                 Op::Step(i) => self.enqueue_step(*i, n, kv, scratch, quant_out, l.xq_in)?,
-                Op::MatVecs { steps, glu, pro, write_normed } => {
+                Op::MatVecs { steps, glu, epi } => {
                     let rows = rows_of(self.plan.steps[steps[0]].rows, n);
                     if rows > MATVEC_ROWS {
                         for &i in steps.iter().chain(glu) {
@@ -641,16 +610,16 @@ impl CudaExecutable {
                         Some(&Kernel::GeluMul { out, .. }) => self.slot(out),
                         _ => 0,
                     };
-                    let pro = match pro {
-                        Some(p) => Some(self.prologue_args(*p, *write_normed)?),
+                    let epi = match epi {
+                        Some(e) => Some(self.epilogue_args(*e, quant_out)?),
                         None => None,
                     };
-                    let xq = match (&pro, l.xq_in) {
-                        (Some(_), _) => 0,
-                        (None, Some(b)) => self.xq[b].ptr(),
-                        (None, None) => self.quantize(x, mats_k(&self.weights, &mats)?, rows)?,
+                    let xq = match l.xq_in {
+                        Some(b) => self.xq[b].ptr(),
+                        None => self.quantize(x, mats_k(&self.weights, &mats)?, rows)?,
                     };
-                    self.matvecs(MatVecArgs { xq, mats: &mats, glu, gq: quant_out, rows, pro: pro.as_ref(), argmax: 0 })?;
+                    let gq = if glu != 0 { quant_out } else { 0 };
+                    self.matvecs(MatVecArgs { xq, mats: &mats, glu, gq, rows, epi: epi.as_ref(), argmax: 0 })?;
                 }
                 &Op::NormPair { first: a, second: b } => {
                     let (Kernel::RmsNorm { x, weight, out: h, width, eps, residual: Some(r) }, Kernel::RmsNorm { weight: w2, out, .. }) =
@@ -740,35 +709,27 @@ impl CudaExecutable {
         self.plan.inputs.iter().find(|i| i.name == name).map_or(0, |i| self.slot(i.slot))
     }
 
-    /// The kernel arguments of a norm prologue.
-    fn prologue_args(&self, pro: Prologue, write_normed: bool) -> Result<PrologueArgs, RuntimeError> {
+    /// The kernel arguments of a norm epilogue (its output also quantized into `xq` when not 0).
+    fn epilogue_args(&self, e: Epilogue, xq: u64) -> Result<EpilogueArgs, RuntimeError> {
         let s = &self.plan.steps;
-        Ok(match pro {
-            Prologue::Norm(t) => {
-                let Kernel::RmsNorm { x, weight, out, eps, .. } = s[t].kernel else { return Err(cuda_err("a prologue is not a norm")) };
-                PrologueArgs {
-                    x: self.slot(x),
-                    w1: self.weights.vector(weight)?.ptr(),
-                    residual: 0,
-                    h: 0,
-                    w2: 0,
-                    out: if write_normed { self.slot(out) } else { 0 },
-                    eps,
-                }
+        Ok(match e {
+            Epilogue::Norm(t) => {
+                let Kernel::RmsNorm { weight, out, eps, .. } = s[t].kernel else { return Err(cuda_err("an epilogue is not a norm")) };
+                EpilogueArgs { w1: self.weights.vector(weight)?.ptr(), residual: 0, h: 0, w2: 0, out: self.slot(out), xq, eps }
             }
-            Prologue::Pair(a, b) => {
-                let (Kernel::RmsNorm { x, weight, out: h, eps, residual: Some(r), .. }, Kernel::RmsNorm { weight: w2, out, .. }) =
+            Epilogue::Pair(a, b) => {
+                let (Kernel::RmsNorm { weight, out: h, eps, residual: Some(r), .. }, Kernel::RmsNorm { weight: w2, out, .. }) =
                     (&s[a].kernel, &s[b].kernel)
                 else {
-                    return Err(cuda_err("a prologue is not a norm pair"));
+                    return Err(cuda_err("an epilogue is not a norm pair"));
                 };
-                PrologueArgs {
-                    x: self.slot(*x),
+                EpilogueArgs {
                     w1: self.weights.vector(*weight)?.ptr(),
                     residual: self.slot(*r),
                     h: self.slot(*h),
                     w2: self.weights.vector(*w2)?.ptr(),
-                    out: if write_normed { self.slot(*out) } else { 0 },
+                    out: self.slot(*out),
+                    xq,
                     eps: *eps,
                 }
             }
@@ -798,7 +759,7 @@ impl CudaExecutable {
             _ => 1,
         };
         let sync = self.sync.ptr();
-        let p = a.pro.copied().unwrap_or(PrologueArgs { x: 0, w1: 0, residual: 0, h: 0, w2: 0, out: 0, eps: 0.0 });
+        let e = a.epi.copied().unwrap_or(EpilogueArgs { w1: 0, residual: 0, h: 0, w2: 0, out: 0, xq: 0, eps: 0.0 });
         let mut args = Vec::with_capacity(28);
         args.extend((0..3).map(|i| Arg::U64(ms.get(i).map_or(0, |m| m.buf.ptr()))));
         args.push(Arg::U64(m.row_bytes as u64));
@@ -806,12 +767,11 @@ impl CudaExecutable {
         args.extend((0..3).map(|i| Arg::U64(a.mats.get(i).map_or(0, |m| m.1))));
         args.extend([Arg::U64(a.glu), Arg::U64(a.xq), Arg::I32(m.k as i32), Arg::I32(a.rows as i32), Arg::I32(split as i32)]);
         args.extend([Arg::U64(a.gq), Arg::U64(sync + SYNC_GLU)]);
-        args.extend([Arg::U64(p.x), Arg::U64(p.w1), Arg::U64(p.residual), Arg::U64(p.h), Arg::U64(p.w2), Arg::U64(p.out)]);
-        args.push(Arg::U64(if p.out != 0 { self.xq[0].ptr() } else { 0 }));
-        args.extend([Arg::U64(sync + SYNC_PRO), Arg::F32(p.eps), Arg::U64(sync), Arg::U64(a.argmax), Arg::U64(sync + SYNC_ARGMAX)]);
+        args.extend([Arg::U64(e.w1), Arg::U64(e.residual), Arg::U64(e.h), Arg::U64(e.w2), Arg::U64(e.out), Arg::U64(e.xq)]);
+        let ecnt = if a.epi.is_some() { sync + SYNC_EPI } else { 0 };
+        args.extend([Arg::U64(ecnt), Arg::F32(e.eps), Arg::U64(sync), Arg::U64(a.argmax), Arg::U64(sync + SYNC_ARGMAX)]);
         let blocks = groups.div_ceil(MATVEC_WARPS / split);
-        let shared = if a.pro.is_some() { a.rows * xq_bytes(m.k) } else { 0 };
-        self.device.launch_shared(&format!("{kernel}_{fmt}"), (blocks as u32, 1), 32 * MATVEC_WARPS as u32, shared as u32, &args)
+        self.device.launch(&format!("{kernel}_{fmt}"), (blocks as u32, 1), 32 * MATVEC_WARPS as u32, &args)
     }
 
     /// `out[r] = x[r] · Wᵀ` for `rows` rows: matrix-vector kernels for few rows, else the weight
@@ -823,7 +783,7 @@ impl CudaExecutable {
                 Some(b) => self.xq[b].ptr(),
                 None => self.quantize(x, self.weights.matrix(w)?.k, rows)?,
             };
-            return self.matvecs(MatVecArgs { xq, mats: &[(w, out)], glu: 0, gq: 0, rows, pro: None, argmax: 0 });
+            return self.matvecs(MatVecArgs { xq, mats: &[(w, out)], glu: 0, gq: 0, rows, epi: None, argmax: 0 });
         }
         let d = &*self.device;
         let m = self.weights.matrix(w)?;
@@ -952,7 +912,7 @@ impl CudaExecutable {
                         None => self.quantize(self.slot(x), w.matrix(wid)?.k, rows)?,
                     };
                     let argmax = self.slot(out);
-                    self.matvecs(MatVecArgs { xq, mats: &[(wid, 0)], glu: 0, gq: 0, rows, pro: None, argmax })?;
+                    self.matvecs(MatVecArgs { xq, mats: &[(wid, 0)], glu: 0, gq: 0, rows, epi: None, argmax })?;
                 } else {
                     self.matmul(self.slot(x), wid, self.head.ptr(), rows, scratch, None)?;
                     self.argmax(self.head.ptr(), self.slot(out), rows, n)?;
