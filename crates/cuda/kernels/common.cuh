@@ -120,3 +120,28 @@ __device__ __forceinline__ void norm_row(const float* x, const float* w1, const 
     }
 }
 
+
+// Same as quantize32 for a lane holding 4 consecutive elements e..e+3 (e a multiple of 4; the 8
+// lanes 8m..8m+7 of a warp hold one 32-element block). Every lane of the warp must call it.
+__device__ __forceinline__ void quantize32x4(float4 y, u8* xq, int k, int e) {
+    float amax = fmaxf(fmaxf(fabsf(y.x), fabsf(y.y)), fmaxf(fabsf(y.z), fabsf(y.w)));
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    float sc = amax > 0.f ? (float)XQ_LEVELS / amax : 0.f;
+    float ys[4] = {y.x, y.y, y.z, y.w};
+    u32 his = 0, los = 0;
+    int s = 0;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        int v = max(-XQ_LEVELS, min(XQ_LEVELS, __float2int_rn(ys[j] * sc)));
+        int hi = __float2int_rn((float)v * (1.f / 254.f));
+        his |= (u32)(u8)(i8)hi << (8 * j);
+        los |= (u32)(u8)(i8)(v - 254 * hi) << (8 * j);
+        s += v;
+    }
+    *(u32*)(xq + e) = his;
+    *(u32*)(xq + k + e) = los;
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if ((threadIdx.x & 3) == 0) ((float2*)(xq + 2 * (u64)k))[e >> 4] = make_float2(amax / (float)XQ_LEVELS, __int_as_float(s));
+}

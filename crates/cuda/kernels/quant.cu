@@ -389,35 +389,34 @@ template <> struct Chunk<F_Q4_K> {
 
 template <> struct Chunk<F_Q6_K> {
     struct Raw {
-        uint4 l0, l1, h;
+        uint4 l, h;
         float s0, s1;
-        int p;
+        int a;
     };
-    // chunk c: super-block c / 8, half n, 16 positions t, nibble p; its groups have scales
-    // 8n + t + 4p and 8n + t + 4p + 2 (see sub32<F_Q6_K>).
+    // chunk c: super-block c / 8, half n, ql region a, 16 positions t (q = c % 8 = 4n + 2a + t):
+    // low nibbles of ql[64n + 32a + 16t..] are elements 128n + 32a + 16t.. (qh bits 2a, scale
+    // 8n + 2a + t), high nibbles the elements 64 later (qh bits 4 + 2a, scale + 4); see sub32<F_Q6_K>.
     static __device__ __forceinline__ int xoff(int c, int g) {
         int q = c & 7;
-        return 256 * (c >> 3) + 128 * (q >> 2) + 16 * ((q >> 1) & 1) + 64 * (q & 1) + 32 * g;
+        return 256 * (c >> 3) + 128 * (q >> 2) + 32 * ((q >> 1) & 1) + 16 * (q & 1) + 64 * g;
     }
     static __device__ __forceinline__ Raw load(const Mat& m, u64 row, int c) {
-        int q = c & 7, n = q >> 2, t = (q >> 1) & 1, p = q & 1;
+        int q = c & 7, n = q >> 2, a = (q >> 1) & 1, t = q & 1;
         u64 g = block_of<F_Q6_K>(m, row, c >> 3);
-        const u8* ql = m.w + 128 * g + 64 * n + 16 * t;
-        const i8* sc = (const i8*)(m.w + 192 * m.nblk + 16 * g + 8 * n + t + 4 * p);
+        const i8* sc = (const i8*)(m.w + 192 * m.nblk + 16 * g + 8 * n + 2 * a + t);
         float d = half_u16(*(const u16*)(m.w + 208 * m.nblk + 2 * g));
-        return Raw{*(const uint4*)ql, *(const uint4*)(ql + 32), *(const uint4*)(m.w + 128 * m.nblk + 64 * g + 32 * n + 16 * t),
-                   d * (float)sc[0], d * (float)sc[2], p};
+        return Raw{*(const uint4*)(m.w + 128 * g + 64 * n + 32 * a + 16 * t), *(const uint4*)(m.w + 128 * m.nblk + 64 * g + 32 * n + 16 * t),
+                   d * (float)sc[0], d * (float)sc[4], 2 * a};
     }
     static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const XGroup* x) {
-        u32 h[4] = {r.h.x, r.h.y, r.h.z, r.h.w};
-        u32 l[2][4] = {{r.l0.x, r.l0.y, r.l0.z, r.l0.w}, {r.l1.x, r.l1.y, r.l1.z, r.l1.w}};
+        u32 h[4] = {r.h.x, r.h.y, r.h.z, r.h.w}, l[4] = {r.l.x, r.l.y, r.l.z, r.l.w};
         int s[2];
 #pragma unroll
         for (int g = 0; g < 2; g++) {
             u32 w[4];
 #pragma unroll
             for (int t = 0; t < 4; t++)
-                w[t] = ((l[g][t] >> (4 * r.p)) & 0x0f0f0f0fu) | (((h[t] >> (4 * r.p + 2 * g)) & 0x03030303u) << 4);
+                w[t] = ((l[t] >> (4 * g)) & 0x0f0f0f0fu) | (((h[t] >> (r.a + 4 * g)) & 0x03030303u) << 4);
             s[g] = dotq16(w, x[g]) - 32 * x[g].s;
         }
         return r.s0 * x[0].d * (float)s[0] + r.s1 * x[1].d * (float)s[1];
@@ -438,34 +437,51 @@ __device__ __forceinline__ u64 argmax_key(float v, int i) {
     return ((u64)f << 32) | (u64)(0xffffffffu - (u32)i);
 }
 
-// The norm (pair) of one row x of k elements by one block, in three passes over memory:
-// y = x / rms(x) * w1 (res null), or h = res + x / rms(x) * w1 and y = h / rms(h) * w2; y is
-// written to `out` and quantized to xq (when given). x was written by other blocks of this launch
-// (read through L2). h may reuse x's or res's words at the same offsets (each thread reads an
-// element before writing it), y those of x or res (not read in the last pass), never h's.
-__device__ __forceinline__ void norm_epilogue(const float* x, const float* w1, const float* res, float* h, const float* w2,
+// Widest row the norm epilogue takes (EPI_PER float4 per thread of a MV_WARPS-warp block).
+#define EPI_PER 8
+
+// The norm (pair) of one row x of k <= 4 * EPI_PER * blockDim.x elements by one block, every
+// input loaded before the first reduction: y = x / rms(x) * w1 (res null), or h = res + x /
+// rms(x) * w1 and y = h / rms(h) * w2; y is written to `out` and quantized to xq (when given). x
+// was written by other blocks of this launch (read through L2). Rows are 16-byte aligned.
+__device__ __noinline__ void norm_epilogue(const float* x, const float* w1, const float* res, float* h, const float* w2,
                                               float* out, u8* xq, int k, float eps, float* scratch) {
+    float4 v[EPI_PER];
     float ss = 0.f;
-    for (int i = threadIdx.x; i < k; i += blockDim.x) {
-        float v = __ldcg(x + i);
-        ss += v * v;
+#pragma unroll
+    for (int j = 0; j < EPI_PER; j++) {
+        int i = 4 * (threadIdx.x + j * blockDim.x);
+        v[j] = i < k ? __ldcg((const float4*)(x + i)) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
+#pragma unroll
+    for (int j = 0; j < EPI_PER; j++) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
     float inv = 1.f / sqrtf(block_sum(ss, scratch) / (float)k + eps), inv2 = inv;
     if (res) {
+        // (The residual is loaded only now: fewer registers than the matrix-vector loop needs.)
         float ss2 = 0.f;
-        for (int i = threadIdx.x; i < k; i += blockDim.x) {
-            float v = res[i] + __ldcg(x + i) * inv * w1[i];
-            h[i] = v;
-            ss2 += v * v;
+#pragma unroll
+        for (int j = 0; j < EPI_PER; j++) {
+            int i = 4 * (threadIdx.x + j * blockDim.x);
+            if (i < k) {
+                float4 a = *(const float4*)(res + i), w = *(const float4*)(w1 + i);
+                v[j] = make_float4(a.x + v[j].x * inv * w.x, a.y + v[j].y * inv * w.y, a.z + v[j].z * inv * w.z, a.w + v[j].w * inv * w.w);
+                ss2 += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+            }
         }
-        inv2 = 1.f / sqrtf(block_sum(ss2, scratch) / (float)k + eps);
+    inv2 = 1.f / sqrtf(block_sum(ss2, scratch) / (float)k + eps);
     }
-    for (int base = 0; base < k; base += blockDim.x) {
-        int i = base + threadIdx.x;
-        if (base + (threadIdx.x & ~31) >= k) break;
-        float y = res ? h[i] * inv2 * w2[i] : __ldcg(x + i) * inv * w1[i];
-        out[i] = y;
-        if (xq) quantize32(y, xq, k, i);
+#pragma unroll
+    for (int j = 0; j < EPI_PER; j++) {
+        int i = 4 * (threadIdx.x + j * blockDim.x);
+        if (4 * (j * blockDim.x + (threadIdx.x & ~31)) >= k) break;
+        float4 w = *(const float4*)((res ? w2 : w1) + i);
+        float s = res ? inv2 : inv;
+        float4 y = make_float4(v[j].x * s * w.x, v[j].y * s * w.y, v[j].z * s * w.z, v[j].w * s * w.w);
+        if (i < k) {
+            if (res) *(float4*)(h + i) = v[j];
+            *(float4*)(out + i) = y;
+        }
+        if (xq) quantize32x4(y, xq, k, i);
     }
 }
 
@@ -694,8 +710,9 @@ extern "C" __global__ void quantize_rows(const float* x, u8* xq, int k, int rows
     quantize32(x[e], xq + r * xq_bytes(k), k, i);
 }
 
-// Per format: matvec (2 output rows per warp, up to MV_ROWS activation rows), matvec4 (4 output
-// rows per warp, one activation row: large matrices), embed, dequant. `nb`: blocks of the matrix.
+// Per format: matvec (2 output rows per warp, up to MV_ROWS activation rows), matvec1 (the same for
+// one activation row), matvec4 (4 output rows per warp, one activation row: large matrices),
+// embed, dequant. `nb`: blocks of the matrix.
 #define MV_ARGS                                                                                                     \
     const u8 *w0, const u8 *w1, const u8 *w2, u64 rb, int n0, int n1, int n2, float *o0, float *o1, float *o2, \
         float *glu, const u8 *xq, int k, int rows, int split, u8 *gq, u32 *gcnt, const float *ew1, \
@@ -706,7 +723,10 @@ extern "C" __global__ void quantize_rows(const float* x, u8* xq, int k, int rows
     extern "C" __global__ void __launch_bounds__(128) matvec_##NAME(MV_ARGS) {                                     \
         matvec<T, 2, MV_ROWS>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                 \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128) matvec4_##NAME(MV_ARGS) {                                    \
+    extern "C" __global__ void __launch_bounds__(128) matvec1_##NAME(MV_ARGS) {                                    \
+        matvec<T, 2, 1>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                       \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128, 4) matvec4_##NAME(MV_ARGS) {                                    \
         matvec<T, 4, 1>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                       \
     }                                                                                                               \
     extern "C" __global__ void embed_##NAME(const u8* w, u64 rb, u64 nb, const int* ids, float* out, int k,        \

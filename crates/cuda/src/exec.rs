@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaGraph};
 use kiln_ir::DType;
+use kiln_quant::GgmlType;
 use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KvCache, Plan, Rows, RuntimeError, Slot, Step, StepInputs, WeightId};
 
 use crate::device::{cuda_err, Arg, Device, DeviceBuffer, Scratch};
@@ -16,6 +17,8 @@ use crate::weights::{format_name, CudaWeights};
 const MATVEC_ROWS: usize = 8;
 /// Blocks of the first argmax phase per row.
 const ARGMAX_BLOCKS: usize = 64;
+/// Widest row a matrix-vector launch normalises in its last block (`4 * EPI_PER * 32 * MV_WARPS`).
+const EPILOGUE_MAX: usize = 4 * 8 * 32 * MATVEC_WARPS;
 /// Partial maxima per row of the greedy head's fused argmax (`ARGMAX_SLOTS` in quant.cu).
 const ARGMAX_SLOTS: usize = 256;
 
@@ -74,6 +77,24 @@ struct Launch {
     xq_in: Option<usize>,
 }
 
+/// What the lowering needs to know of the weights (their device copies or, in tests, the file).
+trait WeightShapes {
+    /// The block format of a matrix.
+    fn matrix_ty(&self, w: WeightId) -> Result<GgmlType, RuntimeError>;
+    /// The length of a vector kept as f32.
+    fn vector_len(&self, w: WeightId) -> Result<usize, RuntimeError>;
+}
+
+impl WeightShapes for CudaWeights {
+    fn matrix_ty(&self, w: WeightId) -> Result<GgmlType, RuntimeError> {
+        Ok(self.matrix(w)?.ty)
+    }
+
+    fn vector_len(&self, w: WeightId) -> Result<usize, RuntimeError> {
+        Ok(self.vector(w)?.bytes() / 4)
+    }
+}
+
 /// Whether two slots share a word.
 fn overlaps(a: Slot, b: Slot) -> bool {
     a.offset < b.offset + b.len && b.offset < a.offset + a.len
@@ -113,13 +134,13 @@ fn reads(k: &Kernel) -> Vec<Slot> {
     }
 }
 
-/// Whether the value in `s` after step `from` is read by a later step or is a plan output (its
-/// words are followed until later steps have overwritten all of them).
+/// Whether the value in `s` before step `from` is still read after it, by a later step or as a plan
+/// output (its words are followed until steps from `from` on have overwritten all of them).
 fn read_after(plan: &Plan, from: usize, s: Slot) -> bool {
     let mut live = vec![(s.offset, s.offset + s.len)];
     let hits = |live: &[(usize, usize)], r: Slot| live.iter().any(|&(a, b)| r.offset < b && a < r.offset + r.len);
-    for st in &plan.steps[from + 1..] {
-        if reads(&st.kernel).iter().any(|r| hits(&live, *r)) {
+    for (i, st) in plan.steps[from..].iter().enumerate() {
+        if i > 0 && reads(&st.kernel).iter().any(|r| hits(&live, *r)) {
             return true;
         }
         let w = kernel_out(&st.kernel);
@@ -135,7 +156,7 @@ fn read_after(plan: &Plan, from: usize, s: Slot) -> bool {
 /// The launches of `plan`: fused groups where the pattern and the slots allow, else single steps;
 /// then, in plans of at most `MATVEC_ROWS` rows, norms of matrix-vector products computed in that
 /// launch, and producers of matrix-vector inputs writing them quantized.
-fn lower(plan: &Plan, weights: &CudaWeights) -> Result<Vec<Launch>, RuntimeError> {
+fn lower(plan: &Plan, weights: &dyn WeightShapes) -> Result<Vec<Launch>, RuntimeError> {
     let steps = &plan.steps;
     let mut ops = Vec::with_capacity(steps.len());
     let mut i = 0;
@@ -153,9 +174,9 @@ fn lower(plan: &Plan, weights: &CudaWeights) -> Result<Vec<Launch>, RuntimeError
             if let (Op::QkNormRope(qk), Some(Op::Step(t))) = (&op, it.peek()) {
                 let (t, qk) = (*t, *qk);
                 if let (
-                    Kernel::Attention { q, k, head_dim, .. },
-                    Kernel::RmsNorm { out: qn, .. },
-                    Kernel::RmsNorm { out: kn, .. },
+                    Kernel::Attention { q, k, head_dim, out: att_out, .. },
+                    Kernel::RmsNorm { x: q_raw, out: qn, .. },
+                    Kernel::RmsNorm { x: k_raw, out: kn, .. },
                     Kernel::Rope { out: qr, .. },
                     Kernel::Rope { out: kr, .. },
                 ) = (&steps[t].kernel, &steps[qk[0]].kernel, &steps[qk[1]].kernel, &steps[qk[2]].kernel, &steps[qk[3]].kernel)
@@ -165,6 +186,9 @@ fn lower(plan: &Plan, weights: &CudaWeights) -> Result<Vec<Launch>, RuntimeError
                         && head_dim.is_multiple_of(64)
                         && *head_dim <= 256
                         && [*qn, *kn, *qr, *kr].iter().all(|s| !read_after(plan, t, *s))
+                        // Every block reads the raw k of its group; a block reads its q head
+                        // before writing its output head.
+                        && fusable(&[*att_out], &[*q_raw, *k_raw], &[(0, 0)])
                     {
                         it.next();
                         out.push(Op::AttentionQk { qk, attention: t });
@@ -217,7 +241,7 @@ fn lower(plan: &Plan, weights: &CudaWeights) -> Result<Vec<Launch>, RuntimeError
             let produced = match l.op {
                 Op::NormPair { second, .. } => Some((out_of(&steps[second].kernel), 0)),
                 Op::Step(t) => match steps[t].kernel {
-                    Kernel::RmsNorm { weight, width, out, .. } if weights.vector(weight)?.bytes() / 4 == width => Some((Some(out), 0)),
+                    Kernel::RmsNorm { weight, width, out, .. } if weights.vector_len(weight)? == width => Some((Some(out), 0)),
                     Kernel::Attention { out, .. } => Some((Some(out), 0)),
                     _ => None,
                 },
@@ -338,7 +362,7 @@ fn matvec_input(plan: &Plan, op: &Op) -> Option<Slot> {
 
 /// The norm epilogue of the matrix-vector group `group` for the launch `next` after it (a norm
 /// or norm pair of the group's one product), if it applies.
-fn epilogue_for(plan: &Plan, weights: &CudaWeights, group: &[usize], next: &Op) -> Result<Option<Epilogue>, RuntimeError> {
+fn epilogue_for(plan: &Plan, weights: &dyn WeightShapes, group: &[usize], next: &Op) -> Result<Option<Epilogue>, RuntimeError> {
     let steps = &plan.steps;
     let &[m] = group else { return Ok(None) };
     let Kernel::MatMul { out: prod, n, .. } = steps[m].kernel else { return Ok(None) };
@@ -348,7 +372,7 @@ fn epilogue_for(plan: &Plan, weights: &CudaWeights, group: &[usize], next: &Op) 
         Op::NormPair { first, second } => (Epilogue::Pair(first, second), first),
         Op::Step(t) => match steps[t].kernel {
             Kernel::RmsNorm { x, weight, out, width, residual: None, .. }
-                if weights.vector(weight)?.bytes() / 4 == width && same(out, x) =>
+                if weights.vector_len(weight)? == width && same(out, x) =>
             {
                 (Epilogue::Norm(t), t)
             }
@@ -357,19 +381,22 @@ fn epilogue_for(plan: &Plan, weights: &CudaWeights, group: &[usize], next: &Op) 
         _ => return Ok(None),
     };
     let Kernel::RmsNorm { x, width, .. } = steps[first].kernel else { return Ok(None) };
-    Ok((x == prod && width == n && steps[first].rows == steps[m].rows).then_some(e))
+    // The epilogue reads and writes rows as 16-byte vectors, 128 elements per warp.
+    let aligned = op_writes(plan, next).iter().chain(&reads(&steps[first].kernel)).all(|s| s.offset.is_multiple_of(4));
+    let ok = x == prod && width == n && n.is_multiple_of(128) && n <= EPILOGUE_MAX && aligned && steps[first].rows == steps[m].rows;
+    Ok(ok.then_some(e))
 }
 
 /// A fused launch starting at step `i` and how many steps it covers, if one applies.
-fn fuse_at(steps: &[Step], i: usize, weights: &CudaWeights) -> Result<Option<(Op, usize)>, RuntimeError> {
+fn fuse_at(steps: &[Step], i: usize, weights: &dyn WeightShapes) -> Result<Option<(Op, usize)>, RuntimeError> {
     let at = |j: usize| steps.get(j).filter(|s| s.rows == steps[i].rows).map(|s| &s.kernel);
     match steps[i].kernel {
         Kernel::MatMul { x, w, out, .. } => {
-            let ty = weights.matrix(w)?.ty;
+            let ty = weights.matrix_ty(w)?;
             let (mut group, mut outs) = (vec![i], vec![out]);
             while group.len() < 3 {
                 match at(i + group.len()) {
-                    Some(&Kernel::MatMul { x: x2, w: w2, out: o2, .. }) if x2 == x && weights.matrix(w2)?.ty == ty => {
+                    Some(&Kernel::MatMul { x: x2, w: w2, out: o2, .. }) if x2 == x && weights.matrix_ty(w2)? == ty => {
                         group.push(i + group.len());
                         outs.push(o2);
                     }
@@ -389,7 +416,7 @@ fn fuse_at(steps: &[Step], i: usize, weights: &CudaWeights) -> Result<Option<(Op
         }
         Kernel::RmsNorm { x, weight, out: h, width, eps, residual: Some(r) } => {
             if let Some(&Kernel::RmsNorm { x: x2, weight: w2, out, width: width2, eps: eps2, residual: None }) = at(i + 1) {
-                let whole = |w| weights.vector(w).map(|v| v.bytes() / 4 == width);
+                let whole = |w| weights.vector_len(w).map(|v| v == width);
                 if x2 == h && width2 == width && eps2 == eps && width <= NORM_MAX && whole(weight)? && whole(w2)? {
                     // The output may reuse x's or the residual's words (one block per row reads its row first).
                     if fusable(&[h, out], &[x, r], &[(1, 0), (1, 1)]) {
@@ -405,7 +432,7 @@ fn fuse_at(steps: &[Step], i: usize, weights: &CudaWeights) -> Result<Option<(Op
                 Some(&Kernel::Rope { x: rk, positions: p2, out: kr, head_dim: d2, theta: t2, .. }),
             ) = (at(i + 1), at(i + 2), at(i + 3))
             {
-                let group = |w| weights.vector(w).map(|v| v.bytes() / 4 == head_dim);
+                let group = |w| weights.vector_len(w).map(|v| v == head_dim);
                 if rq == qn && rk == kn && positions == p2 && head_dim == d2 && theta == t2 && eps == eps2
                     && head_dim.is_multiple_of(2) && head_dim <= 2048 && group(wq)? && group(wk)?
                     // qr may reuse q's words and kr k's (a block reads its head first).
@@ -560,7 +587,7 @@ impl CudaExecutable {
         let step = DeviceBuffer::new(&device.ctx, (2 + plan.rows()) * 4)?;
         let argmax_rows = plan.rows();
         let head = DeviceBuffer::new(&device.ctx, (head_values + 2 * ARGMAX_BLOCKS * argmax_rows) * 4)?;
-        let launches = lower(&plan, &weights)?;
+        let launches = lower(&plan, &*weights)?;
         tracing::debug!("{} steps in {} launches", plan.steps.len(), launches.len());
         let max_k = max_matmul_k(&plan);
         let max_n = plan.steps.iter().filter_map(|st| if let Kernel::MatMul { n, .. } = st.kernel { Some(n) } else { None }).fold(32, usize::max);
@@ -750,7 +777,11 @@ impl CudaExecutable {
         let m = ms[0];
         let fmt = format_name(m.ty).ok_or_else(|| cuda_err(format!("no kernels for {:?}", m.ty)))?;
         let total: usize = ms.iter().map(|m| m.n).sum();
-        let (kernel, per_warp) = if a.rows == 1 && total >= MATVEC4_MIN_ROWS { ("matvec4", 4) } else { ("matvec", 2) };
+        let (kernel, per_warp) = match a.rows {
+            1 if total >= MATVEC4_MIN_ROWS => ("matvec4", 4),
+            1 => ("matvec1", 2),
+            _ => ("matvec", 2),
+        };
         let groups = if a.glu != 0 { m.n.div_ceil(per_warp / 2) } else { total.div_ceil(per_warp) };
         // Long rows are split over 2 or 4 warps (more loads in flight per output row).
         let split = match m.k / 32 {
@@ -1104,5 +1135,63 @@ impl Executable for CudaExecutable {
 impl Drop for CudaExecutable {
     fn drop(&mut self) {
         let _ = self.device.sync_exclusive();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_ir::Bucket;
+    use kiln_models::synth::{gemma3, FormatMix, Gemma3Shape};
+    use kiln_models::OutputMode;
+    use kiln_runtime::WeightStore;
+
+    impl WeightShapes for WeightStore {
+        fn matrix_ty(&self, w: WeightId) -> Result<GgmlType, RuntimeError> {
+            Ok(self.info(w).ty)
+        }
+
+        fn vector_len(&self, w: WeightId) -> Result<usize, RuntimeError> {
+            let i = self.info(w);
+            Ok(i.row_len * i.n_rows)
+        }
+    }
+
+    /// The launches of a Gemma 3 plan of `bucket` (a small synthetic model, `layers` layers).
+    fn launches(bucket: Bucket, mix: FormatMix) -> (Plan, Vec<Launch>) {
+        let shape = Gemma3Shape { hidden: 512, layers: 3, q_heads: 4, kv_heads: 1, head_dim: 128, ffn: 1024, vocab: 1000, window: 8, context: 64 };
+        let dir = std::env::temp_dir().join(format!("kiln-cuda-lower-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!("{mix:?}.gguf").replace(['(', ')'], ""));
+        gemma3(&shape, mix, 7).write(&path).unwrap();
+        let file = Arc::new(kiln_gguf::GgufFile::open(&path).unwrap());
+        let arch = kiln_models::architecture_from_gguf(&file).unwrap();
+        let store = WeightStore::new(file).unwrap();
+        let plan = kiln_runtime::compile(&arch.build_graph(bucket, OutputMode::NextToken).unwrap(), &store).unwrap();
+        let l = lower(&plan, &store).unwrap();
+        (plan, l)
+    }
+
+    #[test]
+    fn a_gemma3_decode_step_is_five_launches_per_layer() {
+        let (_, l) = launches(Bucket::Decode { past: 16, seqs: 1 }, FormatMix::All(GgmlType::Q4_K));
+        let names: Vec<String> = l.iter().map(|l| format!("{:?}", l.op).split([' ', '(']).next().unwrap_or("").to_string()).collect();
+        println!("{names:?}");
+        // embed, the first norm, then per layer: q/k/v, attention with q/k norms and RoPE, the
+        // output projection with the norm pair after it, gate/up/GELU, down with its norm pair;
+        // then the head with its argmax.
+        assert_eq!(l.iter().filter(|l| matches!(l.op, Op::AttentionQk { .. })).count(), 3, "{l:#?}");
+        assert_eq!(l.iter().filter(|l| matches!(l.op, Op::MatVecs { epi: Some(_), .. })).count(), 6, "{l:#?}");
+        assert_eq!(l.len(), 2 + 3 * 5 + 1, "{l:#?}");
+        // Every matrix-vector input but the first layer's q/k/v is already quantized.
+        let quantized = l.iter().filter(|l| l.xq_in.is_some()).count();
+        assert_eq!(quantized, 3 * 4 + 1, "{l:#?}");
+    }
+
+    #[test]
+    fn prefill_plans_keep_separate_steps_for_many_rows() {
+        let (plan, l) = launches(Bucket::Prefill { rows: 16 }, FormatMix::All(GgmlType::Q8_0));
+        assert!(plan.rows() > MATVEC_ROWS);
+        assert!(l.iter().all(|l| l.quant_out.is_none() && !matches!(l.op, Op::AttentionQk { .. } | Op::MatVecs { epi: Some(_), .. })));
     }
 }
