@@ -6,47 +6,17 @@
 #define ATT_UNROLL 4
 #define ATT_MAX_DIM 256
 
-// The value v[u] of a register array (u known only at run time) without local memory.
-__device__ __forceinline__ float pick(const float* v, int u) {
-    float r = 0.f;
-#pragma unroll
-    for (int t = 0; t < ATT_MAX_DIM / 32; t++)
-        if (t == u) r = v[t];
-    return r;
-}
-
-// NeoX RoPE of a head held by a warp (element lane + 32 t in v[t], `per` values per lane): element
-// e pairs with e + d/2, i.e. v[t] with v[t + per/2]; cos/sin of element e < d/2 in c[e], s[e].
-__device__ __forceinline__ void rotate_half(float* v, int per, const float* c, const float* s) {
-    int lane = threadIdx.x & 31, hp = per / 2;
-    float o[ATT_MAX_DIM / 32];
-#pragma unroll
-    for (int t = 0; t < ATT_MAX_DIM / 32; t++) {
-        o[t] = 0.f;
-        if (t < per) {
-            int e = lane + 32 * (t < hp ? t : t - hp);
-            o[t] = t < hp ? v[t] * c[e] - pick(v, t + hp) * s[e] : v[t] * c[e] + pick(v, t - hp) * s[e];
-        }
-    }
-#pragma unroll
-    for (int t = 0; t < ATT_MAX_DIM / 32; t++) v[t] = o[t];
-}
-
 // One block per (new row, query head); each warp walks every ATT_WARPS-th position with an online
 // softmax, then the warps' partial results are merged. Sliding layers keep `window` rows in a ring
 // (slot = pos % window); global layers keep every position (slot = pos).
 // With `append` (one new row only), the first query head of each group also appends the row's
 // keys and values to the cache: the slot it writes holds a position no query of this step reads.
-// With `wq` (one new row, head size a multiple of 64), q and k are the raw projections: each is
-// RMS-normed per head (weights wq, wk) and rotated (NeoX RoPE at positions[0]) here first.
 // With `xq`, the output row is also written quantized for the next matrix-vector product.
-extern "C" __global__ void __launch_bounds__(512) attention(const float* q, const float* k_new, const float* v_new, float* k_cache,
+extern "C" __global__ void attention(const float* q, const float* k_new, const float* v_new, float* k_cache,
                                      float* v_cache, float* out, const int* step, int q_heads, int kv_heads,
-                                     int d, int window, float scale, int append, const float* wq, const float* wk,
-                                     const int* positions, float theta, float eps, u8* xq) {
+                                     int d, int window, float scale, int append, u8* xq) {
     __shared__ float s_acc[ATT_WARPS][ATT_MAX_DIM];
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
-    __shared__ float s_cos[ATT_MAX_DIM / 2], s_sin[ATT_MAX_DIM / 2], s_k[ATT_MAX_DIM];
     int i = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
     int g = h / (q_heads / kv_heads);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -61,53 +31,10 @@ extern "C" __global__ void __launch_bounds__(512) attention(const float* q, cons
         qv[t] = t < per ? qh[lane + 32 * t] : 0.f;
         acc[t] = 0.f;
     }
-    // The new rows' keys of this head's group (rotated in shared memory when fused).
-    const float* knew = k_new + g * d;
-    u64 knew_stride = kvw;
-    if (wq) {
-        // Rotation angles (in double, as the CPU computes them), then per warp: q normed and rotated;
-        // warp 0 also normalises and rotates the new key row of this head's group into s_k.
-        int half = d / 2;
-        if (threadIdx.x < half) {
-            double inv_freq = 1.0 / pow((double)theta, (double)(2 * threadIdx.x) / (double)d);
-            double ang = (double)positions[0] * inv_freq;
-            s_cos[threadIdx.x] = (float)cos(ang);
-            s_sin[threadIdx.x] = (float)sin(ang);
-        }
-        float kv_[ATT_MAX_DIM / 32];
-        const float* kh = k_new + g * d;
-#pragma unroll
-        for (int t = 0; t < ATT_MAX_DIM / 32; t++) kv_[t] = t < per && warp == 0 ? kh[lane + 32 * t] : 0.f;
-        __syncthreads();
-        float sq = 0.f, sk = 0.f;
-#pragma unroll
-        for (int t = 0; t < ATT_MAX_DIM / 32; t++) {
-            sq += qv[t] * qv[t];
-            sk += kv_[t] * kv_[t];
-        }
-        float iq = 1.f / sqrtf(warp_sum(sq) / (float)d + eps), ik = 1.f / sqrtf(warp_sum(sk) / (float)d + eps);
-#pragma unroll
-        for (int t = 0; t < ATT_MAX_DIM / 32; t++) {
-            if (t < per) {
-                qv[t] *= iq * wq[lane + 32 * t];
-                kv_[t] *= ik * wk[lane + 32 * t];
-            }
-        }
-        rotate_half(qv, per, s_cos, s_sin);
-        if (warp == 0) {
-            rotate_half(kv_, per, s_cos, s_sin);
-#pragma unroll
-            for (int t = 0; t < ATT_MAX_DIM / 32; t++)
-                if (t < per) s_k[lane + 32 * t] = kv_[t];
-        }
-        __syncthreads();
-        knew = s_k;
-        knew_stride = 0;
-    }
     if (append && h % (q_heads / kv_heads) == 0) {
         u64 slot = window > 0 ? (u64)(p % window) : (u64)p;
         for (int j = threadIdx.x; j < d; j += blockDim.x) {
-            k_cache[slot * kvw + g * d + j] = knew[(u64)i * knew_stride + j];
+            k_cache[slot * kvw + g * d + j] = k_new[(u64)i * kvw + g * d + j];
             v_cache[slot * kvw + g * d + j] = v_new[(u64)i * kvw + g * d + j];
         }
     }
@@ -126,7 +53,7 @@ extern "C" __global__ void __launch_bounds__(512) attention(const float* q, cons
                     kr = k_cache + slot * kvw + g * d;
                     vr = v_cache + slot * kvw + g * d;
                 } else {
-                    kr = knew + (u64)(pos - start) * knew_stride;
+                    kr = k_new + (u64)(pos - start) * kvw + g * d;
                     vr = v_new + (u64)(pos - start) * kvw + g * d;
                 }
 #pragma unroll
@@ -166,11 +93,11 @@ extern "C" __global__ void __launch_bounds__(512) attention(const float* q, cons
     float sum = 0.f;
     for (int w = 0; w < ATT_WARPS; w++) sum += s_l[w] * expf(s_m[w] - mx);
     float* o = out + ((u64)i * q_heads + h) * d;
-    int j = threadIdx.x;
-    if (j < d) {
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
         float a = 0.f;
         for (int w = 0; w < ATT_WARPS; w++) a += s_acc[w][j] * expf(s_m[w] - mx);
         o[j] = a / sum;
+        // (d is a multiple of 32 and at most blockDim.x: whole warps quantize their 32 values.)
         if (xq) quantize32(a / sum, xq + (u64)i * xq_bytes(q_heads * d), q_heads * d, h * d + j);
     }
 }

@@ -61,8 +61,6 @@ enum Op {
     NormPair { first: usize, second: usize },
     /// The per-head q and k norms and their RoPE.
     QkNormRope([usize; 4]),
-    /// The q/k norms and RoPE (the four steps) computed inside the attention step (one-row plans).
-    AttentionQk { qk: [usize; 4], attention: usize },
 }
 
 /// A launch and how its matrix-vector input and output are quantized.
@@ -134,25 +132,6 @@ fn reads(k: &Kernel) -> Vec<Slot> {
     }
 }
 
-/// Whether the value in `s` before step `from` is still read after it, by a later step or as a plan
-/// output (its words are followed until steps from `from` on have overwritten all of them).
-fn read_after(plan: &Plan, from: usize, s: Slot) -> bool {
-    let mut live = vec![(s.offset, s.offset + s.len)];
-    let hits = |live: &[(usize, usize)], r: Slot| live.iter().any(|&(a, b)| r.offset < b && a < r.offset + r.len);
-    for (i, st) in plan.steps[from..].iter().enumerate() {
-        if i > 0 && reads(&st.kernel).iter().any(|r| hits(&live, *r)) {
-            return true;
-        }
-        let w = kernel_out(&st.kernel);
-        let (wa, wb) = (w.offset, w.offset + w.len);
-        live = live.into_iter().flat_map(|(a, b)| [(a, b.min(wa)), (a.max(wb), b)]).filter(|(a, b)| a < b).collect();
-        if live.is_empty() {
-            return false;
-        }
-    }
-    plan.outputs.iter().any(|o| hits(&live, o.slot))
-}
-
 /// The launches of `plan`: fused groups where the pattern and the slots allow, else single steps;
 /// then, in plans of at most `MATVEC_ROWS` rows, norms of matrix-vector products computed in that
 /// launch, and producers of matrix-vector inputs writing them quantized.
@@ -166,40 +145,6 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes) -> Result<Vec<Launch>, Runtime
         i += used;
     }
     let small = plan.rows() <= MATVEC_ROWS;
-    // q/k norms and RoPE inside attention (one-row plans; their outputs read by attention only).
-    if plan.rows() == 1 {
-        let mut out = Vec::with_capacity(ops.len());
-        let mut it = ops.into_iter().peekable();
-        while let Some(op) = it.next() {
-            if let (Op::QkNormRope(qk), Some(Op::Step(t))) = (&op, it.peek()) {
-                let (t, qk) = (*t, *qk);
-                if let (
-                    Kernel::Attention { q, k, head_dim, out: att_out, .. },
-                    Kernel::RmsNorm { x: q_raw, out: qn, .. },
-                    Kernel::RmsNorm { x: k_raw, out: kn, .. },
-                    Kernel::Rope { out: qr, .. },
-                    Kernel::Rope { out: kr, .. },
-                ) = (&steps[t].kernel, &steps[qk[0]].kernel, &steps[qk[1]].kernel, &steps[qk[2]].kernel, &steps[qk[3]].kernel)
-                {
-                    if q == qr
-                        && k == kr
-                        && head_dim.is_multiple_of(64)
-                        && *head_dim <= 256
-                        && [*qn, *kn, *qr, *kr].iter().all(|s| !read_after(plan, t, *s))
-                        // Every block reads the raw k of its group; a block reads its q head
-                        // before writing its output head.
-                        && fusable(&[*att_out], &[*q_raw, *k_raw], &[(0, 0)])
-                    {
-                        it.next();
-                        out.push(Op::AttentionQk { qk, attention: t });
-                        continue;
-                    }
-                }
-            }
-            out.push(op);
-        }
-        ops = out;
-    }
     // Norms reading a matrix-vector launch's products into that launch.
     if small {
         let mut out: Vec<Op> = Vec::with_capacity(ops.len());
@@ -245,7 +190,6 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes) -> Result<Vec<Launch>, Runtime
                     Kernel::Attention { out, .. } => Some((Some(out), 0)),
                     _ => None,
                 },
-                Op::AttentionQk { attention, .. } => Some((out_of(&steps[attention].kernel), 0)),
                 Op::MatVecs { glu: Some(g), ref steps, .. } => match plan.steps[steps[0]].kernel {
                     Kernel::MatMul { n, .. } if n.is_multiple_of(32) => Some((out_of(&plan.steps[g].kernel), 1)),
                     _ => None,
@@ -279,7 +223,6 @@ fn launch_width(plan: &Plan, op: &Op) -> usize {
     let last = match op {
         Op::Step(t) => *t,
         Op::NormPair { second, .. } => *second,
-        Op::AttentionQk { attention, .. } => *attention,
         Op::MatVecs { glu: Some(g), .. } => *g,
         Op::MatVecs { epi: Some(Epilogue::Norm(t) | Epilogue::Pair(_, t)), .. } => *t,
         _ => return usize::MAX,
@@ -306,7 +249,6 @@ fn op_writes(plan: &Plan, op: &Op) -> Vec<Slot> {
         }
         Op::NormPair { first, second } => vec![*first, *second],
         Op::QkNormRope(q) => q.to_vec(),
-        Op::AttentionQk { qk, attention } => qk.iter().chain(std::iter::once(attention)).copied().collect(),
     };
     idx.iter().map(|&t| kernel_out(&s[t].kernel)).collect()
 }
@@ -504,18 +446,6 @@ struct EpilogueArgs {
     eps: f32,
 }
 
-/// The raw q/k projections, norm weights and RoPE of a fused attention launch.
-#[derive(Clone, Copy)]
-struct QkArgs {
-    q: u64,
-    k: u64,
-    wq: u64,
-    wk: u64,
-    positions: u64,
-    theta: f32,
-    eps: f32,
-}
-
 /// One matrix-vector launch: up to three matrices of one format (with their outputs) over `rows`
 /// rows of the quantized input `xq`; `glu`: the `GeluMul` output of two matrices (quantized into
 /// `gq` too when not 0); `epi`: the norm of the products computed by the last block; `argmax` (not 0):
@@ -705,27 +635,6 @@ impl CudaExecutable {
                             Arg::F32(*eps),
                         ],
                     )?;
-                }
-                &Op::AttentionQk { qk: [a, b, c, _], attention } => {
-                    let s = &self.plan.steps;
-                    let (
-                        Kernel::RmsNorm { x: q, weight: wq, eps, .. },
-                        Kernel::RmsNorm { x: k, weight: wk, .. },
-                        Kernel::Rope { positions, theta, .. },
-                    ) = (&s[a].kernel, &s[b].kernel, &s[c].kernel)
-                    else {
-                        return Err(cuda_err("a fused q/k norm and RoPE is not two norms and two RoPEs"));
-                    };
-                    let qk = QkArgs {
-                        q: self.slot(*q),
-                        k: self.slot(*k),
-                        wq: self.weights.vector(*wq)?.ptr(),
-                        wk: self.weights.vector(*wk)?.ptr(),
-                        positions: self.slot(*positions),
-                        theta: *theta,
-                        eps: *eps,
-                    };
-                    self.attention(attention, n, kv, Some(qk), quant_out)?;
                 }
             }
         }
@@ -965,7 +874,7 @@ impl CudaExecutable {
                     ],
                 )?;
             }
-            Kernel::Attention { .. } => self.attention(i, active, kv, None, quant_out)?,
+            Kernel::Attention { .. } => self.attention(i, active, kv, quant_out)?,
             Kernel::Add { a, b, out, width } => self.elementwise(self.slot(a), self.slot(b), self.slot(out), rows * width, 0)?,
             Kernel::Mul { a, b, out, width } => self.elementwise(self.slot(a), self.slot(b), self.slot(out), rows * width, 1)?,
             Kernel::Gelu { x, out, width } => self.elementwise(self.slot(x), 0, self.slot(out), rows * width, 2)?,
@@ -984,9 +893,9 @@ impl CudaExecutable {
         Ok(())
     }
 
-    /// Attention step `i` over `active` new rows (q/k normed and rotated inside with `qk`), its
-    /// output also quantized into `quant_out` (0: not), and the KV append.
-    fn attention(&self, i: usize, active: usize, kv: &CudaKvCache, qk: Option<QkArgs>, quant_out: u64) -> Result<(), RuntimeError> {
+    /// Attention step `i` over `active` new rows, its output also quantized into `quant_out` (0:
+    /// not), and the KV append.
+    fn attention(&self, i: usize, active: usize, kv: &CudaKvCache, quant_out: u64) -> Result<(), RuntimeError> {
         let Kernel::Attention { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale } = self.plan.steps[i].kernel else {
             return Err(cuda_err("not an attention step"));
         };
@@ -998,8 +907,7 @@ impl CudaExecutable {
         let ring = window.map_or(0, |w| w.min(kv.context)) as i32;
         // A one-row plan appends inside the attention kernel.
         let append = self.plan.rows() == 1;
-        let (q, k) = qk.map_or((self.slot(q), self.slot(k)), |a| (a.q, a.k));
-        let a = qk.unwrap_or(QkArgs { q, k, wq: 0, wk: 0, positions: 0, theta: 0.0, eps: 0.0 });
+        let (q, k) = (self.slot(q), self.slot(k));
         d.launch(
             "attention",
             ((active * q_heads) as u32, 1),
@@ -1018,11 +926,6 @@ impl CudaExecutable {
                 Arg::I32(ring),
                 Arg::F32(scale),
                 Arg::I32(append as i32),
-                Arg::U64(a.wq),
-                Arg::U64(a.wk),
-                Arg::U64(a.positions),
-                Arg::F32(a.theta),
-                Arg::F32(a.eps),
                 Arg::U64(quant_out),
             ],
         )?;
@@ -1173,16 +1076,15 @@ mod tests {
     }
 
     #[test]
-    fn a_gemma3_decode_step_is_five_launches_per_layer() {
+    fn a_gemma3_decode_step_is_six_launches_per_layer() {
         let (_, l) = launches(Bucket::Decode { past: 16, seqs: 1 }, FormatMix::All(GgmlType::Q4_K));
         let names: Vec<String> = l.iter().map(|l| format!("{:?}", l.op).split([' ', '(']).next().unwrap_or("").to_string()).collect();
         println!("{names:?}");
-        // embed, the first norm, then per layer: q/k/v, attention with q/k norms and RoPE, the
-        // output projection with the norm pair after it, gate/up/GELU, down with its norm pair;
-        // then the head with its argmax.
-        assert_eq!(l.iter().filter(|l| matches!(l.op, Op::AttentionQk { .. })).count(), 3, "{l:#?}");
+        // embed, the first norm, then per layer: q/k/v, q/k norms and RoPE, attention, the output
+        // projection with the norm pair after it, gate/up/GELU, down with its norm pair; then the
+        // head with its argmax.
         assert_eq!(l.iter().filter(|l| matches!(l.op, Op::MatVecs { epi: Some(_), .. })).count(), 6, "{l:#?}");
-        assert_eq!(l.len(), 2 + 3 * 5 + 1, "{l:#?}");
+        assert_eq!(l.len(), 2 + 3 * 6 + 1, "{l:#?}");
         // Every matrix-vector input but the first layer's q/k/v is already quantized.
         let quantized = l.iter().filter(|l| l.xq_in.is_some()).count();
         assert_eq!(quantized, 3 * 4 + 1, "{l:#?}");
@@ -1192,6 +1094,6 @@ mod tests {
     fn prefill_plans_keep_separate_steps_for_many_rows() {
         let (plan, l) = launches(Bucket::Prefill { rows: 16 }, FormatMix::All(GgmlType::Q8_0));
         assert!(plan.rows() > MATVEC_ROWS);
-        assert!(l.iter().all(|l| l.quant_out.is_none() && !matches!(l.op, Op::AttentionQk { .. } | Op::MatVecs { epi: Some(_), .. })));
+        assert!(l.iter().all(|l| l.quant_out.is_none() && !matches!(l.op, Op::MatVecs { epi: Some(_), .. })));
     }
 }
