@@ -227,7 +227,8 @@ pub fn argmax(pool: &ThreadPool, isa: Isa, x: &[f32], acts: &QuantizedRows, w: &
                 match rows - r0 {
                     1 => scores!(1),
                     2 | 3 => scores!(2),
-                    _ => scores!(4),
+                    4..=7 => scores!(4),
+                    _ => scores!(8),
                 }
             }
         }
