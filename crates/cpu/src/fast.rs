@@ -29,7 +29,7 @@ pub use act::QuantizedRows;
 pub use screen::make_copy as make_screening_copy;
 
 /// Activation rows multiplied with each decoded weight block at once (prefill decodes each weight
-/// row once per group; the accumulators of 8 rows partly spill, which costs less).
+/// row once per group; batched decode of up to this many sequences streams the weights once).
 pub const ROW_GROUP: usize = 8;
 
 /// Which decoded representation (and activation blocks) a weight format uses.
