@@ -113,7 +113,9 @@ impl Default for KBlock {
 impl KBlock {
     /// Reads super-block `b` (format `ty`) for the in-register decoders: Q4_K/Q5_K's scales, mins
     /// and both super-block scales, Q6_K's scales and `d` (their levels are decoded in registers);
-    /// the other K-quants are unpacked whole by the portable code.
+    /// the other K-quants are unpacked whole by the portable code. (Inlined: a call inside a
+    /// kernel's super-block loop would spill every vector accumulator around it.)
+    #[inline(always)]
     pub fn read(&mut self, ty: GgmlType, b: &[u8]) {
         let f16_at = |at: usize| kiln_quant::f16_to_f32(u16::from_le_bytes([b[at], b[at + 1]]));
         match ty {
