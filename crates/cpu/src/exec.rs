@@ -304,8 +304,9 @@ impl CpuExecutable {
                 let (kw, qw) = (kv_heads * head_dim, q_heads * head_dim);
                 let (q, k, v) = (a.f32(q, active * qw), a.f32(k, active * kw), a.f32(v, active * kw));
                 let out = a.f32_mut(out, active * qw);
-                // Each sequence's rows attend to its own cache.
-                let mut row = 0;
+                // Each sequence's rows attend to its own cache; all sequences in one pool job.
+                let mut parts = Vec::with_capacity(segments.len());
+                let (mut row, mut out_rest) = (0, out);
                 for seg in segments.iter_mut() {
                     let store =
                         seg.kv.layer_mut(layer).ok_or_else(|| RuntimeError::StepShape(format!("the KV cache has no layer {layer}")))?;
@@ -313,21 +314,20 @@ impl CpuExecutable {
                         return Err(RuntimeError::StepShape(format!("KV cache layer {layer} does not match the plan")));
                     }
                     let (lo, hi) = (row, row + seg.rows);
-                    kernels::attention(
-                        pool,
-                        isa,
-                        &q[lo * qw..hi * qw],
-                        &k[lo * kw..hi * kw],
-                        &v[lo * kw..hi * kw],
-                        seg.rows,
-                        seg.start,
-                        store,
-                        shape,
-                        softcap,
-                        &mut out[lo * qw..hi * qw],
-                    );
+                    let (seg_out, rest) = std::mem::take(&mut out_rest).split_at_mut(seg.rows * qw);
+                    out_rest = rest;
+                    parts.push(kernels::AttentionSegment {
+                        q: &q[lo * qw..hi * qw],
+                        k_new: &k[lo * kw..hi * kw],
+                        v_new: &v[lo * kw..hi * kw],
+                        rows: seg.rows,
+                        start: seg.start,
+                        layer: store,
+                        out: seg_out,
+                    });
                     row = hi;
                 }
+                kernels::attention(pool, isa, &mut parts, shape, softcap);
             }
             Kernel::Add { a: l, b: r, out, width } => {
                 let len = rows * width;

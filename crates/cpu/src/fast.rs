@@ -29,7 +29,7 @@ pub use act::QuantizedRows;
 pub use screen::make_copy as make_screening_copy;
 
 /// Activation rows multiplied with each decoded weight block at once (prefill decodes each weight
-/// row once per group; the accumulators of 8 rows partly spill, which costs less).
+/// row once per group; batched decode of up to this many sequences streams the weights once).
 pub const ROW_GROUP: usize = 8;
 
 /// Which decoded representation (and activation blocks) a weight format uses.
@@ -78,6 +78,18 @@ pub struct ActRow<'a> {
     pub sums: &'a [f32],
 }
 
+/// Up to [`ROW_GROUP`] activation rows multiplied with each weight row together.
+#[derive(Clone, Copy)]
+pub struct ActGroup<'a> {
+    /// The rows; past `len`, the last row again.
+    pub rows: [ActRow<'a>; ROW_GROUP],
+    /// Rows that count.
+    pub len: usize,
+    /// The rows' block scales block-major: `d_t[ROW_GROUP · b + i]` is row `i`'s scale of block `b`
+    /// (so a kernel scales several rows' sums with one vector load).
+    pub d_t: &'a [f32],
+}
+
 /// One K-quant super-block unpacked for the integer cores (on the stack, next to its use).
 pub struct KBlock {
     /// Unsigned levels (0..=63).
@@ -101,7 +113,9 @@ impl Default for KBlock {
 impl KBlock {
     /// Reads super-block `b` (format `ty`) for the in-register decoders: Q4_K/Q5_K's scales, mins
     /// and both super-block scales, Q6_K's scales and `d` (their levels are decoded in registers);
-    /// the other K-quants are unpacked whole by the portable code.
+    /// the other K-quants are unpacked whole by the portable code. (Inlined: a call inside a
+    /// kernel's super-block loop would spill every vector accumulator around it.)
+    #[inline(always)]
     pub fn read(&mut self, ty: GgmlType, b: &[u8]) {
         let f16_at = |at: usize| kiln_quant::f16_to_f32(u16::from_le_bytes([b[at], b[at + 1]]));
         match ty {
@@ -125,17 +139,17 @@ impl KBlock {
 }
 
 /// Products of one packed weight row `src` (format `ty`, family `fam`) with the activation rows
-/// `acts` (at most [`ROW_GROUP`]): `out[i] = acts[i] · row`. Each weight block is decoded once, in
-/// registers, and multiplied with every activation row.
-fn row_dot(isa: Isa, ty: GgmlType, fam: Family, src: &[u8], acts: &[ActRow<'_>]) -> [f32; ROW_GROUP] {
+/// of `acts`: `out[i] = acts.rows[i] · row` for `i < acts.len`. Each weight block is decoded once,
+/// in registers, and multiplied with every activation row.
+fn row_dot(isa: Isa, ty: GgmlType, fam: Family, src: &[u8], acts: &ActGroup<'_>) -> [f32; ROW_GROUP] {
     let mut out = [0f32; ROW_GROUP];
     macro_rules! call {
         ($r:literal) => {{
-            let a: &[ActRow<'_>; $r] = acts[..$r].try_into().expect("a group of $r rows");
+            let a: &[ActRow<'_>; $r] = acts.rows[..$r].try_into().expect("a group of $r rows");
             let res: [f32; $r] = match (fam, isa) {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: Avx2Fma is only chosen on CPUs that have it; row lengths agree.
-                (Family::Legacy, Isa::Avx2Fma) => unsafe { avx2::legacy_rows(ty, src, a) },
+                (Family::Legacy, Isa::Avx2Fma) => unsafe { avx2::legacy_rows(ty, src, a, acts.d_t) },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
                 (Family::KQuant, Isa::Avx2Fma) => unsafe { avx2::k_rows(ty, src, a) },
@@ -151,7 +165,7 @@ fn row_dot(isa: Isa, ty: GgmlType, fam: Family, src: &[u8], acts: &[ActRow<'_>])
             out[..$r].copy_from_slice(&res);
         }};
     }
-    match acts.len() {
+    match acts.len {
         1 => call!(1),
         2 => call!(2),
         3 => call!(3),
@@ -181,9 +195,9 @@ fn products(isa: Isa, w: &PackedMatrix<'_>, acts: &QuantizedRows, cols: std::ops
         let mut r0 = 0;
         while r0 < rows {
             let rc = ROW_GROUP.min(rows - r0);
-            let group: [ActRow<'_>; ROW_GROUP] = std::array::from_fn(|i| acts.row(r0 + i.min(rc - 1)));
+            let group = acts.group(r0, rc);
             for j in tile.clone() {
-                let res = row_dot(isa, w.ty, fam, w.row(j), &group[..rc]);
+                let res = row_dot(isa, w.ty, fam, w.row(j), &group);
                 for (i, &v) in res[..rc].iter().enumerate() {
                     emit(r0 + i, j, v);
                 }

@@ -279,62 +279,82 @@ thread_local! {
     static ATTENTION_SCRATCH: RefCell<AttentionScratch> = RefCell::new(AttentionScratch::default());
 }
 
-/// Causal attention of `rows` new rows at positions `start..start + rows` over the cached
-/// positions of `layer` and the new rows themselves; then appends the new keys and values. With a
-/// `softcap`, the scaled scores `s` become `softcap * tanh(s / softcap)`.
+/// One sequence's rows in an attention step: `rows` new rows at positions `start..start + rows`
+/// (queries `q`, new keys and values `k_new`/`v_new`), its cache layer and its output rows.
+pub struct AttentionSegment<'a> {
+    /// Queries, `rows × q_heads × head_dim`.
+    pub q: &'a [f32],
+    /// New keys, `rows × kv_heads × head_dim`.
+    pub k_new: &'a [f32],
+    /// New values, as the keys.
+    pub v_new: &'a [f32],
+    /// New rows.
+    pub rows: usize,
+    /// Position of the first new row (the cached positions before it).
+    pub start: usize,
+    /// The sequence's cache of this layer.
+    pub layer: &'a mut LayerStore,
+    /// Output, as the queries.
+    pub out: &'a mut [f32],
+}
+
+/// Causal attention of every segment's new rows over its own cached positions and the new rows
+/// themselves; then appends each segment's new keys and values to its cache. With a `softcap`,
+/// the scaled scores `s` become `softcap * tanh(s / softcap)`.
 ///
 /// One pass over the keys with an online softmax (no score row is materialised): a task takes a
-/// chunk of rows and a tile of query heads sharing one KV head, walks the key blocks once, and for
-/// each row of the chunk scores the tile's queries against the block's keys together ([`dots`]),
-/// rescales its running sums and accumulates the block's values ([`weighted_sum`]).
-#[allow(clippy::too_many_arguments)]
-pub fn attention(
-    pool: &ThreadPool,
-    isa: Isa,
-    q: &[f32],
-    k_new: &[f32],
-    v_new: &[f32],
-    rows: usize,
-    start: usize,
-    layer: &mut LayerStore,
-    shape: AttentionShape,
-    softcap: Option<f32>,
-    out: &mut [f32],
-) {
+/// chunk of one segment's rows and a tile of query heads sharing one KV head, walks the key blocks
+/// once, and for each row of the chunk scores the tile's queries against the block's keys together
+/// ([`dots`]), rescales its running sums and accumulates the block's values ([`weighted_sum`]).
+/// The tasks of all segments run as one pool job (a batched decode step attends for every
+/// sequence at once). A query's arithmetic does not depend on the tile or chunk it falls in.
+pub fn attention(pool: &ThreadPool, isa: Isa, segments: &mut [AttentionSegment<'_>], shape: AttentionShape, softcap: Option<f32>) {
     let AttentionShape { q_heads, kv_heads, head_dim: d, window, scale } = shape;
     let group = q_heads / kv_heads;
     let kvw = kv_heads * d;
     let threads = pool.threads();
+    let total_rows: usize = segments.iter().map(|s| s.rows).sum();
     // Heads per tile: up to the primitives' width, fewer when there are too few tiles to busy every
-    // thread (decode).
+    // thread (decode of one sequence).
     let mut tile = group.min(MAX_QUERIES);
-    while tile > 1 && rows * kv_heads * group.div_ceil(tile) < threads {
+    while tile > 1 && total_rows * kv_heads * group.div_ceil(tile) < threads {
         tile = tile.div_ceil(2);
     }
     let tiles = group.div_ceil(tile);
     // Rows per task: up to ROW_CHUNK, fewer while that leaves under four tasks per thread.
-    let chunk = (rows * kv_heads * tiles / (4 * threads)).clamp(1, ROW_CHUNK);
-    let chunks = rows.div_ceil(chunk);
-    let out_ptr = SharedMut(out.as_mut_ptr());
-    let layer_ref: &LayerStore = layer;
+    let chunk = (total_rows * kv_heads * tiles / (4 * threads)).clamp(1, ROW_CHUNK);
+    // Task ranges per segment: its row chunks times KV heads times tiles.
+    let per_chunk = kv_heads * tiles;
+    let mut first_task = Vec::with_capacity(segments.len() + 1);
+    first_task.push(0);
+    for seg in segments.iter() {
+        first_task.push(first_task.last().copied().unwrap_or(0) + seg.rows.div_ceil(chunk) * per_chunk);
+    }
+    let outs: Vec<SharedMut<f32>> = segments.iter_mut().map(|s| SharedMut(s.out.as_mut_ptr())).collect();
+    let segs: &[AttentionSegment<'_>] = segments;
     let first_visible = |p: usize| window.map_or(0, |w| (p + 1).saturating_sub(w));
-    pool.run(chunks * kv_heads * tiles, &|t| {
+    pool.run(first_task[segs.len()], &|t| {
+        let si = first_task.partition_point(|&f| f <= t) - 1;
+        let (seg, out_ptr) = (&segs[si], &outs[si]);
+        let (q, k_new, v_new, rows, start, layer) = (seg.q, seg.k_new, seg.v_new, seg.rows, seg.start, &*seg.layer);
+        let local = t - first_task[si];
         // Later rows see more keys: hand them out first.
-        let c = chunks - 1 - t / (kv_heads * tiles);
-        let (g, ti) = (t % (kv_heads * tiles) / tiles, t % tiles);
+        let chunks = rows.div_ceil(chunk);
+        let c = chunks - 1 - local / per_chunk;
+        let (g, ti) = (local % per_chunk / tiles, local % tiles);
         let (r0, r1) = (c * chunk, ((c + 1) * chunk).min(rows));
         let (h0, h1) = (g * group + ti * tile, (g * group + (ti + 1) * tile).min((g + 1) * group));
         let nq = h1 - h0;
         let key = |pos: usize| -> &[f32] {
             if pos < start {
-                &layer_ref.k_row(pos)[g * d..(g + 1) * d]
+                &layer.k_row(pos)[g * d..(g + 1) * d]
             } else {
                 &k_new[(pos - start) * kvw + g * d..][..d]
             }
         };
         let value = |pos: usize| -> &[f32] {
             if pos < start {
-                &layer_ref.v_row(pos)[g * d..(g + 1) * d]
+                &layer.v_row(pos)[g * d..(g + 1) * d]
             } else {
                 &v_new[(pos - start) * kvw + g * d..][..d]
             }
@@ -409,7 +429,9 @@ pub fn attention(
             }
         });
     });
-    layer.append(&k_new[..rows * kvw], &v_new[..rows * kvw], rows);
+    for seg in segments.iter_mut() {
+        seg.layer.append(&seg.k_new[..seg.rows * kvw], &seg.v_new[..seg.rows * kvw], seg.rows);
+    }
 }
 
 #[cfg(test)]

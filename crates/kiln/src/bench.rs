@@ -1,7 +1,8 @@
 //! `kiln bench`: llama-bench style throughput of prompt processing (`pp N`: N tokens from an empty
 //! cache in one forward call) and token generation (`tg N`: N greedy decode steps from an empty
-//! cache), mean and standard deviation over repetitions after a warm-up; a markdown table or
-//! JSON records with llama-bench's field names.
+//! cache; with S parallel sequences, N batched steps of S sequences, as llama-batched-bench), mean
+//! and standard deviation over repetitions after a warm-up; a markdown table or JSON records with
+//! llama-bench's field names.
 
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -11,24 +12,32 @@ use serde_json::{json, Value};
 
 use crate::cli::{BenchArgs, BenchOutput};
 
-/// One test: `n_prompt` tokens processed at once, or `n_gen` tokens generated one by one.
+/// One test: `n_prompt` tokens processed at once, or `n_gen` tokens generated one by one in each
+/// of `seqs` sequences decoded together.
 #[derive(Clone, Copy, Debug)]
 struct Test {
     n_prompt: usize,
     n_gen: usize,
+    seqs: usize,
 }
 
 impl Test {
     fn name(&self) -> String {
-        if self.n_prompt > 0 {
-            format!("pp{}", self.n_prompt)
-        } else {
-            format!("tg{}", self.n_gen)
+        match (self.n_prompt, self.seqs) {
+            (0, 1) => format!("tg{}", self.n_gen),
+            (0, s) => format!("tg{} x{s}", self.n_gen),
+            (p, _) => format!("pp{p}"),
         }
     }
 
-    fn tokens(&self) -> usize {
+    /// Tokens one sequence holds at the end.
+    fn context_needed(&self) -> usize {
         self.n_prompt + self.n_gen
+    }
+
+    /// Tokens processed or generated in all.
+    fn tokens(&self) -> usize {
+        self.n_prompt + self.n_gen * self.seqs
     }
 }
 
@@ -41,6 +50,9 @@ fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
 /// Runs `test` once and returns its duration in nanoseconds.
 fn run_once(model: &Model, test: Test) -> Result<u128> {
     let vocab = model.architecture().vocab_size();
+    if test.n_prompt == 0 && test.seqs > 1 {
+        return run_batched(model, test, vocab);
+    }
     let mut session = model.new_session()?;
     let t0 = Instant::now();
     if test.n_prompt > 0 {
@@ -51,6 +63,25 @@ fn run_once(model: &Model, test: Test) -> Result<u128> {
             match session.forward(&[token], OutputMode::NextToken)? {
                 StepOutput::Token(t) => token = t,
                 other => bail!("a greedy step returned {other:?} instead of a token"),
+            }
+        }
+    }
+    Ok(t0.elapsed().as_nanos())
+}
+
+/// Runs a `tg` test of several sequences: each starts from its own token and all are decoded
+/// together, one batched greedy step per generated token; returns the duration in nanoseconds.
+fn run_batched(model: &Model, test: Test, vocab: usize) -> Result<u128> {
+    let mut sessions = (0..test.seqs).map(|_| model.new_session()).collect::<Result<Vec<_>, _>>()?;
+    let mut tokens = prompt_tokens(test.seqs, vocab);
+    let t0 = Instant::now();
+    for _ in 0..test.n_gen {
+        let mut refs: Vec<_> = sessions.iter_mut().collect();
+        let outs = model.decode_batch(&mut refs, &tokens, OutputMode::NextToken)?;
+        for (t, out) in tokens.iter_mut().zip(outs) {
+            match out? {
+                StepOutput::Token(next) => *t = next,
+                other => bail!("a greedy batched step returned {other:?} instead of a token"),
             }
         }
     }
@@ -110,14 +141,19 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if a.repetitions == 0 {
         bail!("-r/--repetitions must be at least 1");
     }
-    let mut tests: Vec<Test> = a.n_prompt.iter().filter(|&&n| n > 0).map(|&n| Test { n_prompt: n, n_gen: 0 }).collect();
-    tests.extend(a.n_gen.iter().filter(|&&n| n > 0).map(|&n| Test { n_prompt: 0, n_gen: n }));
+    if a.seqs.contains(&0) {
+        bail!("-s/--seqs must be at least 1");
+    }
+    let mut tests: Vec<Test> = a.n_prompt.iter().filter(|&&n| n > 0).map(|&n| Test { n_prompt: n, n_gen: 0, seqs: 1 }).collect();
+    for &n in a.n_gen.iter().filter(|&&n| n > 0) {
+        tests.extend(a.seqs.iter().map(|&seqs| Test { n_prompt: 0, n_gen: n, seqs }));
+    }
     if tests.is_empty() {
         bail!("nothing to measure: give a positive -p or -n");
     }
     let model = crate::commands::load(&a.model)?;
-    if let Some(t) = tests.iter().find(|t| t.tokens() > model.context()) {
-        bail!("{} needs {} tokens but the context holds {} (raise -c)", t.name(), t.tokens(), model.context());
+    if let Some(t) = tests.iter().find(|t| t.context_needed() > model.context()) {
+        bail!("{} needs {} tokens but the context holds {} (raise -c)", t.name(), t.context_needed(), model.context());
     }
     let file = model.file();
     let model_size: u64 = file.tensors().iter().map(|t| file.tensor_data(t).len() as u64).sum();
@@ -170,6 +206,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 "kernels": if a.model.exact { "exact" } else { "fast" },
                 "n_prompt": test.n_prompt,
                 "n_gen": test.n_gen,
+                "n_seqs": test.seqs,
                 "test_time": iso8601_now(),
                 "avg_ns": avg_ns as u64,
                 "stddev_ns": stddev_ns as u64,
@@ -200,8 +237,10 @@ mod tests {
 
     #[test]
     fn test_names_follow_llama_bench() {
-        assert_eq!(Test { n_prompt: 512, n_gen: 0 }.name(), "pp512");
-        assert_eq!(Test { n_prompt: 0, n_gen: 128 }.name(), "tg128");
+        assert_eq!(Test { n_prompt: 512, n_gen: 0, seqs: 1 }.name(), "pp512");
+        assert_eq!(Test { n_prompt: 0, n_gen: 128, seqs: 1 }.name(), "tg128");
+        assert_eq!(Test { n_prompt: 0, n_gen: 64, seqs: 8 }.name(), "tg64 x8");
+        assert_eq!(Test { n_prompt: 0, n_gen: 64, seqs: 8 }.tokens(), 512);
     }
 
     #[test]

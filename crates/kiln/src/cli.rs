@@ -236,6 +236,10 @@ pub struct BenchArgs {
     /// Token counts to generate (comma-separated; 0 skips generation).
     #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "128")]
     pub n_gen: Vec<usize>,
+    /// Parallel sequences for generation (comma-separated): `tg N` with S > 1 decodes S sequences
+    /// together, one batched step per token, and reports their aggregate tokens/s.
+    #[arg(short = 's', long = "seqs", value_delimiter = ',', default_value = "1")]
+    pub seqs: Vec<usize>,
     /// Repetitions of each test (after one warm-up run).
     #[arg(short = 'r', long, default_value_t = 5)]
     pub repetitions: usize,

@@ -214,9 +214,9 @@ fn device_flag_is_checked() {
 #[test]
 fn bench_prints_a_table_and_runs_the_exact_kernels_on_request() {
     let m = model();
-    let out = stdout(&kiln(&["bench", "-m", m.to_str().unwrap(), "--exact", "-p", "4,6", "-n", "2", "-r", "1"]));
+    let out = stdout(&kiln(&["bench", "-m", m.to_str().unwrap(), "--exact", "-p", "4,6", "-n", "2", "-s", "1,3", "-r", "1"]));
     assert!(out.starts_with("| model |"), "{out}");
-    for test in ["| pp4 |", "| pp6 |", "| tg2 |"] {
+    for test in ["| pp4 |", "| pp6 |", "| tg2 |", "| tg2 x3 |"] {
         assert!(out.contains(test), "{test} missing: {out}");
     }
     assert!(out.contains("Exact kernels"), "{out}");
@@ -230,6 +230,7 @@ fn bench_rejects_bad_arguments_clearly() {
         (&["-p", "0", "-n", "0"][..], "nothing to measure"),
         (&["-p", "100", "-n", "0", "-c", "50"][..], "context"),
         (&["-o", "xml"][..], "xml"),
+        (&["-s", "0"][..], "seqs"),
     ] {
         let mut all = vec!["bench", "-m", m.to_str().unwrap()];
         all.extend_from_slice(args);

@@ -107,7 +107,8 @@ impl Model {
     /// Decodes one token for each session in one batched step (the weights are read once for all
     /// of them): `tokens[i]` is appended to `sessions[i]`, which attends to its own KV cache at its
     /// own position. Returns each session's output for `mode` (`Logits` or `NextToken`); a
-    /// non-finite row is an error for its session only.
+    /// non-finite row is an error for its session only. On a backend whose plans cannot decode
+    /// several sequences at once, the sessions are decoded one after another.
     pub fn decode_batch(
         &self,
         sessions: &mut [&mut Session<'_>],
@@ -131,7 +132,13 @@ impl Model {
         let positions: Vec<usize> = sessions.iter().map(|s| s.position()).collect();
         let key = PlanKey { mode, bucket: self.policy.decode_batch(max_past, sessions.len()) };
         let mut kvs: Vec<&mut dyn KvCache> = sessions.iter_mut().map(|s| s.kv.as_mut() as &mut dyn KvCache).collect();
-        let out = self.with_plan(key, |exec| Ok(exec.run_batch(tokens, &mut kvs)?))?;
+        let out = match self.with_plan(key, |exec| Ok(exec.run_batch(tokens, &mut kvs)?)) {
+            // A backend that cannot decode several sequences in one step decodes them one by one.
+            Err(ModelError::Runtime(kiln_runtime::RuntimeError::Unsupported(_))) => {
+                return Ok(sessions.iter_mut().zip(tokens).map(|(s, &t)| s.forward(&[t], mode)).collect());
+            }
+            out => out?,
+        };
         let t = out.into_iter().next().ok_or_else(|| ModelError::Metadata("plan produced no output".into()))?;
         let width = t.shape[1];
         let row_result = |i: usize| -> Result<StepOutput, ModelError> {

@@ -17,7 +17,9 @@ use kiln_models::{
     StepOutput, TextControl,
 };
 use kiln_quant::GgmlType;
-use kiln_runtime::{Backend, DeviceWeights, EngineConfig, Executable, KvCache, KvLayout, Plan, RuntimeError, WeightStore};
+use kiln_runtime::{
+    Backend, DeviceWeights, EngineConfig, Executable, HostTensor, KvCache, KvLayout, Plan, RuntimeError, StepInputs, WeightStore,
+};
 
 // ---------------------------------------------------------------------------------------------
 // The synthetic model
@@ -976,4 +978,67 @@ fn batched_decode_equals_each_sequence_alone() {
     assert!(err.to_string().contains("outside the vocabulary"), "{err}");
     let err = model.decode_batch(&mut refs, &[5], OutputMode::Logits).unwrap_err();
     assert!(err.to_string().contains("1 tokens for 2 sequences"), "{err}");
+}
+
+/// The CPU backend with plans that cannot decode several sequences in one step (the trait's
+/// default `run_batch`), as a backend without batched decode.
+struct NoBatch(CpuBackend);
+
+/// A CPU plan without `run_batch`.
+struct OneAtATime(Box<dyn Executable>);
+
+impl Executable for OneAtATime {
+    fn plan(&self) -> &Plan {
+        self.0.plan()
+    }
+
+    fn run(&mut self, inputs: StepInputs<'_>, kv: &mut dyn KvCache) -> Result<Vec<HostTensor>, RuntimeError> {
+        self.0.run(inputs, kv)
+    }
+}
+
+impl Backend for NoBatch {
+    fn name(&self) -> String {
+        self.0.name()
+    }
+
+    fn load_weights(&self, store: &Arc<WeightStore>) -> Result<Arc<dyn DeviceWeights>, RuntimeError> {
+        self.0.load_weights(store)
+    }
+
+    fn prepare(&self, plan: Arc<Plan>, weights: &Arc<dyn DeviceWeights>) -> Result<Box<dyn Executable>, RuntimeError> {
+        Ok(Box::new(OneAtATime(self.0.prepare(plan, weights)?)))
+    }
+
+    fn new_kv_cache(&self, layout: &KvLayout) -> Result<Box<dyn KvCache>, RuntimeError> {
+        self.0.new_kv_cache(layout)
+    }
+}
+
+#[test]
+fn batched_decode_on_a_backend_without_it_decodes_one_by_one() {
+    let batching = load(config());
+    let single = load_parts(&parts(7), Arc::new(NoBatch(CpuBackend::new(2))), config()).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(3 + 2 * i, 500 + i as u64)).collect();
+    // Each model's sessions, prefilled with the prompts.
+    fn prefilled<'m>(model: &'m Model, prompts: &[Vec<u32>]) -> Vec<Session<'m>> {
+        prompts
+            .iter()
+            .map(|p| {
+                let mut s = model.new_session().unwrap();
+                logits(&mut s, p);
+                s
+            })
+            .collect()
+    }
+    let (mut a, mut b) = (prefilled(&batching, &prompts), prefilled(&single, &prompts));
+    for (step, mode) in [OutputMode::Logits, OutputMode::NextToken, OutputMode::Logits].into_iter().enumerate() {
+        let tokens = prompt(3, 600 + step as u64);
+        let want = batching.decode_batch(&mut a.iter_mut().collect::<Vec<_>>(), &tokens, mode).unwrap();
+        let got = single.decode_batch(&mut b.iter_mut().collect::<Vec<_>>(), &tokens, mode).unwrap();
+        for (i, (w, g)) in want.into_iter().zip(got).enumerate() {
+            assert_eq!(w.unwrap(), g.unwrap(), "step {step}, sequence {i}");
+            assert_eq!(a[i].position(), b[i].position());
+        }
+    }
 }

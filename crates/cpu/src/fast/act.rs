@@ -5,7 +5,7 @@
 //! 1/254 of ggml's 8-bit activations, and `madd` multiplies 16-bit pairs as fast as `maddubs` does
 //! 8-bit ones.
 
-use super::{ActRow, Family};
+use super::{ActGroup, ActRow, Family, ROW_GROUP};
 use crate::kernels::SharedMut;
 use crate::pool::ThreadPool;
 use crate::simd::Isa;
@@ -18,6 +18,8 @@ pub struct QuantizedRows {
     qs: Vec<i16>,
     d: Vec<f32>,
     sums: Vec<f32>,
+    /// The scales again, block-major per group of [`ROW_GROUP`] rows (see [`ActGroup::d_t`]).
+    d_t: Vec<f32>,
 }
 
 impl Family {
@@ -38,7 +40,8 @@ impl QuantizedRows {
         assert!(k.is_multiple_of(block) && x.len() >= rows * k);
         let nb = k / block;
         let ng = if fam == Family::KQuant { k / 16 } else { 0 };
-        let mut q = QuantizedRows { k, rows, block, qs: vec![0; rows * k], d: vec![0.0; rows * nb], sums: vec![0.0; rows * ng] };
+        let mut q =
+            QuantizedRows { k, rows, block, qs: vec![0; rows * k], d: vec![0.0; rows * nb], sums: vec![0.0; rows * ng], d_t: Vec::new() };
         let (qp, dp, sp) = (SharedMut(q.qs.as_mut_ptr()), SharedMut(q.d.as_mut_ptr()), SharedMut(q.sums.as_mut_ptr()));
         let each = |r: usize| {
             // SAFETY: row r of each buffer is written by this call only.
@@ -59,6 +62,7 @@ impl QuantizedRows {
         } else {
             pool.for_chunks(rows, 1, &|range| range.for_each(each));
         }
+        q.d_t = group_scales(&q.d, rows, nb);
         q
     }
 
@@ -74,10 +78,28 @@ impl QuantizedRows {
         ActRow { qs: &self.qs[r * k..(r + 1) * k], d: &self.d[r * nb..(r + 1) * nb], sums: &self.sums[r * ng..(r + 1) * ng] }
     }
 
+    /// Rows `r0..r0 + len` (`r0` a multiple of [`ROW_GROUP`], `len` at most that), the last
+    /// repeated to fill the group.
+    pub fn group(&self, r0: usize, len: usize) -> ActGroup<'_> {
+        assert!(r0.is_multiple_of(ROW_GROUP) && (1..=ROW_GROUP).contains(&len) && r0 + len <= self.rows);
+        let nb = self.k / self.block;
+        let at = r0 / ROW_GROUP * nb * ROW_GROUP;
+        ActGroup { rows: std::array::from_fn(|i| self.row(r0 + i.min(len - 1))), len, d_t: &self.d_t[at..at + nb * ROW_GROUP] }
+    }
+
     /// Row `r` alone.
     pub fn select(&self, r: usize) -> QuantizedRows {
         let a = self.row(r);
-        QuantizedRows { k: self.k, rows: 1, block: self.block, qs: a.qs.to_vec(), d: a.d.to_vec(), sums: a.sums.to_vec() }
+        let nb = self.k / self.block;
+        QuantizedRows {
+            k: self.k,
+            rows: 1,
+            block: self.block,
+            qs: a.qs.to_vec(),
+            d: a.d.to_vec(),
+            sums: a.sums.to_vec(),
+            d_t: group_scales(a.d, 1, nb),
+        }
     }
 
     /// The values the quantized rows stand for (tests).
@@ -85,6 +107,23 @@ impl QuantizedRows {
     pub fn dequantized(&self) -> Vec<f32> {
         self.qs.iter().enumerate().map(|(i, &q)| self.d[i / self.block] * f32::from(q)).collect()
     }
+}
+
+/// The scales `d` (`rows × nb`, row-major) block-major per group of [`ROW_GROUP`] rows: entry
+/// `(g · nb + b) · ROW_GROUP + i` is the scale of block `b` of row `g · ROW_GROUP + i`, where a last
+/// group short of rows repeats its last row.
+fn group_scales(d: &[f32], rows: usize, nb: usize) -> Vec<f32> {
+    let groups = rows.div_ceil(ROW_GROUP);
+    let mut t = vec![0f32; groups * nb * ROW_GROUP];
+    for g in 0..groups {
+        for b in 0..nb {
+            for i in 0..ROW_GROUP {
+                let r = (g * ROW_GROUP + i).min(rows - 1);
+                t[(g * nb + b) * ROW_GROUP + i] = d[r * nb + b];
+            }
+        }
+    }
+    t
 }
 
 /// Quantizes one row: per block `d = max|x| / max_level`, `q = round(x / d)` (`d` NaN when the

@@ -99,69 +99,76 @@ unsafe fn legacy_levels<const T: u8>(p: *const u8) -> __m256i {
     }
 }
 
-/// The f16 at `p`, converted with F16C.
+/// The f16 at `p` in every lane, converted with F16C. (Converted as a whole vector: converting
+/// one lane lets the compiler insert the half into an arbitrary register, often a live
+/// accumulator, which chains every block on the previous one.)
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn f16_load(p: *const u8) -> f32 {
-    let h = std::ptr::read_unaligned(p as *const u16);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))))
+unsafe fn f16_splat(p: *const u8) -> __m256 {
+    _mm256_cvtph_ps(_mm_set1_epi16(std::ptr::read_unaligned(p as *const i16)))
 }
 
-/// Products of one packed Q4_0, Q5_0 or Q8_0 row with `R` Q8_0 activation rows.
+/// Products of one packed Q4_0, Q5_0 or Q8_0 row with `R` activation rows (32-element blocks);
+/// `d_t` holds their block scales block-major ([`super::ActGroup::d_t`]).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn legacy_rows<const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R]) -> [f32; R] {
+pub unsafe fn legacy_rows<const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R], d_t: &[f32]) -> [f32; R] {
     match ty {
-        GgmlType::Q4_0 => legacy_rows_of::<DEC_Q4_0, R>(src, ty.type_size(), a),
-        GgmlType::Q5_0 => legacy_rows_of::<DEC_Q5_0, R>(src, ty.type_size(), a),
-        GgmlType::Q8_0 => legacy_rows_of::<DEC_Q8_0, R>(src, ty.type_size(), a),
+        GgmlType::Q4_0 => legacy_rows_of::<DEC_Q4_0, R>(src, ty.type_size(), a, d_t),
+        GgmlType::Q5_0 => legacy_rows_of::<DEC_Q5_0, R>(src, ty.type_size(), a, d_t),
+        GgmlType::Q8_0 => legacy_rows_of::<DEC_Q8_0, R>(src, ty.type_size(), a, d_t),
         _ => unreachable!("{ty} is not a 32-block fast format"),
     }
 }
 
-/// [`legacy_rows`] for decoder `T` with `bytes` per block: each block is decoded into registers
-/// (levels widened to 16 bits) and multiplied with every activation row by `madd`.
+/// [`legacy_rows`] for decoder `T` with `bytes` per block. Each block is decoded into registers
+/// (levels widened to 16 bits) and multiplied with every activation row by `madd`; two rounds of
+/// interleave-and-add then pack four rows' block sums into one register (row `i`'s sum over one
+/// 128-bit half in lane `i`, over the other in lane `i + 4`), which is converted and scaled once.
+/// A single row takes the same steps with itself in every slot, so a row's product is the same
+/// bits whichever rows it is batched with.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn legacy_rows_of<const T: u8, const R: usize>(src: &[u8], bytes: usize, a: &[ActRow<'_>; R]) -> [f32; R] {
+unsafe fn legacy_rows_of<const T: u8, const R: usize>(src: &[u8], bytes: usize, a: &[ActRow<'_>; R], d_t: &[f32]) -> [f32; R] {
     let nb = src.len() / bytes;
     assert!(src.len() == bytes * nb && a.iter().all(|a| a.qs.len() == 32 * nb && a.d.len() == nb));
-    // Even and odd blocks go to separate accumulators, so the additions of consecutive blocks do
-    // not wait on each other; the order is the same for every `R` (a row's product does not
-    // depend on the rows batched with it).
-    let (mut acc, mut acc_odd) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
-    let block = |b: usize, acc: &mut [__m256; R]| {
+    assert!(R == 1 || d_t.len() >= 8 * nb);
+    let mut acc = [_mm256_setzero_ps(); 2];
+    for b in 0..nb {
         let p = src.as_ptr().add(b * bytes);
-        let dw = _mm256_set1_ps(f16_load(p));
+        let dw = f16_splat(p);
         let wq = legacy_levels::<T>(p);
         let w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(wq));
         let w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(wq, 1));
+        let mut prod = [_mm256_setzero_si256(); R];
         for r in 0..R {
             let ap = a[r].qs.as_ptr().add(32 * b);
             let a0 = _mm256_loadu_si256(ap as *const __m256i);
             let a1 = _mm256_loadu_si256(ap.add(16) as *const __m256i);
-            let prod = _mm256_add_epi32(_mm256_madd_epi16(w0, a0), _mm256_madd_epi16(w1, a1));
-            let scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(a[r].d.get_unchecked(b)));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), scale, acc[r]);
+            prod[r] = _mm256_add_epi32(_mm256_madd_epi16(w0, a0), _mm256_madd_epi16(w1, a1));
         }
-    };
-    let mut b = 0;
-    while b + 2 <= nb {
-        block(b, &mut acc);
-        block(b + 1, &mut acc_odd);
-        b += 2;
+        if R == 1 {
+            // The same sums as the pairwise additions below, by two swaps within each half.
+            let q = _mm256_add_epi32(prod[0], _mm256_shuffle_epi32(prod[0], 0b01_00_11_10));
+            let t = _mm256_add_epi32(q, _mm256_shuffle_epi32(q, 0b10_11_00_01));
+            let scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(a[0].d.get_unchecked(b)));
+            acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), scale, acc[0]);
+            continue;
+        }
+        for h in 0..R.div_ceil(4) {
+            let row = |i: usize| prod[(4 * h + i).min(R - 1)];
+            // Interleave-and-add instead of `hadd` (a quarter of the throughput on Zen 3).
+            let pairs = |x: __m256i, y: __m256i| _mm256_add_epi32(_mm256_unpacklo_epi32(x, y), _mm256_unpackhi_epi32(x, y));
+            let (s01, s23) = (pairs(row(0), row(1)), pairs(row(2), row(3)));
+            let t = _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
+            let da = _mm256_broadcast_ps(&*(d_t.as_ptr().add(8 * b + 4 * h) as *const __m128));
+            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw, da), acc[h]);
+        }
     }
-    while b < nb {
-        block(b, &mut acc);
-        b += 1;
+    let mut lanes = [[0f32; 8]; 2];
+    for (l, v) in lanes.iter_mut().zip(acc) {
+        _mm256_storeu_ps(l.as_mut_ptr(), v);
     }
-    for r in 0..R {
-        acc[r] = _mm256_add_ps(acc[r], acc_odd[r]);
-    }
-    let mut out = [0f32; R];
-    for r in 0..R {
-        out[r] = hsum(acc[r]);
-    }
-    out
+    std::array::from_fn(|r| lanes[r / 4][r % 4] + lanes[r / 4][r % 4 + 4])
 }
 
 /// Decoder selectors of the K-quants (const generic parameters of [`k_rows_of`]); the others
@@ -306,32 +313,29 @@ pub unsafe fn screen_group<const R: usize>(grp: &[u8], nb: usize, a: [(&[i8], &[
     for b in 0..nb {
         let p = grp.as_ptr().add(b * GROUP_BLOCK_BYTES);
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-        let mut lo_act = [_mm256_setzero_si256(); R];
-        let mut hi_act = [_mm256_setzero_si256(); R];
+        // Two rows per register: row 2i in the low 128 bits, row 2i + 1 in the high ones.
+        let (mut lo, mut hi) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
+        for i in 0..4 {
+            let v = _mm256_loadu_si256(p.add(16 + 32 * i) as *const __m256i);
+            lo[i] = _mm256_and_si256(v, m4);
+            hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        }
         for r in 0..R {
             let ap = a[r].0.as_ptr().add(32 * b);
-            lo_act[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(ap as *const __m128i));
-            hi_act[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(ap.add(16) as *const __m128i));
-        }
-        // Two rows per register: row 2i in the low 128 bits, row 2i + 1 in the high ones.
-        let mut sums = [[_mm256_setzero_si256(); R]; 4];
-        for (i, pair) in sums.iter_mut().enumerate() {
-            let v = _mm256_loadu_si256(p.add(16 + 32 * i) as *const __m256i);
-            let lo = _mm256_and_si256(v, m4);
-            let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-            for r in 0..R {
-                // At most 2 · 2 · 15 · 127 per 16-bit lane.
-                let p16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, lo_act[r]), _mm256_maddubs_epi16(hi, hi_act[r]));
-                pair[r] = _mm256_madd_epi16(p16, ones);
-            }
-        }
-        for r in 0..R {
-            // Lanes: rows 0, 2, 4, 6, 1, 3, 5, 7 (LANE_ROW).
-            let h01 = _mm256_hadd_epi32(sums[0][r], sums[1][r]);
-            let h = _mm256_hadd_epi32(h01, _mm256_hadd_epi32(sums[2][r], sums[3][r]));
-            let da = _mm256_set1_ps(*a[r].1.get_unchecked(b));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(dw, da), acc[r]);
-            acc[r] = _mm256_fmadd_ps(dw, _mm256_set1_ps(*a[r].2.get_unchecked(b)), acc[r]);
+            let lo_act = _mm256_broadcastsi128_si256(_mm_loadu_si128(ap as *const __m128i));
+            let hi_act = _mm256_broadcastsi128_si256(_mm_loadu_si128(ap.add(16) as *const __m128i));
+            // At most 2 · 2 · 15 · 127 = 7620 per 16-bit lane; two rounds of additions keep every
+            // lane below 4 · 7620 = 30480, and the widening one leaves each row's sum in its lane
+            // (rows 0, 2, 4, 6, 1, 3, 5, 7: LANE_ROW).
+            let pair = |i: usize| _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], lo_act), _mm256_maddubs_epi16(hi[i], hi_act));
+            // Interleave-and-add (`hadd` has a quarter of the throughput on Zen 3): 16-bit pairs,
+            // then 64-bit halves, leave each row's two partial sums side by side.
+            let dwords = |x: __m256i, y: __m256i| _mm256_add_epi16(_mm256_unpacklo_epi32(x, y), _mm256_unpackhi_epi32(x, y));
+            let (u01, u23) = (dwords(pair(0), pair(1)), dwords(pair(2), pair(3)));
+            let x = _mm256_add_epi16(_mm256_unpacklo_epi64(u01, u23), _mm256_unpackhi_epi64(u01, u23));
+            let h = _mm256_cvtepi32_ps(_mm256_madd_epi16(x, ones));
+            let (da, off) = (_mm256_broadcast_ss(a[r].1.get_unchecked(b)), _mm256_broadcast_ss(a[r].2.get_unchecked(b)));
+            acc[r] = _mm256_fmadd_ps(dw, _mm256_fmadd_ps(h, da, off), acc[r]);
         }
     }
     let mut out = [[0f32; 8]; R];

@@ -38,6 +38,7 @@ fn unpack_legacy(ty: GgmlType, b: &[u8], qb: &mut [i8; 32]) -> f32 {
 
 /// Unpacks one K-quant super-block `b` (Q2_K..Q6_K) into unsigned levels, per-16 scales and
 /// corrections.
+#[inline(never)]
 pub fn unpack_k(ty: GgmlType, b: &[u8], w: &mut KBlock) {
     let KBlock { q, sc, corr, d, dcorr } = w;
     match ty {

@@ -205,8 +205,10 @@ pub fn argmax(pool: &ThreadPool, isa: Isa, x: &[f32], acts: &QuantizedRows, w: &
                         let a: [_; $r] = std::array::from_fn(|i| sa.row(r0 + i));
                         for (i, lanes) in group_scores::<$r>(isa, grp, nb, a).iter().enumerate() {
                             // Most groups hold no candidate: one pass over the lanes skips them
-                            // (a NaN fails the comparison and is flagged below).
-                            if lanes.iter().all(|&v| v <= mine[r0 + i].0.floor) {
+                            // (a NaN fails the comparison and is flagged below). Not short-circuited,
+                            // so it compiles to vector compares.
+                            let floor = mine[r0 + i].0.floor;
+                            if lanes.iter().fold(0u8, |any, &v| any | u8::from(v > floor) | u8::from(v.is_nan())) == 0 {
                                 continue;
                             }
                             for (lane, &v) in lanes.iter().enumerate() {
@@ -227,7 +229,8 @@ pub fn argmax(pool: &ThreadPool, isa: Isa, x: &[f32], acts: &QuantizedRows, w: &
                 match rows - r0 {
                     1 => scores!(1),
                     2 | 3 => scores!(2),
-                    _ => scores!(4),
+                    4..=7 => scores!(4),
+                    _ => scores!(8),
                 }
             }
         }

@@ -299,6 +299,29 @@ fn simd_screen_scores_equal_the_scalar_ones() {
     }
 }
 
+/// A row's screening scores do not depend on the rows screened with it, bit for bit.
+#[test]
+fn screen_scores_do_not_depend_on_the_rows_screened_together() {
+    let mut rng = Rng(0x5c0e_0b17);
+    let (k, n) = (160, 8);
+    let packed = quantize(GgmlType::Q8_0, &rng.vec(k * n)).unwrap();
+    let m = PackedMatrix::from_bytes(&packed, GgmlType::Q8_0, k, n);
+    let copy = make_screening_copy(&ThreadPool::new(1), &m, &|_| {});
+    let x = rng.vec(8 * k);
+    let acts = screen::ScreenActs::new(&x, 8, k);
+    for isa in Isa::supported() {
+        let eight = screen::group_scores::<8>(isa, &copy, k / 32, std::array::from_fn(|r| acts.row(r)));
+        let four = screen::group_scores::<4>(isa, &copy, k / 32, std::array::from_fn(|r| acts.row(r + 4)));
+        for r in 0..8 {
+            let one = screen::group_scores::<1>(isa, &copy, k / 32, [acts.row(r)]);
+            assert_eq!(one[0], eight[r], "{isa:?} row {r}");
+            if r >= 4 {
+                assert_eq!(one[0], four[r - 4], "{isa:?} row {r}");
+            }
+        }
+    }
+}
+
 /// A row's product does not depend on the rows multiplied with it (batched decode equals decoding
 /// alone, bit for bit).
 #[test]

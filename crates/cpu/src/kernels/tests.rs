@@ -256,6 +256,24 @@ fn matmul_argmax_reports_non_finite_products() {
     }
 }
 
+/// [`attention`] of one sequence's `rows` new rows.
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    pool: &ThreadPool,
+    isa: Isa,
+    q: &[f32],
+    k_new: &[f32],
+    v_new: &[f32],
+    rows: usize,
+    start: usize,
+    layer: &mut LayerStore,
+    shape: AttentionShape,
+    softcap: Option<f32>,
+    out: &mut [f32],
+) {
+    attention(pool, isa, &mut [AttentionSegment { q, k_new, v_new, rows, start, layer, out }], shape, softcap);
+}
+
 /// Naive causal attention in f64: `len` rows at positions `0..len`, every key/value row of a
 /// position visible when it is within the window.
 #[allow(clippy::too_many_arguments)]
@@ -343,7 +361,7 @@ fn attention_matches_f64_in_one_chunk_and_in_several() {
                         let mut start = 0;
                         for &rows in chunks {
                             let (a, b) = (start, start + rows);
-                            attention(
+                            attend(
                                 pool,
                                 isa,
                                 &q[a * qw..b * qw],
@@ -412,7 +430,7 @@ fn attention_over_several_key_blocks_matches_f64_on_odd_sizes() {
                         }
                         let (a, b) = (start, (start + rows).min(len));
                         let (qs, ks, vs) = (&q[a * qw..b * qw], &k[a * kw..b * kw], &v[a * kw..b * kw]);
-                        attention(pool, isa, qs, ks, vs, b - a, start, layer, shape, None, &mut out[a * qw..b * qw]);
+                        attend(pool, isa, qs, ks, vs, b - a, start, layer, shape, None, &mut out[a * qw..b * qw]);
                         start = b;
                     }
                     assert_eq!(start, len, "{what}");
@@ -440,7 +458,7 @@ fn attention_of_the_first_position_returns_its_value() {
     let mut cache = CpuKvCache::new(&KvLayout { layers: vec![spec], context: 4 });
     let mut out = vec![0f32; q_heads * d];
     let shape = AttentionShape { q_heads, kv_heads, head_dim: d, window: Some(3), scale: 1.0 };
-    attention(&ThreadPool::new(1), Isa::Scalar, &q, &k, &v, 1, 0, cache.layer_mut(0).unwrap(), shape, None, &mut out);
+    attend(&ThreadPool::new(1), Isa::Scalar, &q, &k, &v, 1, 0, cache.layer_mut(0).unwrap(), shape, None, &mut out);
     // Query heads 0, 1 share kv head 0; heads 2, 3 share kv head 1.
     for h in 0..q_heads {
         assert_eq!(out[h * d..(h + 1) * d], v[(h / 2) * d..(h / 2 + 1) * d], "head {h}");
@@ -652,7 +670,7 @@ fn soft_capped_attention_matches_f64() {
                     for &rows in chunks {
                         let (a, b) = (start, start + rows);
                         let (qs, ks, vs) = (&q[a * qw..b * qw], &k[a * kw..b * kw], &v[a * kw..b * kw]);
-                        attention(pool, isa, qs, ks, vs, rows, start, layer, shape, Some(cap), &mut out[a * qw..b * qw]);
+                        attend(pool, isa, qs, ks, vs, rows, start, layer, shape, Some(cap), &mut out[a * qw..b * qw]);
                         start = b;
                     }
                     for (e, (&got, &w)) in out.iter().zip(&want).enumerate() {
@@ -676,5 +694,68 @@ fn rms_normalize_matches_rms_norm_with_unit_weights() {
     for g in a.chunks_exact(4) {
         let ms: f32 = g.iter().map(|v| v * v).sum::<f32>() / 4.0;
         assert!((ms - 1.0).abs() < 1e-4, "{ms}");
+    }
+}
+
+/// Sequences attending in one call (a batched decode step, or prefill chunks of several
+/// sequences) get the same bits as each attending alone.
+#[test]
+fn attention_of_several_sequences_equals_each_alone() {
+    let mut rng = Rng(0xa77e_0005);
+    let (q_heads, kv_heads, d) = (4, 1, 16);
+    let (qw, kw) = (q_heads * d, kv_heads * d);
+    let spec = LayerKv { kv_heads, head_dim_k: d, head_dim_v: d, window: None };
+    let shape = AttentionShape { q_heads, kv_heads, head_dim: d, window: None, scale: 0.25 };
+    // (cached positions, new rows) per sequence.
+    let seqs = [(5usize, 1usize), (0, 3), (40, 1), (17, 2), (1, 1)];
+    let pasts: Vec<(Vec<f32>, Vec<f32>)> = seqs.iter().map(|&(p, _)| (rng.vec(p * kw), rng.vec(p * kw))).collect();
+    let news: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> =
+        seqs.iter().map(|&(_, r)| (rng.vec(r * qw), rng.vec(r * kw), rng.vec(r * kw))).collect();
+    let cached = || -> Vec<CpuKvCache> {
+        seqs.iter()
+            .zip(&pasts)
+            .map(|(&(p, _), (k, v))| {
+                let mut c = CpuKvCache::new(&KvLayout { layers: vec![spec], context: 64 });
+                c.layer_mut(0).unwrap().append(k, v, p);
+                c
+            })
+            .collect()
+    };
+    for isa in Isa::supported() {
+        for pool in &pools() {
+            let mut alone_caches = cached();
+            let alone: Vec<Vec<f32>> = seqs
+                .iter()
+                .zip(&news)
+                .zip(alone_caches.iter_mut())
+                .map(|((&(p, r), (q, k, v)), c)| {
+                    let mut out = vec![f32::NAN; r * qw];
+                    attend(pool, isa, q, k, v, r, p, c.layer_mut(0).unwrap(), shape, None, &mut out);
+                    out
+                })
+                .collect();
+            let mut caches = cached();
+            let mut outs: Vec<Vec<f32>> = seqs.iter().map(|&(_, r)| vec![f32::NAN; r * qw]).collect();
+            let mut parts: Vec<AttentionSegment<'_>> = seqs
+                .iter()
+                .zip(&news)
+                .zip(caches.iter_mut().zip(outs.iter_mut()))
+                .map(|((&(p, r), (q, k, v)), (c, out))| AttentionSegment {
+                    q,
+                    k_new: k,
+                    v_new: v,
+                    rows: r,
+                    start: p,
+                    layer: c.layer_mut(0).unwrap(),
+                    out,
+                })
+                .collect();
+            attention(pool, isa, &mut parts, shape, None);
+            drop(parts);
+            for (i, ((out, want), c)) in outs.iter().zip(&alone).zip(caches.iter_mut()).enumerate() {
+                assert_eq!(out, want, "{isa:?} threads={} sequence {i}", pool.threads());
+                assert_eq!(c.layer_mut(0).unwrap().len(), seqs[i].0 + seqs[i].1);
+            }
+        }
     }
 }
