@@ -313,9 +313,7 @@ fn epilogue_for(plan: &Plan, weights: &dyn WeightShapes, group: &[usize], next: 
         // The pair's slots passed `fusable` when the pair was fused.
         Op::NormPair { first, second } => (Epilogue::Pair(first, second), first),
         Op::Step(t) => match steps[t].kernel {
-            Kernel::RmsNorm { x, weight, out, width, residual: None, .. }
-                if weights.vector_len(weight)? == width && same(out, x) =>
-            {
+            Kernel::RmsNorm { x, weight, out, width, residual: None, .. } if weights.vector_len(weight)? == width && same(out, x) => {
                 (Epilogue::Norm(t), t)
             }
             _ => return Ok(None),
@@ -520,7 +518,8 @@ impl CudaExecutable {
         let launches = lower(&plan, &*weights)?;
         tracing::debug!("{} steps in {} launches", plan.steps.len(), launches.len());
         let max_k = max_matmul_k(&plan);
-        let max_n = plan.steps.iter().filter_map(|st| if let Kernel::MatMul { n, .. } = st.kernel { Some(n) } else { None }).fold(32, usize::max);
+        let max_n =
+            plan.steps.iter().filter_map(|st| if let Kernel::MatMul { n, .. } = st.kernel { Some(n) } else { None }).fold(32, usize::max);
         let xq = (0..2).map(|_| DeviceBuffer::new(&device.ctx, MATVEC_ROWS * xq_bytes(max_k))).collect::<Result<Vec<_>, _>>()?;
         let sync_bytes = SYNC_GLU as usize + 4 * MATVEC_ROWS * max_n.div_ceil(32);
         let sync = DeviceBuffer::new(&device.ctx, sync_bytes)?;
@@ -1062,7 +1061,8 @@ mod tests {
 
     /// The launches of a Gemma 3 plan of `bucket` (a small synthetic model, `layers` layers).
     fn launches(bucket: Bucket, mix: FormatMix) -> (Plan, Vec<Launch>) {
-        let shape = Gemma3Shape { hidden: 512, layers: 3, q_heads: 4, kv_heads: 1, head_dim: 128, ffn: 1024, vocab: 1000, window: 8, context: 64 };
+        let shape =
+            Gemma3Shape { hidden: 512, layers: 3, q_heads: 4, kv_heads: 1, head_dim: 128, ffn: 1024, vocab: 1000, window: 8, context: 64 };
         let dir = std::env::temp_dir().join(format!("kiln-cuda-lower-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join(format!("{mix:?}.gguf").replace(['(', ')'], ""));
