@@ -11,9 +11,10 @@
 // (slot = pos % window); global layers keep every position (slot = pos).
 // With `append` (one new row only), the first query head of each group also appends the row's
 // keys and values to the cache: the slot it writes holds a position no query of this step reads.
+// With `xq`, the output row is also written quantized for the next matrix-vector product.
 extern "C" __global__ void attention(const float* q, const float* k_new, const float* v_new, float* k_cache,
                                      float* v_cache, float* out, const int* step, int q_heads, int kv_heads,
-                                     int d, int window, float scale, int append) {
+                                     int d, int window, float scale, int append, u8* xq) {
     __shared__ float s_acc[ATT_WARPS][ATT_MAX_DIM];
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
     int i = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
@@ -96,6 +97,8 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
         float a = 0.f;
         for (int w = 0; w < ATT_WARPS; w++) a += s_acc[w][j] * expf(s_m[w] - mx);
         o[j] = a / sum;
+        // (d is a multiple of 32 and at most blockDim.x: whole warps quantize their 32 values.)
+        if (xq) quantize32(a / sum, xq + (u64)i * xq_bytes(q_heads * d), q_heads * d, h * d + j);
     }
 }
 

@@ -46,3 +46,102 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(v);
 }
 
+
+// Quantized activations (the matrix-vector kernels' input): a row of k floats (k a multiple of 32)
+// is stored as hi[k] and lo[k] (signed bytes), then one {float d, int sum} per 16 elements, with
+// x ≈ d * (254 * hi + lo): d = max|x| / 32258 per 32-element block (both of its 16-element
+// halves carry it) and sum = Σ (254 * hi + lo) over the 16. About 15 bits per value, so the
+// integer dot products (dp4a) lose about as much as the CPU's 16-bit activations.
+#define XQ_LEVELS 32258
+__device__ __forceinline__ u64 xq_bytes(int k) { return (u64)k * 5 / 2; }
+
+// Quantizes the warp's 32 consecutive elements of a row (lane i holds element e0 + i, e0 a
+// multiple of 32) into xq (the row's quantized form). Every lane of the warp must call it.
+__device__ __forceinline__ void quantize32(float y, u8* xq, int k, int e) {
+    float amax = warp_max(fabsf(y));
+    int v = amax > 0.f ? __float2int_rn(y * ((float)XQ_LEVELS / amax)) : 0;
+    v = max(-XQ_LEVELS, min(XQ_LEVELS, v));
+    int hi = __float2int_rn((float)v * (1.f / 254.f));
+    xq[e] = (u8)(i8)hi;
+    xq[k + e] = (u8)(i8)(v - 254 * hi);
+    int s = v;
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if ((threadIdx.x & 15) == 0) ((float2*)(xq + 2 * (u64)k))[e >> 4] = make_float2(amax / (float)XQ_LEVELS, __int_as_float(s));
+}
+
+// One row of a norm or norm pair over `k` elements (k <= per * blockDim.x; every input is read
+// before the first barrier): y = x / rms(x) * w1 (res null), or h = res + x / rms(x) * w1 and
+// y = h / rms(h) * w2. Writes y quantized to xq, h and y, each when given.
+template <int PER>
+__device__ __forceinline__ void norm_row(const float* x, const float* w1, const float* res, const float* w2, float eps, int k,
+                                         u8* xq, float* h, float* y_out, float* scratch) {
+    float v[PER], y[PER], ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        v[j] = i < k ? x[i] : 0.f;
+        y[j] = i < k && res ? res[i] : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < PER; j++) ss += v[j] * v[j];
+    ss = block_sum(ss, scratch);
+    float inv = 1.f / sqrtf(ss / (float)k + eps);
+    if (res) {
+        float ss2 = 0.f;
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            v[j] = i < k ? y[j] + v[j] * inv * w1[i] : 0.f;
+            ss2 += v[j] * v[j];
+        }
+        ss2 = block_sum(ss2, scratch);
+        float inv2 = 1.f / sqrtf(ss2 / (float)k + eps);
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            y[j] = i < k ? v[j] * inv2 * w2[i] : 0.f;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            int i = threadIdx.x + j * blockDim.x;
+            y[j] = i < k ? v[j] * inv * w1[i] : 0.f;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        int i = threadIdx.x + j * blockDim.x;
+        if (xq && i - (threadIdx.x & 31) < k) quantize32(y[j], xq, k, i);
+        if (i < k) {
+            if (h && res) h[i] = v[j];
+            if (y_out) y_out[i] = y[j];
+        }
+    }
+}
+
+
+// Same as quantize32 for a lane holding 4 consecutive elements e..e+3 (e a multiple of 4; the 8
+// lanes 8m..8m+7 of a warp hold one 32-element block). Every lane of the warp must call it.
+__device__ __forceinline__ void quantize32x4(float4 y, u8* xq, int k, int e) {
+    float amax = fmaxf(fmaxf(fabsf(y.x), fabsf(y.y)), fmaxf(fabsf(y.z), fabsf(y.w)));
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    float sc = amax > 0.f ? (float)XQ_LEVELS / amax : 0.f;
+    float ys[4] = {y.x, y.y, y.z, y.w};
+    u32 his = 0, los = 0;
+    int s = 0;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        int v = max(-XQ_LEVELS, min(XQ_LEVELS, __float2int_rn(ys[j] * sc)));
+        int hi = __float2int_rn((float)v * (1.f / 254.f));
+        his |= (u32)(u8)(i8)hi << (8 * j);
+        los |= (u32)(u8)(i8)(v - 254 * hi) << (8 * j);
+        s += v;
+    }
+    *(u32*)(xq + e) = his;
+    *(u32*)(xq + k + e) = los;
+#pragma unroll
+    for (int o = 1; o < 4; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if ((threadIdx.x & 3) == 0) ((float2*)(xq + 2 * (u64)k))[e >> 4] = make_float2(amax / (float)XQ_LEVELS, __int_as_float(s));
+}

@@ -17,8 +17,9 @@ extern "C" __global__ void set_inputs(const int* step, int* tokens, int* positio
 
 // out = x / rms(x) * w (+ residual) over groups of `group` <= NORM_PER * blockDim.x elements:
 // one block per group.
+// With `xq` (groups are whole rows), out is also written quantized for a matrix-vector product.
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm(const float* x, const float* w, const float* residual, float* out, int group,
-                                    float eps) {
+                                    float eps, u8* xq) {
     __shared__ float scratch[32];
     u64 base = (u64)blockIdx.x * group;
     float v[NORM_PER], wv[NORM_PER], rv[NORM_PER], ss = 0.f;
@@ -38,50 +39,23 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm(const float*
     for (int j = 0; j < NORM_PER; j++) {
         int i = threadIdx.x + j * blockDim.x;
         float y = v[j] * inv * wv[j];
-        if (i < group) out[base + i] = residual ? rv[j] + y : y;
+        y = residual ? rv[j] + y : y;
+        if (xq && i - (threadIdx.x & 31) < group) quantize32(y, xq + blockIdx.x * xq_bytes(group), group, i);
+        if (i < group) out[base + i] = y;
     }
 }
 
 // Two norms in one pass over a row (a post-norm and its residual add, then the next pre-norm):
 // h = residual + x / rms(x) * w1, out = h / rms(h) * w2. One block per row of
 // `width` <= NORM_PER * blockDim.x; every input is read before the first barrier. `out` is also
-// written to `copy` when given.
+// written quantized to `xq` when given (the next matrix-vector product's input).
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm2(const float* x, const float* w1, const float* residual,
-                                                                     float* h, const float* w2, float* out, float* copy,
+                                                                     float* h, const float* w2, float* out, u8* xq,
                                                                      int width, float eps) {
     __shared__ float scratch[32];
     u64 base = (u64)blockIdx.x * width;
-    float v[NORM_PER], a[NORM_PER], b[NORM_PER], rv[NORM_PER], ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < NORM_PER; j++) {
-        int i = threadIdx.x + j * blockDim.x;
-        bool in = i < width;
-        v[j] = in ? x[base + i] : 0.f;
-        rv[j] = in ? residual[base + i] : 0.f;
-        a[j] = in ? w1[i] : 0.f;
-        b[j] = in ? w2[i] : 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < NORM_PER; j++) ss += v[j] * v[j];
-    ss = block_sum(ss, scratch);
-    float inv = 1.f / sqrtf(ss / (float)width + eps), ss2 = 0.f;
-#pragma unroll
-    for (int j = 0; j < NORM_PER; j++) {
-        v[j] = rv[j] + v[j] * inv * a[j];
-        ss2 += v[j] * v[j];
-    }
-    ss2 = block_sum(ss2, scratch);
-    float inv2 = 1.f / sqrtf(ss2 / (float)width + eps);
-#pragma unroll
-    for (int j = 0; j < NORM_PER; j++) {
-        int i = threadIdx.x + j * blockDim.x;
-        if (i < width) {
-            h[base + i] = v[j];
-            float y = v[j] * inv2 * b[j];
-            out[base + i] = y;
-            if (copy) copy[base + i] = y;
-        }
-    }
+    norm_row<NORM_PER>(x + base, w1, residual + base, w2, eps, width, xq ? xq + blockIdx.x * xq_bytes(width) : nullptr, h + base,
+                       out + base, scratch);
 }
 
 // Per-head RMS norms of q and k followed by NeoX RoPE, one block per (row, head) of q's heads

@@ -237,25 +237,38 @@ template <> __device__ __forceinline__ void sub32<F_Q6_K>(const Mat& m, u64 r, i
 // ---------------------------------------------------------------------------------------------
 // Chunks for the matrix-vector kernels: a row is walked in chunks of 32 elements, two groups of
 // 16 consecutive elements at offsets xoff(c, 0) and xoff(c, 1). `load` fetches a chunk's packed
-// bytes (16-byte loads where the format has a chunk decoder), `dot` decodes them and returns the
-// dot product with the chunk's 32 activations. The generic chunk is a sub-block decoded by sub32.
+// bytes (16-byte loads where the format has a chunk decoder), `dot` turns them into bytes of
+// integer levels and returns the dot product with the chunk's quantized activations (integer
+// dp4a products, one float scale per group). The generic chunk is a sub-block decoded by sub32.
 // ---------------------------------------------------------------------------------------------
 
-#define MAGIC 8388608.f
+// 16 quantized activations and their block's scale and level sum (see quantize32).
+struct XGroup {
+    uint4 hi, lo;
+    float d;
+    int s;
+};
 
-// Byte k of w as a float 2^23 + byte (exact): the caller subtracts 2^23 + bias.
-__device__ __forceinline__ float magic_byte(u32 w, int k) {
-    return __int_as_float(__byte_perm(w, 0x4B000000u, 0x7540 | k));
+__device__ __forceinline__ XGroup xgroup(const u8* xq, int k, int off) {
+    XGroup g;
+    g.hi = *(const uint4*)(xq + off);
+    g.lo = *(const uint4*)(xq + k + off);
+    float2 m = ((const float2*)(xq + 2 * (u64)k))[off >> 4];
+    g.d = m.x;
+    g.s = __float_as_int(m.y);
+    return g;
 }
 
-// Sum of xs[i] * (byte i of q - bias) over 16 bytes.
-__device__ __forceinline__ float dot16(const u32* q, const float* xs, float bias) {
-    float s = 0.f, off = MAGIC + bias;
-#pragma unroll
-    for (int t = 0; t < 4; t++)
-#pragma unroll
-        for (int k = 0; k < 4; k++) s = fmaf(xs[4 * t + k], magic_byte(q[t], k) - off, s);
-    return s;
+// Σ w_i * (254 hi_i + lo_i) over a group's 16 elements; w holds 4 signed byte levels per word.
+__device__ __forceinline__ int dotq16(const u32* w, const XGroup& x) {
+    int h = __dp4a((int)w[0], (int)x.hi.x, 0), l = __dp4a((int)w[0], (int)x.lo.x, 0);
+    h = __dp4a((int)w[1], (int)x.hi.y, h);
+    l = __dp4a((int)w[1], (int)x.lo.y, l);
+    h = __dp4a((int)w[2], (int)x.hi.z, h);
+    l = __dp4a((int)w[2], (int)x.lo.z, l);
+    h = __dp4a((int)w[3], (int)x.hi.w, h);
+    l = __dp4a((int)w[3], (int)x.lo.w, l);
+    return 254 * h + l;
 }
 
 template <int T> struct Chunk {
@@ -265,11 +278,19 @@ template <int T> struct Chunk {
     };
     static __device__ __forceinline__ int xoff(int c, int g) { return 32 * c + 16 * g; }
     static __device__ __forceinline__ Raw load(const Mat& m, u64 row, int c) { return Raw{row, c}; }
-    static __device__ __forceinline__ float dot(const Mat& m, const Raw& r, const float* xs) {
+    static __device__ __forceinline__ float dot(const Mat& m, const Raw& r, const XGroup* x) {
         float v[32], s = 0.f;
         sub32<T>(m, r.row, r.c, v);
 #pragma unroll
-        for (int i = 0; i < 32; i++) s = fmaf(v[i], xs[i], s);
+        for (int g = 0; g < 2; g++) {
+            u32 hi[4] = {x[g].hi.x, x[g].hi.y, x[g].hi.z, x[g].hi.w}, lo[4] = {x[g].lo.x, x[g].lo.y, x[g].lo.z, x[g].lo.w};
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                int sh = 8 * (i & 3);
+                int q = 254 * (int)(i8)((hi[i >> 2] >> sh) & 0xff) + (int)(i8)((lo[i >> 2] >> sh) & 0xff);
+                s = fmaf(v[16 * g + i], x[g].d * (float)q, s);
+            }
+        }
         return s;
     }
 };
@@ -285,10 +306,9 @@ template <> struct Chunk<F_Q8_0> {
         const uint4* q = (const uint4*)(m.w + 32 * g);
         return Raw{q[0], q[1], half_u16(*(const u16*)(m.w + 32 * m.nblk + 2 * g))};
     }
-    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const float* xs) {
-        const u32 f = 0x80808080u;  // signed bytes to q + 128
-        u32 a[4] = {r.a.x ^ f, r.a.y ^ f, r.a.z ^ f, r.a.w ^ f}, b[4] = {r.b.x ^ f, r.b.y ^ f, r.b.z ^ f, r.b.w ^ f};
-        return r.d * (dot16(a, xs, 128.f) + dot16(b, xs + 16, 128.f));
+    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const XGroup* x) {
+        u32 a[4] = {r.a.x, r.a.y, r.a.z, r.a.w}, b[4] = {r.b.x, r.b.y, r.b.z, r.b.w};
+        return r.d * x[0].d * (float)(dotq16(a, x[0]) + dotq16(b, x[1]));
     }
 };
 
@@ -304,9 +324,9 @@ template <> struct Chunk<F_Q5_0> {
         return Raw{*(const uint4*)(m.w + 16 * g), *(const u32*)(m.w + 16 * m.nblk + 4 * g),
                    half_u16(*(const u16*)(m.w + 20 * m.nblk + 2 * g))};
     }
-    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const float* xs) {
+    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const XGroup* x) {
         u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
-        float s = 0.f;
+        int s = 0;
 #pragma unroll
         for (int g = 0; g < 2; g++) {
             u32 w[4];
@@ -316,9 +336,9 @@ template <> struct Chunk<F_Q5_0> {
                 u32 bits = (r.h >> (16 * g + 4 * t)) & 15u;
                 w[t] = nib | (((bits * 0x00204081u) & 0x01010101u) << 4);
             }
-            s += dot16(w, xs + 16 * g, 16.f);
+            s += dotq16(w, x[g]) - 16 * x[g].s;
         }
-        return r.d * s;
+        return r.d * x[0].d * (float)s;
     }
 };
 
@@ -342,7 +362,7 @@ template <> struct Chunk<F_Q4_K> {
         int j = (c & 7) >> 1;
         return Raw{*(const uint4*)b, *(const uint4*)(b + 16 + 32 * j + 16 * (c & 1)), j};
     }
-    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const float* xs) {
+    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const XGroup* x) {
         float d = half_u16(r.hdr.x & 0xffff), dmin = half_u16(r.hdr.x >> 16);
         u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
         float s = 0.f;
@@ -358,13 +378,10 @@ template <> struct Chunk<F_Q4_K> {
                 sc = (hi & 15) | ((byte3(r.hdr.y, r.hdr.z, r.hdr.w, i - 4) >> 6) << 4);
                 mn = (hi >> 4) | ((byte3(r.hdr.y, r.hdr.z, r.hdr.w, i) >> 6) << 4);
             }
-            float d1 = d * (float)sc, m1 = dmin * (float)mn;
+            u32 w[4];
 #pragma unroll
-            for (int t = 0; t < 4; t++) {
-                u32 w = g ? (q[t] >> 4) & 0x0f0f0f0fu : q[t] & 0x0f0f0f0fu;
-#pragma unroll
-                for (int k = 0; k < 4; k++) s = fmaf(xs[16 * g + 4 * t + k], fmaf(d1, magic_byte(w, k) - MAGIC, -m1), s);
-            }
+            for (int t = 0; t < 4; t++) w[t] = g ? (q[t] >> 4) & 0x0f0f0f0fu : q[t] & 0x0f0f0f0fu;
+            s += x[g].d * (d * (float)sc * (float)dotq16(w, x[g]) - dmin * (float)mn * (float)x[g].s);
         }
         return s;
     }
@@ -372,38 +389,37 @@ template <> struct Chunk<F_Q4_K> {
 
 template <> struct Chunk<F_Q6_K> {
     struct Raw {
-        uint4 l0, l1, h;
+        uint4 l, h;
         float s0, s1;
-        int p;
+        int a;
     };
-    // chunk c: super-block c / 8, half n, 16 positions t, nibble p; its groups have scales
-    // 8n + t + 4p and 8n + t + 4p + 2 (see sub32<F_Q6_K>).
+    // chunk c: super-block c / 8, half n, ql region a, 16 positions t (q = c % 8 = 4n + 2a + t):
+    // low nibbles of ql[64n + 32a + 16t..] are elements 128n + 32a + 16t.. (qh bits 2a, scale
+    // 8n + 2a + t), high nibbles the elements 64 later (qh bits 4 + 2a, scale + 4); see sub32<F_Q6_K>.
     static __device__ __forceinline__ int xoff(int c, int g) {
         int q = c & 7;
-        return 256 * (c >> 3) + 128 * (q >> 2) + 16 * ((q >> 1) & 1) + 64 * (q & 1) + 32 * g;
+        return 256 * (c >> 3) + 128 * (q >> 2) + 32 * ((q >> 1) & 1) + 16 * (q & 1) + 64 * g;
     }
     static __device__ __forceinline__ Raw load(const Mat& m, u64 row, int c) {
-        int q = c & 7, n = q >> 2, t = (q >> 1) & 1, p = q & 1;
+        int q = c & 7, n = q >> 2, a = (q >> 1) & 1, t = q & 1;
         u64 g = block_of<F_Q6_K>(m, row, c >> 3);
-        const u8* ql = m.w + 128 * g + 64 * n + 16 * t;
-        const i8* sc = (const i8*)(m.w + 192 * m.nblk + 16 * g + 8 * n + t + 4 * p);
+        const i8* sc = (const i8*)(m.w + 192 * m.nblk + 16 * g + 8 * n + 2 * a + t);
         float d = half_u16(*(const u16*)(m.w + 208 * m.nblk + 2 * g));
-        return Raw{*(const uint4*)ql, *(const uint4*)(ql + 32), *(const uint4*)(m.w + 128 * m.nblk + 64 * g + 32 * n + 16 * t),
-                   d * (float)sc[0], d * (float)sc[2], p};
+        return Raw{*(const uint4*)(m.w + 128 * g + 64 * n + 32 * a + 16 * t), *(const uint4*)(m.w + 128 * m.nblk + 64 * g + 32 * n + 16 * t),
+                   d * (float)sc[0], d * (float)sc[4], 2 * a};
     }
-    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const float* xs) {
-        u32 h[4] = {r.h.x, r.h.y, r.h.z, r.h.w};
-        u32 l[2][4] = {{r.l0.x, r.l0.y, r.l0.z, r.l0.w}, {r.l1.x, r.l1.y, r.l1.z, r.l1.w}};
-        float s[2];
+    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const XGroup* x) {
+        u32 h[4] = {r.h.x, r.h.y, r.h.z, r.h.w}, l[4] = {r.l.x, r.l.y, r.l.z, r.l.w};
+        int s[2];
 #pragma unroll
         for (int g = 0; g < 2; g++) {
             u32 w[4];
 #pragma unroll
             for (int t = 0; t < 4; t++)
-                w[t] = ((l[g][t] >> (4 * r.p)) & 0x0f0f0f0fu) | (((h[t] >> (4 * r.p + 2 * g)) & 0x03030303u) << 4);
-            s[g] = dot16(w, xs + 16 * g, 32.f);
+                w[t] = ((l[t] >> (4 * g)) & 0x0f0f0f0fu) | (((h[t] >> (r.a + 4 * g)) & 0x03030303u) << 4);
+            s[g] = dotq16(w, x[g]) - 32 * x[g].s;
         }
-        return r.s0 * s[0] + r.s1 * s[1];
+        return r.s0 * x[0].d * (float)s[0] + r.s1 * x[1].d * (float)s[1];
     }
 };
 
@@ -411,21 +427,89 @@ template <> struct Chunk<F_Q6_K> {
 #define MV_ROWS 8
 // Warps per matrix-vector block.
 #define MV_WARPS 4
+// Argmax partial maxima per activation row (spread over addresses: fewer atomics per address).
+#define ARGMAX_SLOTS 256
+
+// Ordered key of (value, index): larger value first, then lower index.
+__device__ __forceinline__ u64 argmax_key(float v, int i) {
+    u32 f = __float_as_uint(v);
+    f = (f & 0x80000000u) ? ~f : (f | 0x80000000u);
+    return ((u64)f << 32) | (u64)(0xffffffffu - (u32)i);
+}
+
+// Widest row the norm epilogue takes (EPI_PER float4 per thread of a MV_WARPS-warp block).
+#define EPI_PER 8
+
+// The norm (pair) of one row x of k <= 4 * EPI_PER * blockDim.x elements by one block, every
+// input loaded before the first reduction: y = x / rms(x) * w1 (res null), or h = res + x /
+// rms(x) * w1 and y = h / rms(h) * w2; y is written to `out` and quantized to xq (when given). x
+// was written by other blocks of this launch (read through L2). Rows are 16-byte aligned.
+__device__ __noinline__ void norm_epilogue(const float* x, const float* w1, const float* res, float* h, const float* w2,
+                                              float* out, u8* xq, int k, float eps, float* scratch) {
+    float4 v[EPI_PER];
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < EPI_PER; j++) {
+        int i = 4 * (threadIdx.x + j * blockDim.x);
+        v[j] = i < k ? __ldcg((const float4*)(x + i)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < EPI_PER; j++) ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+    float inv = 1.f / sqrtf(block_sum(ss, scratch) / (float)k + eps), inv2 = inv;
+    if (res) {
+        // (The residual is loaded only now: fewer registers than the matrix-vector loop needs.)
+        float ss2 = 0.f;
+#pragma unroll
+        for (int j = 0; j < EPI_PER; j++) {
+            int i = 4 * (threadIdx.x + j * blockDim.x);
+            if (i < k) {
+                float4 a = *(const float4*)(res + i), w = *(const float4*)(w1 + i);
+                v[j] = make_float4(a.x + v[j].x * inv * w.x, a.y + v[j].y * inv * w.y, a.z + v[j].z * inv * w.z, a.w + v[j].w * inv * w.w);
+                ss2 += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+            }
+        }
+    inv2 = 1.f / sqrtf(block_sum(ss2, scratch) / (float)k + eps);
+    }
+#pragma unroll
+    for (int j = 0; j < EPI_PER; j++) {
+        int i = 4 * (threadIdx.x + j * blockDim.x);
+        if (4 * (j * blockDim.x + (threadIdx.x & ~31)) >= k) break;
+        float4 w = *(const float4*)((res ? w2 : w1) + i);
+        float s = res ? inv2 : inv;
+        float4 y = make_float4(v[j].x * s * w.x, v[j].y * s * w.y, v[j].z * s * w.z, v[j].w * s * w.w);
+        if (i < k) {
+            if (res) *(float4*)(h + i) = v[j];
+            *(float4*)(out + i) = y;
+        }
+        if (xq) quantize32x4(y, xq, k, i);
+    }
+}
 
 // out_i[r, o] = x[r, :] . W_i[o, :] for up to three matrices W_0..W_2 of one format sharing x
-// (n_i rows each; n_i = 0: absent) and r < rows <= ROWS. Each group of `split` warps computes R
-// consecutive output rows of the concatenation; lanes walk the row in 32-element chunks, and each
-// chunk's activations are loaded once for the R rows. With `glu` set (R even, ROWS = 1), a warp computes
-// rows o..o+R/2 of W_0 (gate) and of W_1 (up) and also writes glu[o] = gelu(gate) * up.
+// (n_i rows each; n_i = 0: absent) and r < rows <= ROWS, x given quantized (xq). Each group of
+// `split` warps computes R consecutive output rows of the concatenation; lanes walk the row in
+// 32-element chunks, and each chunk's activations are loaded once for the R rows.
+// - `glu` (R even): a warp computes rows o..o+R/2 of W_0 (gate) and of W_1 (up) and writes
+//   glu[o] = gelu(gate) * up; with `gq`, each 32-row block of glu is also quantized (by the warp
+//   that completes it, counted in `gcnt`) for the next matrix-vector product.
+// - `ecnt` (one matrix, no glu): the last block to finish (counted in `ecnt`) also computes the
+//   norm (pair) of the products o0 (see norm_epilogue): all of them are written by then.
+// - `aout` (one matrix, no glu): instead of the products, aout[r] = argmax of row r (lowest
+//   index among equal maxima, -1 if any value is not finite), through `aslots` (ARGMAX_SLOTS keys
+//   per row, then a flag per row) and the arrival counter `acnt`; the last warp resets them.
 template <int T, int R, int ROWS>
 __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2, u64 rb, int n0, int n1, int n2, float* o0,
-                                       float* o1, float* o2, float* glu, const float* x, int k, int rows, int split) {
+                                       float* o1, float* o2, float* glu, const u8* xq, int k, int rows, int split, u8* gq,
+                                       u32* gcnt, const float* ew1, const float* er, float* eh, const float* ew2, float* eout,
+                                       u8* exq, u32* ecnt, float eps, u64* aslots, int* aout, u32* acnt) {
     __shared__ float part[MV_WARPS][ROWS][R];
+    __shared__ float scratch[32];
+    __shared__ int last_block;
     // The block's MV_WARPS warps form MV_WARPS / split groups; the `split` warps of a group share
     // its R output rows, each walking every split-th run of 32 chunks.
     int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int warp = blockIdx.x * (MV_WARPS / split) + wi / split, piece = wi % split;
-    u64 bpr = rb / Fmt<T>::bytes;
+    u64 bpr = rb / Fmt<T>::bytes, xqb = xq_bytes(k);
     // Per output row: its matrix (-1: none), row index, width and output (selects, not arrays
     // indexed at run time, so nothing goes to local memory).
     int mi[R], ri[R], nr[R];
@@ -462,22 +546,11 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
             if (r < rows) {
-                float xs[32];
-#pragma unroll
-                for (int g = 0; g < 2; g++) {
-                    const float4* xp = (const float4*)(x + (u64)r * k + Chunk<T>::xoff(c, g));
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        float4 a = __ldg(xp + i);
-                        xs[16 * g + 4 * i] = a.x;
-                        xs[16 * g + 4 * i + 1] = a.y;
-                        xs[16 * g + 4 * i + 2] = a.z;
-                        xs[16 * g + 4 * i + 3] = a.w;
-                    }
-                }
+                const u8* xr = xq + r * xqb;
+                XGroup xg[2] = {xgroup(xr, k, Chunk<T>::xoff(c, 0)), xgroup(xr, k, Chunk<T>::xoff(c, 1))};
 #pragma unroll
                 for (int rr = 0; rr < R; rr++)
-                    if (mi[rr] >= 0) acc[r][rr] += Chunk<T>::dot(mr[rr], raw[rr], xs);
+                    if (mi[rr] >= 0) acc[r][rr] += Chunk<T>::dot(mr[rr], raw[rr], xg);
             }
         }
     }
@@ -489,27 +562,113 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
             if (lane == 0) part[wi][r][rr] = s;
         }
     __syncthreads();
-    if (piece != 0 || !any) return;
+    bool active = piece == 0 && any;
+    if (!active && !ecnt) return;
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
-        if (r < rows) {
+        if (r < rows && active) {
 #pragma unroll
             for (int rr = 0; rr < R; rr++) {
                 float s = 0.f;
                 for (int p = 0; p < split; p++) s += part[wi + p][r][rr];
                 acc[r][rr] = s;
             }
+            if (aout) {
+                if (lane == 0) {
+                    float best = -INFINITY;
+                    int idx = 0x7fffffff, bad = 0;
+#pragma unroll
+                    for (int rr = 0; rr < R; rr++)
+                        if (mi[rr] >= 0) {
+                            float v = acc[r][rr];
+                            if (!(fabsf(v) <= 3.402823466e38f)) bad = 1;
+                            if (v > best || (v == best && ri[rr] < idx)) {
+                                best = v;
+                                idx = ri[rr];
+                            }
+                        }
+                    if (idx != 0x7fffffff) atomicMax((unsigned long long*)&aslots[r * ARGMAX_SLOTS + warp % ARGMAX_SLOTS], argmax_key(best, idx));
+                    if (bad) atomicOr((u32*)(aslots + MV_ROWS * ARGMAX_SLOTS) + r, 1u);
+                }
+                continue;
+            }
             if (lane == 0) {
 #pragma unroll
                 for (int rr = 0; rr < R; rr++)
-                    if (mi[rr] >= 0) orr[rr][(u64)r * nr[rr] + ri[rr]] = acc[r][rr];
+                    if (mi[rr] >= 0 && !glu) orr[rr][(u64)r * nr[rr] + ri[rr]] = acc[r][rr];
                 if (glu) {
 #pragma unroll
                     for (int rr = 0; rr < R / 2; rr++)
-                        if (mi[rr] >= 0) glu[(u64)r * n0 + ri[rr]] = gelu_tanh(acc[r][rr]) * acc[r][rr + R / 2];
+                        if (mi[rr] >= 0) {
+                            o0[(u64)r * n0 + ri[rr]] = acc[r][rr];
+                            o1[(u64)r * n0 + ri[rr]] = acc[r][rr + R / 2];
+                            glu[(u64)r * n0 + ri[rr]] = gelu_tanh(acc[r][rr]) * acc[r][rr + R / 2];
+                        }
+                }
+            }
+            if (glu && gq) {
+                // The warp whose rows complete a 32-row block of glu quantizes it.
+                int count = 0;
+#pragma unroll
+                for (int rr = 0; rr < R / 2; rr++) count += mi[rr] >= 0;
+                u32* cnt = gcnt + r * (n0 >> 5) + (ri[0] >> 5);
+                int done = 0;
+                if (lane == 0) {
+                    __threadfence();
+                    done = atomicAdd(cnt, (u32)count) + count == 32;
+                }
+                if (__shfl_sync(0xffffffffu, done, 0)) {
+                    __threadfence();
+                    int e = (ri[0] & ~31) + lane;
+                    quantize32(__ldcg(glu + (u64)r * n0 + e), gq + r * xq_bytes(n0), n0, e);
+                    if (lane == 0) *cnt = 0;
                 }
             }
         }
+    }
+    if (ecnt) {
+        // The last block to finish computes the norm (pair) of the products (see norm_epilogue).
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) last_block = atomicAdd(ecnt, 1u) == gridDim.x - 1;
+        __syncthreads();
+        if (!last_block) return;
+        __threadfence();
+        for (int r = 0; r < rows; r++)
+            norm_epilogue(o0 + (u64)r * n0, ew1, er ? er + (u64)r * n0 : nullptr, eh ? eh + (u64)r * n0 : nullptr, ew2,
+                          eout + (u64)r * n0, exq ? exq + r * xq_bytes(n0) : nullptr, n0, eps, scratch);
+        if (threadIdx.x == 0) *ecnt = 0;
+        return;
+    }
+    if (aout) {
+        // The last warp to finish reduces the slots of every row and resets them.
+        int total = (n0 + R - 1) / R, done = 0;
+        if (lane == 0) {
+            __threadfence();
+            done = atomicAdd(acnt, 1u) == (u32)total - 1;
+        }
+        if (!__shfl_sync(0xffffffffu, done, 0)) return;
+        __threadfence();
+        for (int r = 0; r < rows; r++) {
+            u64 best = 0;
+            for (int s = lane; s < ARGMAX_SLOTS; s += 32) {
+                u64* p = &aslots[r * ARGMAX_SLOTS + s];
+                u64 v = __ldcg(p);
+                best = v > best ? v : best;
+                *p = 0;
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                u64 v = __shfl_xor_sync(0xffffffffu, best, o);
+                best = v > best ? v : best;
+            }
+            if (lane == 0) {
+                u32* flag = (u32*)(aslots + MV_ROWS * ARGMAX_SLOTS) + r;
+                aout[r] = __ldcg(flag) ? -1 : (int)(0xffffffffu - (u32)(best & 0xffffffffu));
+                *flag = 0;
+            }
+        }
+        if (lane == 0) *acnt = 0;
     }
 }
 
@@ -542,17 +701,33 @@ __device__ __forceinline__ void dequant(const Mat& m, float* out, int k, u64 cou
     for (int q = 0; q < 8; q++) o[q] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
 }
 
-// Per format: matvec (2 output rows per warp, up to MV_ROWS activation rows), matvec4 (4 output
-// rows per warp, one activation row: large matrices), embed, dequant. `nb`: blocks of the matrix.
+// Quantizes rows of x (k a multiple of 32) for the matrix-vector kernels: one warp per 32 elements.
+extern "C" __global__ void quantize_rows(const float* x, u8* xq, int k, int rows) {
+    u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 r = e / k;
+    if (r >= (u64)rows) return;
+    int i = (int)(e % k);
+    quantize32(x[e], xq + r * xq_bytes(k), k, i);
+}
+
+// Per format: matvec (2 output rows per warp, up to MV_ROWS activation rows), matvec1 (the same for
+// one activation row), matvec4 (4 output rows per warp, one activation row: large matrices),
+// embed, dequant. `nb`: blocks of the matrix.
 #define MV_ARGS                                                                                                     \
     const u8 *w0, const u8 *w1, const u8 *w2, u64 rb, int n0, int n1, int n2, float *o0, float *o1, float *o2, \
-        float *glu, const float *x, int k, int rows, int split
+        float *glu, const u8 *xq, int k, int rows, int split, u8 *gq, u32 *gcnt, const float *ew1, \
+        const float *er, float *eh, const float *ew2, float *eout, u8 *exq, u32 *ecnt, float eps, u64 *aslots, int *aout, \
+        u32 *acnt
+#define MV_PASS o0, o1, o2, glu, xq, k, rows, split, gq, gcnt, ew1, er, eh, ew2, eout, exq, ecnt, eps, aslots, aout, acnt
 #define KILN_FORMAT(NAME, T)                                                                                        \
     extern "C" __global__ void __launch_bounds__(128) matvec_##NAME(MV_ARGS) {                                     \
-        matvec<T, 2, MV_ROWS>(w0, w1, w2, rb, n0, n1, n2, o0, o1, o2, glu, x, k, rows, split);                            \
+        matvec<T, 2, MV_ROWS>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                 \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128) matvec4_##NAME(MV_ARGS) {                                    \
-        matvec<T, 4, 1>(w0, w1, w2, rb, n0, n1, n2, o0, o1, o2, glu, x, k, 1, split);                                     \
+    extern "C" __global__ void __launch_bounds__(128) matvec1_##NAME(MV_ARGS) {                                    \
+        matvec<T, 2, 1>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                       \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128, 4) matvec4_##NAME(MV_ARGS) {                                    \
+        matvec<T, 4, 1>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                       \
     }                                                                                                               \
     extern "C" __global__ void embed_##NAME(const u8* w, u64 rb, u64 nb, const int* ids, float* out, int k,        \
                                             float scale) {                                                          \
@@ -561,7 +736,6 @@ __device__ __forceinline__ void dequant(const Mat& m, float* out, int k, u64 cou
     extern "C" __global__ void dequant_##NAME(const u8* w, u64 rb, u64 nb, float* out, int k, u64 count) {        \
         dequant<T>(Mat{w, rb, nb}, out, k, count);                                                                  \
     }
-
 KILN_FORMAT(f32, F_F32)
 KILN_FORMAT(f16, F_F16)
 KILN_FORMAT(bf16, F_BF16)

@@ -200,7 +200,7 @@ fn kernel_names(src: &str) -> Vec<String> {
             }
         } else if let Some(rest) = line.strip_prefix("KILN_FORMAT(") {
             let fmt = rest.split(',').next().unwrap_or_default().trim();
-            for k in ["matvec", "matvec4", "embed", "dequant"] {
+            for k in ["matvec", "matvec1", "matvec4", "embed", "dequant"] {
                 names.push(format!("{k}_{fmt}"));
             }
         }
@@ -293,7 +293,8 @@ mod tests {
     fn kernel_names_are_found_in_every_family() {
         let quant = kernel_names(FAMILIES[0].1);
         assert!(quant.contains(&"matvec_q4_k".to_string()) && quant.contains(&"dequant_q8_0".to_string()));
-        assert_eq!(quant.len(), 13 * 4);
+        assert_eq!(quant.len(), 13 * 5 + 1);
+        assert!(quant.contains(&"quantize_rows".to_string()));
         let ops = kernel_names(FAMILIES[1].1);
         for k in
             ["set_inputs", "rms_norm", "rms_norm2", "qk_norm_rope", "rope", "elementwise", "copy_row", "argmax_partial", "argmax_final"]

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaGraph};
 use kiln_ir::DType;
+use kiln_quant::GgmlType;
 use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KvCache, Plan, Rows, RuntimeError, Slot, Step, StepInputs, WeightId};
 
 use crate::device::{cuda_err, Arg, Device, DeviceBuffer, Scratch};
@@ -16,6 +17,10 @@ use crate::weights::{format_name, CudaWeights};
 const MATVEC_ROWS: usize = 8;
 /// Blocks of the first argmax phase per row.
 const ARGMAX_BLOCKS: usize = 64;
+/// Widest row a matrix-vector launch normalises in its last block (`4 * EPI_PER * 32 * MV_WARPS`).
+const EPILOGUE_MAX: usize = 4 * 8 * 32 * MATVEC_WARPS;
+/// Partial maxima per row of the greedy head's fused argmax (`ARGMAX_SLOTS` in quant.cu).
+const ARGMAX_SLOTS: usize = 256;
 
 /// Threads of an attention block (`ATT_WARPS` warps in attention.cu).
 const ATTENTION_THREADS: u32 = 512;
@@ -31,6 +36,17 @@ fn norm_threads(width: usize) -> u32 {
     width.next_multiple_of(32).min(512) as u32
 }
 
+/// A norm of a matrix-vector launch's products computed by its last block: a plan `RmsNorm`
+/// step over whole rows without residual, or a post-norm with its residual add and the next
+/// pre-norm (two steps).
+#[derive(Clone, Copy, Debug)]
+enum Epilogue {
+    /// One norm step.
+    Norm(usize),
+    /// A norm pair's two steps.
+    Pair(usize, usize),
+}
+
 /// One launch of an executable: a plan step, or consecutive steps fused into one kernel (decided
 /// once, when the plan is prepared, where the steps' slots allow it).
 #[derive(Debug)]
@@ -38,15 +54,43 @@ enum Op {
     /// One plan step.
     Step(usize),
     /// Consecutive matmuls of one format sharing their input (q/k/v, gate/up), and with `glu`
-    /// the `GeluMul` of the two that follows: one matrix-vector launch for few rows. With
-    /// `private_x` the input is read from the executable's copy (the `GeluMul` output may reuse
-    /// the input's words, which other warps still read).
-    MatVecs { steps: Vec<usize>, glu: Option<usize>, private_x: bool },
-    /// A post-norm with its residual add, then the next pre-norm of its output (also written to
-    /// the executable's private copy with `copy`).
-    NormPair { first: usize, second: usize, copy: bool },
+    /// the `GeluMul` of the two that follows: one matrix-vector launch for few rows. With `epi`
+    /// (one matrix) the norm (pair) of its products that follows is computed by its last block.
+    MatVecs { steps: Vec<usize>, glu: Option<usize>, epi: Option<Epilogue> },
+    /// A post-norm with its residual add, then the next pre-norm of its output.
+    NormPair { first: usize, second: usize },
     /// The per-head q and k norms and their RoPE.
     QkNormRope([usize; 4]),
+}
+
+/// A launch and how its matrix-vector input and output are quantized.
+#[derive(Debug)]
+struct Launch {
+    op: Op,
+    /// The quantized-activation buffer this launch also writes its output to (the next launch's
+    /// matrix-vector input).
+    quant_out: Option<usize>,
+    /// For a matrix-vector launch: the buffer holding its input already quantized (none: a
+    /// quantize kernel runs first, into buffer 0).
+    xq_in: Option<usize>,
+}
+
+/// What the lowering needs to know of the weights (their device copies or, in tests, the file).
+trait WeightShapes {
+    /// The block format of a matrix.
+    fn matrix_ty(&self, w: WeightId) -> Result<GgmlType, RuntimeError>;
+    /// The length of a vector kept as f32.
+    fn vector_len(&self, w: WeightId) -> Result<usize, RuntimeError>;
+}
+
+impl WeightShapes for CudaWeights {
+    fn matrix_ty(&self, w: WeightId) -> Result<GgmlType, RuntimeError> {
+        Ok(self.matrix(w)?.ty)
+    }
+
+    fn vector_len(&self, w: WeightId) -> Result<usize, RuntimeError> {
+        Ok(self.vector(w)?.bytes() / 4)
+    }
 }
 
 /// Whether two slots share a word.
@@ -66,60 +110,233 @@ fn fusable(writes: &[Slot], reads: &[Slot], same: &[(usize, usize)]) -> bool {
             .all(|(wi, w)| reads.iter().enumerate().all(|(ri, r)| !overlaps(*w, *r) || (w.offset == r.offset && same.contains(&(wi, ri)))))
 }
 
-/// The launches of `plan`: fused groups where the pattern and the slots allow, else single steps.
-fn lower(plan: &Plan, weights: &CudaWeights) -> Result<Vec<Op>, RuntimeError> {
+/// The arena slots a kernel reads.
+fn reads(k: &Kernel) -> Vec<Slot> {
+    match *k {
+        Kernel::Embed { ids, .. } => vec![ids],
+        Kernel::RmsNorm { x, residual, .. } => std::iter::once(x).chain(residual).collect(),
+        Kernel::Normalize { x, .. }
+        | Kernel::Scale { x, .. }
+        | Kernel::MatMul { x, .. }
+        | Kernel::MatMulArgmax { x, .. }
+        | Kernel::AddBias { x, .. }
+        | Kernel::Gelu { x, .. }
+        | Kernel::Silu { x, .. }
+        | Kernel::SoftCap { x, .. }
+        | Kernel::LastRow { x, .. }
+        | Kernel::Argmax { x, .. } => vec![x],
+        Kernel::Rope { x, positions, .. } | Kernel::RopeScaled { x, positions, .. } => vec![x, positions],
+        Kernel::Attention { q, k, v, .. } | Kernel::AttentionSoftCap { q, k, v, .. } => vec![q, k, v],
+        Kernel::Add { a, b, .. } | Kernel::Mul { a, b, .. } => vec![a, b],
+        Kernel::GeluMul { gate, up, .. } | Kernel::SiluMul { gate, up, .. } => vec![gate, up],
+    }
+}
+
+/// The launches of `plan`: fused groups where the pattern and the slots allow, else single steps;
+/// then, in plans of at most `MATVEC_ROWS` rows, norms of matrix-vector products computed in that
+/// launch, and producers of matrix-vector inputs writing them quantized.
+fn lower(plan: &Plan, weights: &dyn WeightShapes) -> Result<Vec<Launch>, RuntimeError> {
     let steps = &plan.steps;
     let mut ops = Vec::with_capacity(steps.len());
     let mut i = 0;
     while i < steps.len() {
         let (op, used) = fuse_at(steps, i, weights)?.unwrap_or((Op::Step(i), 1));
-        // gate/up and GeluMul whose output may reuse the input's words: fused when the input
-        // comes from the norm pair just before, which then also writes the private copy.
-        if let (Op::MatVecs { steps: group, glu: None, .. }, Some(Op::NormPair { second, copy, .. })) = (&op, ops.last_mut()) {
-            if let (
-                [g, u],
-                Kernel::RmsNorm { out: normed, .. },
-                Some(&Kernel::MatMul { x, out: gate, .. }),
-                Some(&Kernel::MatMul { out: up, .. }),
-                Some(Step { kernel: Kernel::GeluMul { gate: g2, up: u2, out, .. }, rows }),
-            ) = (
-                group.as_slice(),
-                &steps[*second].kernel,
-                steps.get(i).map(|s| &s.kernel),
-                steps.get(i + 1).map(|s| &s.kernel),
-                steps.get(i + 2),
-            ) {
-                if x == *normed
-                    && *g2 == gate
-                    && *u2 == up
-                    && *rows == steps[*g].rows
-                    && *g + 1 == *u
-                    && fusable(&[gate, up, *out], &[], &[])
-                {
-                    *copy = true;
-                    let fused = Op::MatVecs { steps: group.clone(), glu: Some(i + 2), private_x: true };
-                    ops.push(fused);
-                    i += used + 1;
-                    continue;
-                }
-            }
-        }
         ops.push(op);
         i += used;
     }
-    Ok(ops)
+    let small = plan.rows() <= MATVEC_ROWS;
+    // Norms reading a matrix-vector launch's products into that launch.
+    if small {
+        let mut out: Vec<Op> = Vec::with_capacity(ops.len());
+        for op in ops {
+            let op = match op {
+                Op::Step(t) if matches!(steps[t].kernel, Kernel::MatMul { .. }) => Op::MatVecs { steps: vec![t], glu: None, epi: None },
+                op => op,
+            };
+            if let Some(Op::MatVecs { steps: group, glu: None, epi: epi @ None }) = out.last_mut() {
+                if let Some(e) = epilogue_for(plan, weights, group, &op)? {
+                    *epi = Some(e);
+                    continue;
+                }
+            }
+            out.push(op);
+        }
+        ops = out;
+    }
+    let mut launches: Vec<Launch> = ops.into_iter().map(|op| Launch { op, quant_out: None, xq_in: None }).collect();
+    if small {
+        let max_k = max_matmul_k(plan);
+        // Which slot's values each quantized buffer holds, launch by launch.
+        let mut held: [Option<Slot>; 2] = [None, None];
+        for l in &mut launches {
+            if let Some(x) = matvec_input(plan, &l.op) {
+                // A GeluMul launch writes buffer 1 while reading its input: never from buffer 1.
+                let glu = matches!(l.op, Op::MatVecs { glu: Some(_), .. });
+                l.xq_in = (0..2).find(|&b| held[b] == Some(x) && !(glu && b == 1));
+                if l.xq_in.is_none() {
+                    held[0] = Some(x);
+                }
+            }
+            let written = op_writes(plan, &l.op);
+            for h in &mut held {
+                if h.is_some_and(|s| written.iter().any(|w| overlaps(*w, s))) {
+                    *h = None;
+                }
+            }
+            let produced = match l.op {
+                Op::NormPair { second, .. } => Some((out_of(&steps[second].kernel), 0)),
+                Op::Step(t) => match steps[t].kernel {
+                    Kernel::RmsNorm { weight, width, out, .. } if weights.vector_len(weight)? == width => Some((Some(out), 0)),
+                    Kernel::Attention { out, .. } => Some((Some(out), 0)),
+                    _ => None,
+                },
+                Op::MatVecs { glu: Some(g), ref steps, .. } => match plan.steps[steps[0]].kernel {
+                    Kernel::MatMul { n, .. } if n.is_multiple_of(32) => Some((out_of(&plan.steps[g].kernel), 1)),
+                    _ => None,
+                },
+                Op::MatVecs { epi: Some(Epilogue::Norm(t) | Epilogue::Pair(_, t)), .. } => Some((out_of(&steps[t].kernel), 0)),
+                _ => None,
+            };
+            // (The buffers hold rows of the widest matrix input.)
+            if let Some((Some(out), b)) = produced.filter(|_| launch_width(plan, &l.op) <= max_k) {
+                l.quant_out = Some(b);
+                held[b] = Some(out);
+            }
+        }
+    }
+    Ok(launches)
+}
+
+/// The widest matrix input of a plan (at least 32).
+fn max_matmul_k(plan: &Plan) -> usize {
+    plan.steps
+        .iter()
+        .filter_map(|st| match st.kernel {
+            Kernel::MatMul { k, .. } | Kernel::MatMulArgmax { k, .. } => Some(k),
+            _ => None,
+        })
+        .fold(32, usize::max)
+}
+
+/// Elements per row of the value a producer launch may quantize.
+fn launch_width(plan: &Plan, op: &Op) -> usize {
+    let last = match op {
+        Op::Step(t) => *t,
+        Op::NormPair { second, .. } => *second,
+        Op::MatVecs { glu: Some(g), .. } => *g,
+        Op::MatVecs { epi: Some(Epilogue::Norm(t) | Epilogue::Pair(_, t)), .. } => *t,
+        _ => return usize::MAX,
+    };
+    match plan.steps[last].kernel {
+        Kernel::RmsNorm { width, .. } | Kernel::GeluMul { width, .. } => width,
+        Kernel::Attention { q_heads, head_dim, .. } => q_heads * head_dim,
+        _ => usize::MAX,
+    }
+}
+
+/// The arena slots a launch writes.
+fn op_writes(plan: &Plan, op: &Op) -> Vec<Slot> {
+    let s = &plan.steps;
+    let idx: Vec<usize> = match op {
+        Op::Step(t) => vec![*t],
+        Op::MatVecs { steps, glu, epi } => {
+            let p = match epi {
+                Some(Epilogue::Norm(t)) => vec![*t],
+                Some(Epilogue::Pair(a, b)) => vec![*a, *b],
+                None => vec![],
+            };
+            steps.iter().chain(glu).chain(&p).copied().collect()
+        }
+        Op::NormPair { first, second } => vec![*first, *second],
+        Op::QkNormRope(q) => q.to_vec(),
+    };
+    idx.iter().map(|&t| kernel_out(&s[t].kernel)).collect()
+}
+
+/// The slot a kernel writes.
+fn kernel_out(k: &Kernel) -> Slot {
+    match *k {
+        Kernel::Embed { out, .. }
+        | Kernel::RmsNorm { out, .. }
+        | Kernel::Normalize { out, .. }
+        | Kernel::Scale { out, .. }
+        | Kernel::MatMul { out, .. }
+        | Kernel::MatMulArgmax { out, .. }
+        | Kernel::Rope { out, .. }
+        | Kernel::RopeScaled { out, .. }
+        | Kernel::Attention { out, .. }
+        | Kernel::AttentionSoftCap { out, .. }
+        | Kernel::Add { out, .. }
+        | Kernel::AddBias { out, .. }
+        | Kernel::Mul { out, .. }
+        | Kernel::Gelu { out, .. }
+        | Kernel::GeluMul { out, .. }
+        | Kernel::Silu { out, .. }
+        | Kernel::SiluMul { out, .. }
+        | Kernel::SoftCap { out, .. }
+        | Kernel::LastRow { out, .. }
+        | Kernel::Argmax { out, .. } => out,
+    }
+}
+
+/// The output slot of a norm, attention or `GeluMul` kernel.
+fn out_of(k: &Kernel) -> Option<Slot> {
+    match *k {
+        Kernel::RmsNorm { out, .. } | Kernel::Attention { out, .. } | Kernel::GeluMul { out, .. } => Some(out),
+        _ => None,
+    }
+}
+
+/// The input slot of a matrix-vector launch that reads quantized activations from a buffer.
+fn matvec_input(plan: &Plan, op: &Op) -> Option<Slot> {
+    match op {
+        Op::MatVecs { steps, .. } => match plan.steps[steps[0]].kernel {
+            Kernel::MatMul { x, .. } => Some(x),
+            _ => None,
+        },
+        Op::Step(t) => match plan.steps[*t].kernel {
+            Kernel::MatMul { x, .. } | Kernel::MatMulArgmax { x, .. } => Some(x),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// The norm epilogue of the matrix-vector group `group` for the launch `next` after it (a norm
+/// or norm pair of the group's one product), if it applies.
+fn epilogue_for(plan: &Plan, weights: &dyn WeightShapes, group: &[usize], next: &Op) -> Result<Option<Epilogue>, RuntimeError> {
+    let steps = &plan.steps;
+    let &[m] = group else { return Ok(None) };
+    let Kernel::MatMul { out: prod, n, .. } = steps[m].kernel else { return Ok(None) };
+    let same = |a: Slot, b: Slot| !overlaps(a, b) || a.offset == b.offset;
+    let (e, first) = match *next {
+        // The pair's slots passed `fusable` when the pair was fused.
+        Op::NormPair { first, second } => (Epilogue::Pair(first, second), first),
+        Op::Step(t) => match steps[t].kernel {
+            Kernel::RmsNorm { x, weight, out, width, residual: None, .. } if weights.vector_len(weight)? == width && same(out, x) => {
+                (Epilogue::Norm(t), t)
+            }
+            _ => return Ok(None),
+        },
+        _ => return Ok(None),
+    };
+    let Kernel::RmsNorm { x, width, .. } = steps[first].kernel else { return Ok(None) };
+    // The epilogue reads and writes rows as 16-byte vectors, 128 elements per warp.
+    let aligned = op_writes(plan, next).iter().chain(&reads(&steps[first].kernel)).all(|s| s.offset.is_multiple_of(4));
+    let ok = x == prod && width == n && n.is_multiple_of(128) && n <= EPILOGUE_MAX && aligned && steps[first].rows == steps[m].rows;
+    Ok(ok.then_some(e))
 }
 
 /// A fused launch starting at step `i` and how many steps it covers, if one applies.
-fn fuse_at(steps: &[Step], i: usize, weights: &CudaWeights) -> Result<Option<(Op, usize)>, RuntimeError> {
+fn fuse_at(steps: &[Step], i: usize, weights: &dyn WeightShapes) -> Result<Option<(Op, usize)>, RuntimeError> {
     let at = |j: usize| steps.get(j).filter(|s| s.rows == steps[i].rows).map(|s| &s.kernel);
     match steps[i].kernel {
         Kernel::MatMul { x, w, out, .. } => {
-            let ty = weights.matrix(w)?.ty;
+            let ty = weights.matrix_ty(w)?;
             let (mut group, mut outs) = (vec![i], vec![out]);
             while group.len() < 3 {
                 match at(i + group.len()) {
-                    Some(&Kernel::MatMul { x: x2, w: w2, out: o2, .. }) if x2 == x && weights.matrix(w2)?.ty == ty => {
+                    Some(&Kernel::MatMul { x: x2, w: w2, out: o2, .. }) if x2 == x && weights.matrix_ty(w2)? == ty => {
                         group.push(i + group.len());
                         outs.push(o2);
                     }
@@ -127,22 +344,23 @@ fn fuse_at(steps: &[Step], i: usize, weights: &CudaWeights) -> Result<Option<(Op
                 }
             }
             if let (2, Some(&Kernel::GeluMul { gate, up, out, .. })) = (group.len(), at(i + 2)) {
-                if gate == outs[0] && up == outs[1] && fusable(&[outs[0], outs[1], out], &[x], &[]) {
-                    return Ok(Some((Op::MatVecs { steps: group, glu: Some(i + 2), private_x: false }, 3)));
+                // The matrix-vector kernel reads x quantized (a copy); cuBLAS runs the steps in order.
+                if gate == outs[0] && up == outs[1] && fusable(&[outs[0], outs[1], out], &[], &[]) {
+                    return Ok(Some((Op::MatVecs { steps: group, glu: Some(i + 2), epi: None }, 3)));
                 }
             }
             if group.len() > 1 && fusable(&outs, &[x], &[]) {
                 let n = group.len();
-                return Ok(Some((Op::MatVecs { steps: group, glu: None, private_x: false }, n)));
+                return Ok(Some((Op::MatVecs { steps: group, glu: None, epi: None }, n)));
             }
         }
         Kernel::RmsNorm { x, weight, out: h, width, eps, residual: Some(r) } => {
             if let Some(&Kernel::RmsNorm { x: x2, weight: w2, out, width: width2, eps: eps2, residual: None }) = at(i + 1) {
-                let whole = |w| weights.vector(w).map(|v| v.bytes() / 4 == width);
+                let whole = |w| weights.vector_len(w).map(|v| v == width);
                 if x2 == h && width2 == width && eps2 == eps && width <= NORM_MAX && whole(weight)? && whole(w2)? {
                     // The output may reuse x's or the residual's words (one block per row reads its row first).
                     if fusable(&[h, out], &[x, r], &[(1, 0), (1, 1)]) {
-                        return Ok(Some((Op::NormPair { first: i, second: i + 1, copy: false }, 2)));
+                        return Ok(Some((Op::NormPair { first: i, second: i + 1 }, 2)));
                     }
                 }
             }
@@ -154,7 +372,7 @@ fn fuse_at(steps: &[Step], i: usize, weights: &CudaWeights) -> Result<Option<(Op
                 Some(&Kernel::Rope { x: rk, positions: p2, out: kr, head_dim: d2, theta: t2, .. }),
             ) = (at(i + 1), at(i + 2), at(i + 3))
             {
-                let group = |w| weights.vector(w).map(|v| v.bytes() / 4 == head_dim);
+                let group = |w| weights.vector_len(w).map(|v| v == head_dim);
                 if rq == qn && rk == kn && positions == p2 && head_dim == d2 && theta == t2 && eps == eps2
                     && head_dim.is_multiple_of(2) && head_dim <= 2048 && group(wq)? && group(wk)?
                     // qr may reuse q's words and kr k's (a block reads its head first).
@@ -194,9 +412,55 @@ pub struct CudaExecutable {
     graph: Option<CapturedStep>,
     use_graphs: bool,
     /// The launches, fused where possible.
-    ops: Vec<Op>,
-    /// Private copy of a fused norm pair's output, read by a fused gate/up/GeluMul launch.
-    private_x: Option<DeviceBuffer>,
+    launches: Vec<Launch>,
+    /// Two buffers of quantized matrix-vector inputs (`MATVEC_ROWS` rows of the widest input).
+    xq: Vec<DeviceBuffer>,
+    /// Zeroed counters and argmax slots of the fused kernels (each kernel leaves them zeroed):
+    /// `MATVEC_ROWS * ARGMAX_SLOTS` keys, `MATVEC_ROWS` flags, the epilogue and argmax arrival
+    /// counters, then the per-32-row counters of the quantized `GeluMul` outputs.
+    sync: DeviceBuffer,
+}
+
+/// Byte offsets in `CudaExecutable::sync`.
+const SYNC_FLAGS: u64 = (MATVEC_ROWS * ARGMAX_SLOTS * 8) as u64;
+const SYNC_EPI: u64 = SYNC_FLAGS + 4 * MATVEC_ROWS as u64;
+const SYNC_ARGMAX: u64 = SYNC_EPI + 4;
+const SYNC_GLU: u64 = SYNC_ARGMAX + 4;
+
+/// Bytes of one row of `k` quantized activations (`xq_bytes` in common.cuh).
+fn xq_bytes(k: usize) -> usize {
+    k * 5 / 2
+}
+
+/// Device addresses and constants of a norm epilogue (0: absent).
+#[derive(Clone, Copy)]
+struct EpilogueArgs {
+    w1: u64,
+    residual: u64,
+    h: u64,
+    w2: u64,
+    out: u64,
+    xq: u64,
+    eps: f32,
+}
+
+/// One matrix-vector launch: up to three matrices of one format (with their outputs) over `rows`
+/// rows of the quantized input `xq`; `glu`: the `GeluMul` output of two matrices (quantized into
+/// `gq` too when not 0); `epi`: the norm of the products computed by the last block; `argmax` (not 0):
+/// only the argmax of each row is written there.
+struct MatVecArgs<'a> {
+    xq: u64,
+    mats: &'a [(WeightId, u64)],
+    glu: u64,
+    gq: u64,
+    rows: usize,
+    epi: Option<&'a EpilogueArgs>,
+    argmax: u64,
+}
+
+/// Input width of a matrix-vector group.
+fn mats_k(weights: &CudaWeights, mats: &[(WeightId, u64)]) -> Result<usize, RuntimeError> {
+    Ok(weights.matrix(mats[0].0)?.k)
 }
 
 /// Rows of a step that runs over `active` rows.
@@ -251,20 +515,22 @@ impl CudaExecutable {
         let step = DeviceBuffer::new(&device.ctx, (2 + plan.rows()) * 4)?;
         let argmax_rows = plan.rows();
         let head = DeviceBuffer::new(&device.ctx, (head_values + 2 * ARGMAX_BLOCKS * argmax_rows) * 4)?;
-        let ops = lower(&plan, &weights)?;
-        tracing::debug!("{} steps in {} launches", plan.steps.len(), ops.len());
-        let copy_width = ops
-            .iter()
-            .filter_map(|op| match op {
-                Op::NormPair { first, copy: true, .. } => match plan.steps[*first].kernel {
-                    Kernel::RmsNorm { width, .. } => Some(width),
-                    _ => None,
-                },
-                _ => None,
-            })
-            .max();
-        let private_x = copy_width.map(|w| DeviceBuffer::new(&device.ctx, plan.rows() * w * 4)).transpose()?;
-        Ok(CudaExecutable { plan, weights, device, arena, step, head, head_values, vocab, graph: None, use_graphs, ops, private_x })
+        let launches = lower(&plan, &*weights)?;
+        tracing::debug!("{} steps in {} launches", plan.steps.len(), launches.len());
+        let max_k = max_matmul_k(&plan);
+        let max_n =
+            plan.steps.iter().filter_map(|st| if let Kernel::MatMul { n, .. } = st.kernel { Some(n) } else { None }).fold(32, usize::max);
+        let xq = (0..2).map(|_| DeviceBuffer::new(&device.ctx, MATVEC_ROWS * xq_bytes(max_k))).collect::<Result<Vec<_>, _>>()?;
+        let sync_bytes = SYNC_GLU as usize + 4 * MATVEC_ROWS * max_n.div_ceil(32);
+        let sync = DeviceBuffer::new(&device.ctx, sync_bytes)?;
+        {
+            let _guard = device.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
+            device.ctx.bind_to_thread().map_err(cuda_err)?;
+            // SAFETY: `sync` holds `sync_bytes` bytes.
+            unsafe { cudarc::driver::result::memset_d8_async(sync.ptr(), 0, sync_bytes, device.stream.cu_stream()) }.map_err(cuda_err)?;
+            device.sync()?;
+        }
+        Ok(CudaExecutable { plan, weights, device, arena, step, head, head_values, vocab, graph: None, use_graphs, launches, xq, sync })
     }
 
     fn slot(&self, s: Slot) -> u64 {
@@ -276,14 +542,15 @@ impl CudaExecutable {
         let d = &*self.device;
         let (tokens, positions) = (self.input("tokens"), self.input("positions"));
         d.launch("set_inputs", (n.div_ceil(256) as u32, 1), 256, &[Arg::U64(self.step.ptr()), Arg::U64(tokens), Arg::U64(positions)])?;
-        for op in &self.ops {
-            match op {
-                Op::Step(i) => self.enqueue_step(*i, n, kv, scratch)?,
-                Op::MatVecs { steps, glu, private_x } => {
+        for l in &self.launches {
+            let quant_out = l.quant_out.map_or(0, |b| self.xq[b].ptr());
+            match &l.op {
+                Op::Step(i) => self.enqueue_step(*i, n, kv, scratch, quant_out, l.xq_in)?,
+                Op::MatVecs { steps, glu, epi } => {
                     let rows = rows_of(self.plan.steps[steps[0]].rows, n);
                     if rows > MATVEC_ROWS {
                         for &i in steps.iter().chain(glu) {
-                            self.enqueue_step(i, n, kv, scratch)?;
+                            self.enqueue_step(i, n, kv, scratch, 0, None)?;
                         }
                         continue;
                     }
@@ -299,12 +566,18 @@ impl CudaExecutable {
                         Some(&Kernel::GeluMul { out, .. }) => self.slot(out),
                         _ => 0,
                     };
-                    if *private_x {
-                        x = self.private_x.as_ref().map_or(0, |b| b.ptr());
-                    }
-                    self.matvecs(x, &mats, glu, rows)?;
+                    let epi = match epi {
+                        Some(e) => Some(self.epilogue_args(*e, quant_out)?),
+                        None => None,
+                    };
+                    let xq = match l.xq_in {
+                        Some(b) => self.xq[b].ptr(),
+                        None => self.quantize(x, mats_k(&self.weights, &mats)?, rows)?,
+                    };
+                    let gq = if glu != 0 { quant_out } else { 0 };
+                    self.matvecs(MatVecArgs { xq, mats: &mats, glu, gq, rows, epi: epi.as_ref(), argmax: 0 })?;
                 }
-                &Op::NormPair { first: a, second: b, copy } => {
+                &Op::NormPair { first: a, second: b } => {
                     let (Kernel::RmsNorm { x, weight, out: h, width, eps, residual: Some(r) }, Kernel::RmsNorm { weight: w2, out, .. }) =
                         (&self.plan.steps[a].kernel, &self.plan.steps[b].kernel)
                     else {
@@ -322,7 +595,7 @@ impl CudaExecutable {
                             Arg::U64(self.slot(*h)),
                             Arg::U64(self.weights.vector(*w2)?.ptr()),
                             Arg::U64(self.slot(*out)),
-                            Arg::U64(if copy { self.private_x.as_ref().map_or(0, |b| b.ptr()) } else { 0 }),
+                            Arg::U64(quant_out),
                             Arg::I32(*width as i32),
                             Arg::F32(*eps),
                         ],
@@ -371,36 +644,85 @@ impl CudaExecutable {
         self.plan.inputs.iter().find(|i| i.name == name).map_or(0, |i| self.slot(i.slot))
     }
 
-    /// `out_i[r] = x[r] · W_iᵀ` for up to three matrices of one format sharing `x`, for at most
-    /// `MATVEC_ROWS` rows, in one launch; with `glu` (two matrices) also `glu = gelu(out_0) * out_1`.
-    fn matvecs(&self, x: u64, mats: &[(WeightId, u64)], glu: u64, rows: usize) -> Result<(), RuntimeError> {
-        let ms = mats.iter().map(|&(w, _)| self.weights.matrix(w)).collect::<Result<Vec<_>, _>>()?;
+    /// The kernel arguments of a norm epilogue (its output also quantized into `xq` when not 0).
+    fn epilogue_args(&self, e: Epilogue, xq: u64) -> Result<EpilogueArgs, RuntimeError> {
+        let s = &self.plan.steps;
+        Ok(match e {
+            Epilogue::Norm(t) => {
+                let Kernel::RmsNorm { weight, out, eps, .. } = s[t].kernel else { return Err(cuda_err("an epilogue is not a norm")) };
+                EpilogueArgs { w1: self.weights.vector(weight)?.ptr(), residual: 0, h: 0, w2: 0, out: self.slot(out), xq, eps }
+            }
+            Epilogue::Pair(a, b) => {
+                let (Kernel::RmsNorm { weight, out: h, eps, residual: Some(r), .. }, Kernel::RmsNorm { weight: w2, out, .. }) =
+                    (&s[a].kernel, &s[b].kernel)
+                else {
+                    return Err(cuda_err("an epilogue is not a norm pair"));
+                };
+                EpilogueArgs {
+                    w1: self.weights.vector(*weight)?.ptr(),
+                    residual: self.slot(*r),
+                    h: self.slot(*h),
+                    w2: self.weights.vector(*w2)?.ptr(),
+                    out: self.slot(*out),
+                    xq,
+                    eps: *eps,
+                }
+            }
+        })
+    }
+
+    /// Quantizes `rows` rows of `k` activations at `x` into buffer 0; returns its address.
+    fn quantize(&self, x: u64, k: usize, rows: usize) -> Result<u64, RuntimeError> {
+        let xq = self.xq[0].ptr();
+        let blocks = (rows * k).div_ceil(256) as u32;
+        self.device.launch("quantize_rows", (blocks, 1), 256, &[Arg::U64(x), Arg::U64(xq), Arg::I32(k as i32), Arg::I32(rows as i32)])?;
+        Ok(xq)
+    }
+
+    /// One matrix-vector launch (see `MatVecArgs`).
+    fn matvecs(&self, a: MatVecArgs<'_>) -> Result<(), RuntimeError> {
+        let ms = a.mats.iter().map(|&(w, _)| self.weights.matrix(w)).collect::<Result<Vec<_>, _>>()?;
         let m = ms[0];
         let fmt = format_name(m.ty).ok_or_else(|| cuda_err(format!("no kernels for {:?}", m.ty)))?;
         let total: usize = ms.iter().map(|m| m.n).sum();
-        let (kernel, per_warp) = if rows == 1 && total >= MATVEC4_MIN_ROWS { ("matvec4", 4) } else { ("matvec", 2) };
-        let groups = if glu != 0 { m.n.div_ceil(per_warp / 2) } else { total.div_ceil(per_warp) };
+        let (kernel, per_warp) = match a.rows {
+            1 if total >= MATVEC4_MIN_ROWS => ("matvec4", 4),
+            1 => ("matvec1", 2),
+            _ => ("matvec", 2),
+        };
+        let groups = if a.glu != 0 { m.n.div_ceil(per_warp / 2) } else { total.div_ceil(per_warp) };
         // Long rows are split over 2 or 4 warps (more loads in flight per output row).
         let split = match m.k / 32 {
             c if c >= 128 => 4,
             c if c >= 64 => 2,
             _ => 1,
         };
-        let mut args = Vec::with_capacity(14);
+        let sync = self.sync.ptr();
+        let e = a.epi.copied().unwrap_or(EpilogueArgs { w1: 0, residual: 0, h: 0, w2: 0, out: 0, xq: 0, eps: 0.0 });
+        let mut args = Vec::with_capacity(28);
         args.extend((0..3).map(|i| Arg::U64(ms.get(i).map_or(0, |m| m.buf.ptr()))));
         args.push(Arg::U64(m.row_bytes as u64));
         args.extend((0..3).map(|i| Arg::I32(ms.get(i).map_or(0, |m| m.n as i32))));
-        args.extend((0..3).map(|i| Arg::U64(mats.get(i).map_or(0, |m| m.1))));
-        args.extend([Arg::U64(glu), Arg::U64(x), Arg::I32(m.k as i32), Arg::I32(rows as i32), Arg::I32(split as i32)]);
+        args.extend((0..3).map(|i| Arg::U64(a.mats.get(i).map_or(0, |m| m.1))));
+        args.extend([Arg::U64(a.glu), Arg::U64(a.xq), Arg::I32(m.k as i32), Arg::I32(a.rows as i32), Arg::I32(split as i32)]);
+        args.extend([Arg::U64(a.gq), Arg::U64(sync + SYNC_GLU)]);
+        args.extend([Arg::U64(e.w1), Arg::U64(e.residual), Arg::U64(e.h), Arg::U64(e.w2), Arg::U64(e.out), Arg::U64(e.xq)]);
+        let ecnt = if a.epi.is_some() { sync + SYNC_EPI } else { 0 };
+        args.extend([Arg::U64(ecnt), Arg::F32(e.eps), Arg::U64(sync), Arg::U64(a.argmax), Arg::U64(sync + SYNC_ARGMAX)]);
         let blocks = groups.div_ceil(MATVEC_WARPS / split);
         self.device.launch(&format!("{kernel}_{fmt}"), (blocks as u32, 1), 32 * MATVEC_WARPS as u32, &args)
     }
 
     /// `out[r] = x[r] · Wᵀ` for `rows` rows: matrix-vector kernels for few rows, else the weight
     /// dequantized to f32 and one cuBLAS GEMM.
-    fn matmul(&self, x: u64, w: WeightId, out: u64, rows: usize, scratch: &mut Scratch) -> Result<(), RuntimeError> {
+    /// `xq_in`: the buffer holding x already quantized (else it is quantized first).
+    fn matmul(&self, x: u64, w: WeightId, out: u64, rows: usize, scratch: &mut Scratch, xq_in: Option<usize>) -> Result<(), RuntimeError> {
         if rows <= MATVEC_ROWS {
-            return self.matvecs(x, &[(w, out)], 0, rows);
+            let xq = match xq_in {
+                Some(b) => self.xq[b].ptr(),
+                None => self.quantize(x, self.weights.matrix(w)?.k, rows)?,
+            };
+            return self.matvecs(MatVecArgs { xq, mats: &[(w, out)], glu: 0, gq: 0, rows, epi: None, argmax: 0 });
         }
         let d = &*self.device;
         let m = self.weights.matrix(w)?;
@@ -465,7 +787,17 @@ impl CudaExecutable {
     }
 
     /// Enqueues plan step `i` for `active` rows.
-    fn enqueue_step(&self, i: usize, active: usize, kv: &CudaKvCache, scratch: &mut Scratch) -> Result<(), RuntimeError> {
+    /// `quant_out`: the buffer its output is also written to quantized (0: none); `xq_in`: for a
+    /// matrix product, the buffer holding its input quantized.
+    fn enqueue_step(
+        &self,
+        i: usize,
+        active: usize,
+        kv: &CudaKvCache,
+        scratch: &mut Scratch,
+        quant_out: u64,
+        xq_in: Option<usize>,
+    ) -> Result<(), RuntimeError> {
         let step = &self.plan.steps[i];
         let (kernel, rows) = (&step.kernel, rows_of(step.rows, active));
         let d = &*self.device;
@@ -506,13 +838,24 @@ impl CudaExecutable {
                         Arg::U64(self.slot(out)),
                         Arg::I32(group as i32),
                         Arg::F32(eps),
+                        Arg::U64(if group == width { quant_out } else { 0 }),
                     ],
                 )?;
             }
-            Kernel::MatMul { x, w: wid, out, .. } => self.matmul(self.slot(x), wid, self.slot(out), rows, scratch)?,
+            Kernel::MatMul { x, w: wid, out, .. } => self.matmul(self.slot(x), wid, self.slot(out), rows, scratch, xq_in)?,
             Kernel::MatMulArgmax { x, w: wid, out, n, .. } => {
-                self.matmul(self.slot(x), wid, self.head.ptr(), rows, scratch)?;
-                self.argmax(self.head.ptr(), self.slot(out), rows, n)?;
+                if rows <= MATVEC_ROWS {
+                    // The argmax inside the matrix-vector kernel: no products are stored.
+                    let xq = match xq_in {
+                        Some(b) => self.xq[b].ptr(),
+                        None => self.quantize(self.slot(x), w.matrix(wid)?.k, rows)?,
+                    };
+                    let argmax = self.slot(out);
+                    self.matvecs(MatVecArgs { xq, mats: &[(wid, 0)], glu: 0, gq: 0, rows, epi: None, argmax })?;
+                } else {
+                    self.matmul(self.slot(x), wid, self.head.ptr(), rows, scratch, None)?;
+                    self.argmax(self.head.ptr(), self.slot(out), rows, n)?;
+                }
             }
             Kernel::Rope { x, positions, out, heads, head_dim, theta } => {
                 let block = (head_dim / 2).next_multiple_of(32).min(128) as u32;
@@ -530,52 +873,7 @@ impl CudaExecutable {
                     ],
                 )?;
             }
-            Kernel::Attention { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale } => {
-                let l = kv.layers.get(layer).ok_or_else(|| RuntimeError::StepShape(format!("the KV cache has no layer {layer}")))?;
-                if l.spec.k_width() != kv_heads * head_dim || l.spec.v_width() != kv_heads * head_dim || l.spec.window != window {
-                    return Err(RuntimeError::StepShape(format!("KV cache layer {layer} does not match the plan")));
-                }
-                let ring = window.map_or(0, |w| w.min(kv.context)) as i32;
-                // A one-row plan appends inside the attention kernel.
-                let append = self.plan.rows() == 1;
-                d.launch(
-                    "attention",
-                    ((active * q_heads) as u32, 1),
-                    ATTENTION_THREADS,
-                    &[
-                        Arg::U64(self.slot(q)),
-                        Arg::U64(self.slot(k)),
-                        Arg::U64(self.slot(v)),
-                        Arg::U64(l.k.ptr()),
-                        Arg::U64(l.v.ptr()),
-                        Arg::U64(self.slot(out)),
-                        Arg::U64(self.step.ptr()),
-                        Arg::I32(q_heads as i32),
-                        Arg::I32(kv_heads as i32),
-                        Arg::I32(head_dim as i32),
-                        Arg::I32(ring),
-                        Arg::F32(scale),
-                        Arg::I32(append as i32),
-                    ],
-                )?;
-                if append {
-                    return Ok(());
-                }
-                d.launch(
-                    "kv_append",
-                    (active as u32, 1),
-                    256,
-                    &[
-                        Arg::U64(self.slot(k)),
-                        Arg::U64(self.slot(v)),
-                        Arg::U64(l.k.ptr()),
-                        Arg::U64(l.v.ptr()),
-                        Arg::U64(self.step.ptr()),
-                        Arg::I32((kv_heads * head_dim) as i32),
-                        Arg::I32(ring),
-                    ],
-                )?;
-            }
+            Kernel::Attention { .. } => self.attention(i, active, kv, quant_out)?,
             Kernel::Add { a, b, out, width } => self.elementwise(self.slot(a), self.slot(b), self.slot(out), rows * width, 0)?,
             Kernel::Mul { a, b, out, width } => self.elementwise(self.slot(a), self.slot(b), self.slot(out), rows * width, 1)?,
             Kernel::Gelu { x, out, width } => self.elementwise(self.slot(x), 0, self.slot(out), rows * width, 2)?,
@@ -592,6 +890,61 @@ impl CudaExecutable {
             ref other => return Err(cuda_err(format!("the CUDA backend has no kernel for {other:?}"))),
         }
         Ok(())
+    }
+
+    /// Attention step `i` over `active` new rows, its output also quantized into `quant_out` (0:
+    /// not), and the KV append.
+    fn attention(&self, i: usize, active: usize, kv: &CudaKvCache, quant_out: u64) -> Result<(), RuntimeError> {
+        let Kernel::Attention { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale } = self.plan.steps[i].kernel else {
+            return Err(cuda_err("not an attention step"));
+        };
+        let d = &*self.device;
+        let l = kv.layers.get(layer).ok_or_else(|| RuntimeError::StepShape(format!("the KV cache has no layer {layer}")))?;
+        if l.spec.k_width() != kv_heads * head_dim || l.spec.v_width() != kv_heads * head_dim || l.spec.window != window {
+            return Err(RuntimeError::StepShape(format!("KV cache layer {layer} does not match the plan")));
+        }
+        let ring = window.map_or(0, |w| w.min(kv.context)) as i32;
+        // A one-row plan appends inside the attention kernel.
+        let append = self.plan.rows() == 1;
+        let (q, k) = (self.slot(q), self.slot(k));
+        d.launch(
+            "attention",
+            ((active * q_heads) as u32, 1),
+            ATTENTION_THREADS,
+            &[
+                Arg::U64(q),
+                Arg::U64(k),
+                Arg::U64(self.slot(v)),
+                Arg::U64(l.k.ptr()),
+                Arg::U64(l.v.ptr()),
+                Arg::U64(self.slot(out)),
+                Arg::U64(self.step.ptr()),
+                Arg::I32(q_heads as i32),
+                Arg::I32(kv_heads as i32),
+                Arg::I32(head_dim as i32),
+                Arg::I32(ring),
+                Arg::F32(scale),
+                Arg::I32(append as i32),
+                Arg::U64(quant_out),
+            ],
+        )?;
+        if append {
+            return Ok(());
+        }
+        d.launch(
+            "kv_append",
+            (active as u32, 1),
+            256,
+            &[
+                Arg::U64(k),
+                Arg::U64(self.slot(v)),
+                Arg::U64(l.k.ptr()),
+                Arg::U64(l.v.ptr()),
+                Arg::U64(self.step.ptr()),
+                Arg::I32((kv_heads * head_dim) as i32),
+                Arg::I32(ring),
+            ],
+        )
     }
 
     /// Replays the captured decode step for `kv`, capturing it first if needed.
@@ -684,5 +1037,63 @@ impl Executable for CudaExecutable {
 impl Drop for CudaExecutable {
     fn drop(&mut self) {
         let _ = self.device.sync_exclusive();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_ir::Bucket;
+    use kiln_models::synth::{gemma3, FormatMix, Gemma3Shape};
+    use kiln_models::OutputMode;
+    use kiln_runtime::WeightStore;
+
+    impl WeightShapes for WeightStore {
+        fn matrix_ty(&self, w: WeightId) -> Result<GgmlType, RuntimeError> {
+            Ok(self.info(w).ty)
+        }
+
+        fn vector_len(&self, w: WeightId) -> Result<usize, RuntimeError> {
+            let i = self.info(w);
+            Ok(i.row_len * i.n_rows)
+        }
+    }
+
+    /// The launches of a Gemma 3 plan of `bucket` (a small synthetic model, `layers` layers).
+    fn launches(bucket: Bucket, mix: FormatMix) -> (Plan, Vec<Launch>) {
+        let shape =
+            Gemma3Shape { hidden: 512, layers: 3, q_heads: 4, kv_heads: 1, head_dim: 128, ffn: 1024, vocab: 1000, window: 8, context: 64 };
+        let dir = std::env::temp_dir().join(format!("kiln-cuda-lower-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!("{mix:?}.gguf").replace(['(', ')'], ""));
+        gemma3(&shape, mix, 7).write(&path).unwrap();
+        let file = Arc::new(kiln_gguf::GgufFile::open(&path).unwrap());
+        let arch = kiln_models::architecture_from_gguf(&file).unwrap();
+        let store = WeightStore::new(file).unwrap();
+        let plan = kiln_runtime::compile(&arch.build_graph(bucket, OutputMode::NextToken).unwrap(), &store).unwrap();
+        let l = lower(&plan, &store).unwrap();
+        (plan, l)
+    }
+
+    #[test]
+    fn a_gemma3_decode_step_is_six_launches_per_layer() {
+        let (_, l) = launches(Bucket::Decode { past: 16, seqs: 1 }, FormatMix::All(GgmlType::Q4_K));
+        let names: Vec<String> = l.iter().map(|l| format!("{:?}", l.op).split([' ', '(']).next().unwrap_or("").to_string()).collect();
+        println!("{names:?}");
+        // embed, the first norm, then per layer: q/k/v, q/k norms and RoPE, attention, the output
+        // projection with the norm pair after it, gate/up/GELU, down with its norm pair; then the
+        // head with its argmax.
+        assert_eq!(l.iter().filter(|l| matches!(l.op, Op::MatVecs { epi: Some(_), .. })).count(), 6, "{l:#?}");
+        assert_eq!(l.len(), 2 + 3 * 6 + 1, "{l:#?}");
+        // Every matrix-vector input but the first layer's q/k/v is already quantized.
+        let quantized = l.iter().filter(|l| l.xq_in.is_some()).count();
+        assert_eq!(quantized, 3 * 4 + 1, "{l:#?}");
+    }
+
+    #[test]
+    fn prefill_plans_keep_separate_steps_for_many_rows() {
+        let (plan, l) = launches(Bucket::Prefill { rows: 16 }, FormatMix::All(GgmlType::Q8_0));
+        assert!(plan.rows() > MATVEC_ROWS);
+        assert!(l.iter().all(|l| l.quant_out.is_none() && !matches!(l.op, Op::MatVecs { epi: Some(_), .. })));
     }
 }
