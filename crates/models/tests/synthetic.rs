@@ -279,6 +279,18 @@ fn next_token(s: &mut Session<'_>, tokens: &[u32]) -> u32 {
     }
 }
 
+/// One session per prompt, each prefilled with its prompt.
+fn prefilled<'m>(model: &'m Model, prompts: &[Vec<u32>]) -> Vec<Session<'m>> {
+    prompts
+        .iter()
+        .map(|p| {
+            let mut s = model.new_session().unwrap();
+            logits(&mut s, p);
+            s
+        })
+        .collect()
+}
+
 fn argmax(v: &[f32]) -> u32 {
     (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b }) as u32
 }
@@ -934,18 +946,8 @@ fn batched_decode_equals_each_sequence_alone() {
     // Five sequences at different positions (past the sliding window for some), one batched step
     // each time: every row sees only its own cache and position.
     let prompts: Vec<Vec<u32>> = (0..5).map(|i| prompt(2 + 3 * i, 100 + i as u64)).collect();
-    let prefilled = || -> Vec<Session<'_>> {
-        prompts
-            .iter()
-            .map(|p| {
-                let mut s = model.new_session().unwrap();
-                logits(&mut s, p);
-                s
-            })
-            .collect()
-    };
-    let mut alone = prefilled();
-    let mut batched = prefilled();
+    let mut alone = prefilled(&model, &prompts);
+    let mut batched = prefilled(&model, &prompts);
     for step in 0..6 {
         let tokens = prompt(batched.len(), 200 + step);
         let mut refs: Vec<&mut Session<'_>> = batched.iter_mut().collect();
@@ -1020,17 +1022,6 @@ fn batched_decode_on_a_backend_without_it_decodes_one_by_one() {
     let batching = load(config());
     let single = load_parts(&parts(7), Arc::new(NoBatch(CpuBackend::new(2))), config()).unwrap();
     let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(3 + 2 * i, 500 + i as u64)).collect();
-    // Each model's sessions, prefilled with the prompts.
-    fn prefilled<'m>(model: &'m Model, prompts: &[Vec<u32>]) -> Vec<Session<'m>> {
-        prompts
-            .iter()
-            .map(|p| {
-                let mut s = model.new_session().unwrap();
-                logits(&mut s, p);
-                s
-            })
-            .collect()
-    }
     let (mut a, mut b) = (prefilled(&batching, &prompts), prefilled(&single, &prompts));
     for (step, mode) in [OutputMode::Logits, OutputMode::NextToken, OutputMode::Logits].into_iter().enumerate() {
         let tokens = prompt(3, 600 + step as u64);
