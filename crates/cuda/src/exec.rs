@@ -110,28 +110,6 @@ fn fusable(writes: &[Slot], reads: &[Slot], same: &[(usize, usize)]) -> bool {
             .all(|(wi, w)| reads.iter().enumerate().all(|(ri, r)| !overlaps(*w, *r) || (w.offset == r.offset && same.contains(&(wi, ri)))))
 }
 
-/// The arena slots a kernel reads.
-fn reads(k: &Kernel) -> Vec<Slot> {
-    match *k {
-        Kernel::Embed { ids, .. } => vec![ids],
-        Kernel::RmsNorm { x, residual, .. } => std::iter::once(x).chain(residual).collect(),
-        Kernel::Normalize { x, .. }
-        | Kernel::Scale { x, .. }
-        | Kernel::MatMul { x, .. }
-        | Kernel::MatMulArgmax { x, .. }
-        | Kernel::AddBias { x, .. }
-        | Kernel::Gelu { x, .. }
-        | Kernel::Silu { x, .. }
-        | Kernel::SoftCap { x, .. }
-        | Kernel::LastRow { x, .. }
-        | Kernel::Argmax { x, .. } => vec![x],
-        Kernel::Rope { x, positions, .. } | Kernel::RopeScaled { x, positions, .. } => vec![x, positions],
-        Kernel::Attention { q, k, v, .. } | Kernel::AttentionSoftCap { q, k, v, .. } => vec![q, k, v],
-        Kernel::Add { a, b, .. } | Kernel::Mul { a, b, .. } => vec![a, b],
-        Kernel::GeluMul { gate, up, .. } | Kernel::SiluMul { gate, up, .. } => vec![gate, up],
-    }
-}
-
 /// The launches of `plan`: fused groups where the pattern and the slots allow, else single steps;
 /// then, in plans of at most `MATVEC_ROWS` rows, norms of matrix-vector products computed in that
 /// launch, and producers of matrix-vector inputs writing them quantized.
@@ -250,33 +228,7 @@ fn op_writes(plan: &Plan, op: &Op) -> Vec<Slot> {
         Op::NormPair { first, second } => vec![*first, *second],
         Op::QkNormRope(q) => q.to_vec(),
     };
-    idx.iter().map(|&t| kernel_out(&s[t].kernel)).collect()
-}
-
-/// The slot a kernel writes.
-fn kernel_out(k: &Kernel) -> Slot {
-    match *k {
-        Kernel::Embed { out, .. }
-        | Kernel::RmsNorm { out, .. }
-        | Kernel::Normalize { out, .. }
-        | Kernel::Scale { out, .. }
-        | Kernel::MatMul { out, .. }
-        | Kernel::MatMulArgmax { out, .. }
-        | Kernel::Rope { out, .. }
-        | Kernel::RopeScaled { out, .. }
-        | Kernel::Attention { out, .. }
-        | Kernel::AttentionSoftCap { out, .. }
-        | Kernel::Add { out, .. }
-        | Kernel::AddBias { out, .. }
-        | Kernel::Mul { out, .. }
-        | Kernel::Gelu { out, .. }
-        | Kernel::GeluMul { out, .. }
-        | Kernel::Silu { out, .. }
-        | Kernel::SiluMul { out, .. }
-        | Kernel::SoftCap { out, .. }
-        | Kernel::LastRow { out, .. }
-        | Kernel::Argmax { out, .. } => out,
-    }
+    idx.iter().map(|&t| s[t].kernel.out()).collect()
 }
 
 /// The output slot of a norm, attention or `GeluMul` kernel.
@@ -322,7 +274,7 @@ fn epilogue_for(plan: &Plan, weights: &dyn WeightShapes, group: &[usize], next: 
     };
     let Kernel::RmsNorm { x, width, .. } = steps[first].kernel else { return Ok(None) };
     // The epilogue reads and writes rows as 16-byte vectors, 128 elements per warp.
-    let aligned = op_writes(plan, next).iter().chain(&reads(&steps[first].kernel)).all(|s| s.offset.is_multiple_of(4));
+    let aligned = op_writes(plan, next).iter().chain(&steps[first].kernel.reads()).all(|s| s.offset.is_multiple_of(4));
     let ok = x == prod && width == n && n.is_multiple_of(128) && n <= EPILOGUE_MAX && aligned && steps[first].rows == steps[m].rows;
     Ok(ok.then_some(e))
 }

@@ -91,6 +91,56 @@ pub enum Kernel {
     Argmax { x: Slot, out: Slot, width: usize },
 }
 
+impl Kernel {
+    /// The slots this kernel reads.
+    pub fn reads(&self) -> Vec<Slot> {
+        match *self {
+            Kernel::Embed { ids, .. } => vec![ids],
+            Kernel::RmsNorm { x, residual, .. } => std::iter::once(x).chain(residual).collect(),
+            Kernel::Normalize { x, .. }
+            | Kernel::Scale { x, .. }
+            | Kernel::MatMul { x, .. }
+            | Kernel::MatMulArgmax { x, .. }
+            | Kernel::AddBias { x, .. }
+            | Kernel::Gelu { x, .. }
+            | Kernel::Silu { x, .. }
+            | Kernel::SoftCap { x, .. }
+            | Kernel::LastRow { x, .. }
+            | Kernel::Argmax { x, .. } => vec![x],
+            Kernel::Rope { x, positions, .. } | Kernel::RopeScaled { x, positions, .. } => vec![x, positions],
+            Kernel::Attention { q, k, v, .. } | Kernel::AttentionSoftCap { q, k, v, .. } => vec![q, k, v],
+            Kernel::Add { a, b, .. } | Kernel::Mul { a, b, .. } => vec![a, b],
+            Kernel::GeluMul { gate, up, .. } | Kernel::SiluMul { gate, up, .. } => vec![gate, up],
+        }
+    }
+
+    /// The slot this kernel writes.
+    pub fn out(&self) -> Slot {
+        match *self {
+            Kernel::Embed { out, .. }
+            | Kernel::RmsNorm { out, .. }
+            | Kernel::Normalize { out, .. }
+            | Kernel::Scale { out, .. }
+            | Kernel::MatMul { out, .. }
+            | Kernel::MatMulArgmax { out, .. }
+            | Kernel::Rope { out, .. }
+            | Kernel::RopeScaled { out, .. }
+            | Kernel::Attention { out, .. }
+            | Kernel::AttentionSoftCap { out, .. }
+            | Kernel::Add { out, .. }
+            | Kernel::AddBias { out, .. }
+            | Kernel::Mul { out, .. }
+            | Kernel::Gelu { out, .. }
+            | Kernel::GeluMul { out, .. }
+            | Kernel::Silu { out, .. }
+            | Kernel::SiluMul { out, .. }
+            | Kernel::SoftCap { out, .. }
+            | Kernel::LastRow { out, .. }
+            | Kernel::Argmax { out, .. } => out,
+        }
+    }
+}
+
 /// A kernel and how many rows it runs over.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Step {
