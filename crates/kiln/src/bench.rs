@@ -47,33 +47,20 @@ fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|i| (1000 + (i * 7919 + 13) % span).min(vocab - 1) as u32).collect()
 }
 
-/// Runs `test` once and returns its duration in nanoseconds.
+/// Runs `test` once and returns its duration in nanoseconds. Generation decodes its sequences
+/// together, one batched greedy step per token (one sequence: a plain decode step); the first
+/// starts from `<bos>`, the others from their own tokens.
 fn run_once(model: &Model, test: Test) -> Result<u128> {
     let vocab = model.architecture().vocab_size();
-    if test.n_prompt == 0 && test.seqs > 1 {
-        return run_batched(model, test, vocab);
-    }
-    let mut session = model.new_session()?;
-    let t0 = Instant::now();
     if test.n_prompt > 0 {
+        let mut session = model.new_session()?;
+        let t0 = Instant::now();
         session.forward(&prompt_tokens(test.n_prompt, vocab), OutputMode::NextToken)?;
-    } else {
-        let mut token = model.tokenizer().bos_id().unwrap_or(2);
-        for _ in 0..test.n_gen {
-            match session.forward(&[token], OutputMode::NextToken)? {
-                StepOutput::Token(t) => token = t,
-                other => bail!("a greedy step returned {other:?} instead of a token"),
-            }
-        }
+        return Ok(t0.elapsed().as_nanos());
     }
-    Ok(t0.elapsed().as_nanos())
-}
-
-/// Runs a `tg` test of several sequences: each starts from its own token and all are decoded
-/// together, one batched greedy step per generated token; returns the duration in nanoseconds.
-fn run_batched(model: &Model, test: Test, vocab: usize) -> Result<u128> {
     let mut sessions = (0..test.seqs).map(|_| model.new_session()).collect::<Result<Vec<_>, _>>()?;
-    let mut tokens = prompt_tokens(test.seqs, vocab);
+    let bos = model.tokenizer().bos_id().unwrap_or(2);
+    let mut tokens: Vec<u32> = std::iter::once(bos).chain(prompt_tokens(test.seqs - 1, vocab)).collect();
     let t0 = Instant::now();
     for _ in 0..test.n_gen {
         let mut refs: Vec<_> = sessions.iter_mut().collect();
@@ -81,7 +68,7 @@ fn run_batched(model: &Model, test: Test, vocab: usize) -> Result<u128> {
         for (t, out) in tokens.iter_mut().zip(outs) {
             match out? {
                 StepOutput::Token(next) => *t = next,
-                other => bail!("a greedy batched step returned {other:?} instead of a token"),
+                other => bail!("a greedy step returned {other:?} instead of a token"),
             }
         }
     }
