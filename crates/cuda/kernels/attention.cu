@@ -17,6 +17,8 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
                                      int d, int window, float scale, int append, u8* xq) {
     __shared__ float s_acc[ATT_WARPS][ATT_MAX_DIM];
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
+    pdl_launch();
+    pdl_wait();
     int i = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
     int g = h / (q_heads / kv_heads);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -106,6 +108,8 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
 // layer, so no two blocks write one slot). One block per new row.
 extern "C" __global__ void kv_append(const float* k_new, const float* v_new, float* k_cache, float* v_cache,
                                      const int* step, int width, int window) {
+    pdl_launch();
+    pdl_wait();
     int r = blockIdx.x, rows = step[1];
     if (r >= rows || (window > 0 && r < rows - window)) return;
     int pos = step[0] + r;

@@ -6,6 +6,23 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 #define INFINITY __int_as_float(0x7f800000)
 
+// Programmatic dependent launch (sm_90 and later; no-ops before). Kernels are launched so that
+// the next kernel may start before this one ends: each kernel first lets its successor launch
+// (`pdl_launch`), loads what no earlier kernel writes (weights, the step buffer), then waits for
+// its predecessor to complete and its writes to be visible (`pdl_wait`) before reading or
+// writing anything else. Every block waits before it exits, so completion is transitive: a
+// kernel completes only after every kernel before it has.
+__device__ __forceinline__ void pdl_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float half_at(const u8* p) {
     unsigned short h = (unsigned short)p[0] | ((unsigned short)p[1] << 8);
     float f;

@@ -3,6 +3,8 @@
 // Writes the step's token ids and positions into the arena: `step` = [start, rows, token...].
 // The past length lives in device memory, so a captured graph serves every step of its bucket.
 extern "C" __global__ void set_inputs(const int* step, int* tokens, int* positions) {
+    pdl_launch();
+    pdl_wait();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= step[1]) return;
     if (tokens) tokens[i] = step[2 + i];
@@ -21,14 +23,20 @@ extern "C" __global__ void set_inputs(const int* step, int* tokens, int* positio
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm(const float* x, const float* w, const float* residual, float* out, int group,
                                     float eps, u8* xq) {
     __shared__ float scratch[32];
+    pdl_launch();
     u64 base = (u64)blockIdx.x * group;
     float v[NORM_PER], wv[NORM_PER], rv[NORM_PER], ss = 0.f;
 #pragma unroll
     for (int j = 0; j < NORM_PER; j++) {
         int i = threadIdx.x + j * blockDim.x;
+        wv[j] = i < group ? w[i] : 0.f;
+    }
+    pdl_wait();
+#pragma unroll
+    for (int j = 0; j < NORM_PER; j++) {
+        int i = threadIdx.x + j * blockDim.x;
         bool in = i < group;
         v[j] = in ? x[base + i] : 0.f;
-        wv[j] = in ? w[i] : 0.f;
         rv[j] = in && residual ? residual[base + i] : 0.f;
     }
 #pragma unroll
@@ -53,6 +61,8 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm2(const float
                                                                      float* h, const float* w2, float* out, u8* xq,
                                                                      int width, float eps) {
     __shared__ float scratch[32];
+    pdl_launch();
+    pdl_wait();
     u64 base = (u64)blockIdx.x * width;
     norm_row<NORM_PER>(x + base, w1, residual + base, w2, eps, width, xq ? xq + blockIdx.x * xq_bytes(width) : nullptr, h + base,
                        out + base, scratch);
@@ -64,6 +74,7 @@ extern "C" __global__ void qk_norm_rope(const float* q, const float* k, const fl
                                         const int* positions, float* qn, float* kn, float* qr, float* kr, int q_heads,
                                         int k_heads, int d, float theta, float eps) {
     __shared__ float scratch[32];
+    pdl_launch();
     int heads = q_heads + k_heads;
     int r = blockIdx.x / heads, h = blockIdx.x % heads;
     bool isq = h < q_heads;
@@ -71,16 +82,19 @@ extern "C" __global__ void qk_norm_rope(const float* q, const float* k, const fl
     const float* x = (isq ? q : k) + off;
     const float* w = isq ? wq : wk;
     int half = d / 2, i = threadIdx.x;
+    // (Weights and frequencies do not depend on earlier kernels.)
+    float w0 = i < half ? w[i] : 0.f, w1 = i < half ? w[i + half] : 0.f;
+    double inv_freq = 1.0 / pow((double)theta, (double)(2 * i) / (double)d);
+    pdl_wait();
     float x0 = i < half ? x[i] : 0.f, x1 = i < half ? x[i + half] : 0.f;
     float ss = block_sum(x0 * x0 + x1 * x1, scratch);
     if (i >= half) return;
     float inv = 1.f / sqrtf(ss / (float)d + eps);
-    float a = x0 * inv * w[i], b = x1 * inv * w[i + half];
+    float a = x0 * inv * w0, b = x1 * inv * w1;
     float* n = (isq ? qn : kn) + off;
     float* o = (isq ? qr : kr) + off;
     n[i] = a;
     n[i + half] = b;
-    double inv_freq = 1.0 / pow((double)theta, (double)(2 * i) / (double)d);
     double ang = (double)positions[r] * inv_freq;
     float c = (float)cos(ang), s = (float)sin(ang);
     o[i] = a * c - b * s;
@@ -90,6 +104,8 @@ extern "C" __global__ void qk_norm_rope(const float* q, const float* k, const fl
 // NeoX rotary embedding: one block per (row, head), angles in double as the CPU computes them.
 extern "C" __global__ void rope(const float* x, const int* positions, float* out, int heads, int head_dim,
                                 float theta) {
+    pdl_launch();
+    pdl_wait();
     int r = blockIdx.x / heads;
     u64 base = (u64)blockIdx.x * head_dim;
     int half = head_dim / 2;
@@ -106,6 +122,8 @@ extern "C" __global__ void rope(const float* x, const int* positions, float* out
 
 // op 0: a + b, 1: a * b, 2: gelu(a), 3: gelu(a) * b.
 extern "C" __global__ void elementwise(const float* a, const float* b, float* out, u64 len, int op) {
+    pdl_launch();
+    pdl_wait();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= len) return;
     float x = a[i];
@@ -114,6 +132,8 @@ extern "C" __global__ void elementwise(const float* a, const float* b, float* ou
 }
 
 extern "C" __global__ void copy_row(const float* x, float* out, int row, int width) {
+    pdl_launch();
+    pdl_wait();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < width) out[i] = x[(u64)row * width + i];
 }
@@ -132,6 +152,8 @@ extern "C" __global__ void argmax_partial(const float* x, float* pval, int* pidx
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ int sbad;
+    pdl_launch();
+    pdl_wait();
     int r = blockIdx.y, blocks = gridDim.x;
     const float* row = x + (u64)r * width;
     float best = -INFINITY;
@@ -175,6 +197,8 @@ extern "C" __global__ void argmax_partial(const float* x, float* pval, int* pidx
 
 // Argmax phase 2: one warp per row reduces its `blocks` partials; -1 when any value was non-finite.
 extern "C" __global__ void argmax_final(const float* pval, const int* pidx, int* out, int blocks) {
+    pdl_launch();
+    pdl_wait();
     int r = blockIdx.x, lane = threadIdx.x;
     float best = -INFINITY;
     int idx = 0x7fffffff, bad = 0;
@@ -195,6 +219,8 @@ extern "C" __global__ void argmax_final(const float* pval, const int* pidx, int*
 
 // Reads `bytes` of `src` as 16-byte words and writes their xor to `sink` (device-memory bandwidth).
 extern "C" __global__ void read_bandwidth(const uint4* src, u64 words, uint4* sink) {
+    pdl_launch();
+    pdl_wait();
     uint4 acc = make_uint4(0, 0, 0, 0);
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x) {
         uint4 v = src[i];

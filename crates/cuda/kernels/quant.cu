@@ -507,6 +507,7 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
     __shared__ int last_block;
     // The block's MV_WARPS warps form MV_WARPS / split groups; the `split` warps of a group share
     // its R output rows, each walking every split-th run of 32 chunks.
+    pdl_launch();
     int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int warp = blockIdx.x * (MV_WARPS / split) + wi / split, piece = wi % split;
     u64 bpr = rb / Fmt<T>::bytes, xqb = xq_bytes(k);
@@ -538,11 +539,19 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
 #pragma unroll
         for (int rr = 0; rr < R; rr++) acc[r][rr] = 0.f;
     int chunks = any ? k >> 5 : 0;
-    for (int c = piece * 32 + lane; c < chunks; c += 32 * split) {
-        typename Chunk<T>::Raw raw[R];
+    // The lane's first chunk of weights is loaded before waiting for the kernels that write x.
+    int c = piece * 32 + lane;
+    typename Chunk<T>::Raw raw[R];
 #pragma unroll
-        for (int rr = 0; rr < R; rr++)
-            if (mi[rr] >= 0) raw[rr] = Chunk<T>::load(mr[rr], ri[rr], c);
+    for (int rr = 0; rr < R; rr++)
+        if (mi[rr] >= 0 && c < chunks) raw[rr] = Chunk<T>::load(mr[rr], ri[rr], c);
+    pdl_wait();
+    for (; c < chunks; c += 32 * split) {
+        if (c >= piece * 32 + 32 * split) {
+#pragma unroll
+            for (int rr = 0; rr < R; rr++)
+                if (mi[rr] >= 0) raw[rr] = Chunk<T>::load(mr[rr], ri[rr], c);
+        }
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
             if (r < rows) {
@@ -675,6 +684,8 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
 // out[r, :] = dequant(W[ids[r], :]) * scale; one block per row, one thread per sub-block.
 template <int T>
 __device__ __forceinline__ void embed(const Mat& m, const int* ids, float* out, int k, float scale) {
+    pdl_launch();
+    pdl_wait();
     int r = blockIdx.x;
     u64 row = (u64)ids[r];
     for (int s = threadIdx.x; s < (k >> 5); s += blockDim.x) {
@@ -689,6 +700,8 @@ __device__ __forceinline__ void embed(const Mat& m, const int* ids, float* out, 
 // out[r, :] = dequant(W[r, :]) for rows 0..count (f32, for the GEMM path).
 template <int T>
 __device__ __forceinline__ void dequant(const Mat& m, float* out, int k, u64 count) {
+    pdl_launch();
+    pdl_wait();
     u64 subs = (u64)(k >> 5);
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count * subs) return;
@@ -703,6 +716,8 @@ __device__ __forceinline__ void dequant(const Mat& m, float* out, int k, u64 cou
 
 // Quantizes rows of x (k a multiple of 32) for the matrix-vector kernels: one warp per 32 elements.
 extern "C" __global__ void quantize_rows(const float* x, u8* xq, int k, int rows) {
+    pdl_launch();
+    pdl_wait();
     u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 r = e / k;
     if (r >= (u64)rows) return;

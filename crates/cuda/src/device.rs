@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use kiln_runtime::RuntimeError;
 use sha2::{Digest, Sha256};
@@ -94,6 +94,8 @@ pub struct Device {
     pub(crate) launches: AtomicUsize,
     /// Kernels in the most recently captured decode graph.
     pub(crate) graph_kernels: AtomicUsize,
+    /// Whether kernels are launched with programmatic dependent launch (sm_90 and later).
+    dependent_launch: bool,
 }
 
 // SAFETY: the cuBLAS handle is used only while `lock` is held; the other fields are thread-safe.
@@ -137,6 +139,7 @@ impl Device {
             arch,
             launches: AtomicUsize::new(0),
             graph_kernels: AtomicUsize::new(0),
+            dependent_launch: arch.0 >= 9,
         })
     }
 
@@ -145,21 +148,43 @@ impl Device {
         self.functions.get(name).ok_or_else(|| cuda_err(format!("no kernel named '{name}'")))
     }
 
-    /// Launches kernel `name` with `grid` blocks of `block` threads and `args`.
+    /// Launches kernel `name` with `grid` blocks of `block` threads and `args`. On devices with
+    /// programmatic dependent launch (sm_90+) the kernel may start while the previous one runs:
+    /// every kernel waits for its predecessor before touching what it wrote (common.cuh).
     pub(crate) fn launch(&self, name: &str, grid: (u32, u32), block: u32, args: &[Arg]) -> Result<(), RuntimeError> {
         let f = self.function(name)?;
-        let mut b = self.stream.launch_builder(f);
-        for a in args {
-            match a {
-                Arg::U64(v) => b.arg(v),
-                Arg::I32(v) => b.arg(v),
-                Arg::F32(v) => b.arg(v),
-            };
-        }
-        let cfg = LaunchConfig { grid_dim: (grid.0.max(1), grid.1.max(1), 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: the argument lists match the kernels' signatures (see kernels/*.cu); every
-        // pointer is a live device allocation sized by the plan.
-        unsafe { b.launch(cfg) }.map_err(|e| cuda_err(format!("launching '{name}': {e}")))?;
+        // Each argument in its own 8-byte word (4-byte arguments in the low bytes: little-endian).
+        let mut words: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::U64(v) => v,
+                Arg::I32(v) => v as u32 as u64,
+                Arg::F32(v) => v.to_bits() as u64,
+            })
+            .collect();
+        let mut params: Vec<*mut std::ffi::c_void> = words.iter_mut().map(|w| w as *mut u64 as *mut std::ffi::c_void).collect();
+        // SAFETY: an all-zero attribute value is valid (a plain C union).
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0.max(1),
+            gridDimY: grid.1.max(1),
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: self.dependent_launch as u32,
+        };
+        // SAFETY: the argument lists match the kernels' signatures (see kernels/*.cu; every
+        // argument is passed by address and copied by the call); every pointer is a live device
+        // allocation sized by the plan.
+        unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(|e| cuda_err(format!("launching '{name}': {e}")))?;
         self.launches.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
