@@ -33,6 +33,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let prompt: Vec<u32> = (0..pp).map(|i| 4 + (i as u32 * 7919) % (vocab - 4)).collect();
     let mut s = model.new_session()?;
     let (mut pp_times, mut tg_times) = (Vec::new(), Vec::new());
+    let mut generated = Vec::with_capacity(tg);
     for rep in 0..=reps {
         s.reset();
         let t = Instant::now();
@@ -40,9 +41,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let pp_s = t.elapsed().as_secs_f64();
         s.reset();
         let StepOutput::Token(mut tok) = s.forward(&[2], OutputMode::NextToken)? else { return Err("no token".into()) };
+        generated.clear();
         let t = Instant::now();
         for _ in 0..tg {
             let StepOutput::Token(next) = s.forward(&[tok], OutputMode::NextToken)? else { return Err("no token".into()) };
+            generated.push(next);
             tok = next;
         }
         let tg_s = t.elapsed().as_secs_f64();
@@ -55,6 +58,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (pp_s, tg_s) = (median(pp_times), median(tg_times));
     let bandwidth = backend.read_bandwidth(4 << 30, 9)?;
     let per_token = tg_s / tg as f64;
+    // The greedy tokens, to compare builds (a fingerprint of the whole decode path).
+    let fingerprint = generated.iter().fold(0u64, |h, &t| h.wrapping_mul(1_000_003).wrapping_add(t as u64));
+    println!("tg tokens: {:?}... fingerprint {fingerprint:016x}", &generated[..generated.len().min(8)]);
     println!("device read bandwidth: {:.0} GB/s", bandwidth / 1e9);
     println!("decode step: {} kernels in its CUDA graph", backend.decode_graph_kernels());
     println!("pp{pp}: {:.0} tokens/s ({:.2} ms)", pp as f64 / pp_s, pp_s * 1e3);

@@ -17,8 +17,6 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
                                      int d, int window, float scale, int append, u8* xq) {
     __shared__ float s_acc[ATT_WARPS][ATT_MAX_DIM];
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
-    pdl_launch();
-    pdl_wait();
     int i = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
     int g = h / (q_heads / kv_heads);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -26,6 +24,18 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
     int p = start + i;
     int lo = window > 0 ? max(0, p + 1 - window) : 0;
     int kvw = kv_heads * d, per = d >> 5;
+    // The cached rows were written by earlier steps: brought into L2 before waiting for this step's
+    // q, k and v (one 128-byte line per thread and turn; the block's first row does it).
+    if (i == 0) {
+        int lines = d >> 5;
+        for (int t = threadIdx.x; t < (start - lo) * lines; t += blockDim.x) {
+            int pos = lo + t / lines;
+            u64 slot = window > 0 ? (u64)(pos % window) : (u64)pos;
+            prefetch_l2(k_cache + slot * kvw + g * d + 32 * (t % lines));
+            prefetch_l2(v_cache + slot * kvw + g * d + 32 * (t % lines));
+        }
+    }
+    pdl_wait();
     float qv[ATT_MAX_DIM / 32], acc[ATT_MAX_DIM / 32];
     const float* qh = q + ((u64)i * q_heads + h) * d;
 #pragma unroll
@@ -108,7 +118,6 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
 // layer, so no two blocks write one slot). One block per new row.
 extern "C" __global__ void kv_append(const float* k_new, const float* v_new, float* k_cache, float* v_cache,
                                      const int* step, int width, int window) {
-    pdl_launch();
     pdl_wait();
     int r = blockIdx.x, rows = step[1];
     if (r >= rows || (window > 0 && r < rows - window)) return;

@@ -6,22 +6,23 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 #define INFINITY __int_as_float(0x7f800000)
 
-// Programmatic dependent launch (sm_90 and later; no-ops before). Kernels are launched so that
-// the next kernel may start before this one ends: each kernel first lets its successor launch
-// (`pdl_launch`), loads what no earlier kernel writes (weights, the step buffer), then waits for
-// its predecessor to complete and its writes to be visible (`pdl_wait`) before reading or
-// writing anything else. Every block waits before it exits, so completion is transitive: a
-// kernel completes only after every kernel before it has.
-__device__ __forceinline__ void pdl_launch() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+// Programmatic dependent launch (sm_90 and later; a no-op before). Kernels are launched so that
+// the next kernel may start before this one ends: each kernel first loads (or prefetches into L2)
+// what no earlier kernel of the step writes (weights, the step buffer, cached keys and values),
+// then `pdl_wait`s: it waits for its predecessor to complete and its writes to be visible, and then
+// lets its own successor launch, whose prologue so overlaps this kernel's work (triggering at
+// entry instead lets a chain of waiting kernels fill the device: measured slower). Every block
+// waits before it reads or writes anything else and before it exits, so completion is
+// transitive: a kernel completes only after every kernel before it has.
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+
+// Asks for the 128-byte line holding `p` to be brought into L2 (no register holds the data).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 __device__ __forceinline__ float half_at(const u8* p) {
     unsigned short h = (unsigned short)p[0] | ((unsigned short)p[1] << 8);

@@ -3,7 +3,6 @@
 // Writes the step's token ids and positions into the arena: `step` = [start, rows, token...].
 // The past length lives in device memory, so a captured graph serves every step of its bucket.
 extern "C" __global__ void set_inputs(const int* step, int* tokens, int* positions) {
-    pdl_launch();
     pdl_wait();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= step[1]) return;
@@ -23,7 +22,6 @@ extern "C" __global__ void set_inputs(const int* step, int* tokens, int* positio
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm(const float* x, const float* w, const float* residual, float* out, int group,
                                     float eps, u8* xq) {
     __shared__ float scratch[32];
-    pdl_launch();
     u64 base = (u64)blockIdx.x * group;
     float v[NORM_PER], wv[NORM_PER], rv[NORM_PER], ss = 0.f;
 #pragma unroll
@@ -61,7 +59,6 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm2(const float
                                                                      float* h, const float* w2, float* out, u8* xq,
                                                                      int width, float eps) {
     __shared__ float scratch[32];
-    pdl_launch();
     pdl_wait();
     u64 base = (u64)blockIdx.x * width;
     norm_row<NORM_PER>(x + base, w1, residual + base, w2, eps, width, xq ? xq + blockIdx.x * xq_bytes(width) : nullptr, h + base,
@@ -70,11 +67,12 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm2(const float
 
 // Per-head RMS norms of q and k followed by NeoX RoPE, one block per (row, head) of q's heads
 // then k's: qn/kn = the normed heads, qr/kr = the rotated ones. Block size >= head_dim / 2.
+// With `step` (the positions are the step's: start + row), the rotation is computed before
+// waiting for the kernels that write q and k; else the positions are read from `positions`.
 extern "C" __global__ void qk_norm_rope(const float* q, const float* k, const float* wq, const float* wk,
-                                        const int* positions, float* qn, float* kn, float* qr, float* kr, int q_heads,
-                                        int k_heads, int d, float theta, float eps) {
+                                        const int* positions, const int* step, float* qn, float* kn, float* qr, float* kr,
+                                        int q_heads, int k_heads, int d, float theta, float eps) {
     __shared__ float scratch[32];
-    pdl_launch();
     int heads = q_heads + k_heads;
     int r = blockIdx.x / heads, h = blockIdx.x % heads;
     bool isq = h < q_heads;
@@ -85,7 +83,18 @@ extern "C" __global__ void qk_norm_rope(const float* q, const float* k, const fl
     // (Weights and frequencies do not depend on earlier kernels.)
     float w0 = i < half ? w[i] : 0.f, w1 = i < half ? w[i + half] : 0.f;
     double inv_freq = 1.0 / pow((double)theta, (double)(2 * i) / (double)d);
+    float c = 0.f, s = 0.f;
+    if (step) {
+        double ang = (double)(step[0] + r) * inv_freq;
+        c = (float)cos(ang);
+        s = (float)sin(ang);
+    }
     pdl_wait();
+    if (!step) {
+        double ang = (double)positions[r] * inv_freq;
+        c = (float)cos(ang);
+        s = (float)sin(ang);
+    }
     float x0 = i < half ? x[i] : 0.f, x1 = i < half ? x[i + half] : 0.f;
     float ss = block_sum(x0 * x0 + x1 * x1, scratch);
     if (i >= half) return;
@@ -95,8 +104,6 @@ extern "C" __global__ void qk_norm_rope(const float* q, const float* k, const fl
     float* o = (isq ? qr : kr) + off;
     n[i] = a;
     n[i + half] = b;
-    double ang = (double)positions[r] * inv_freq;
-    float c = (float)cos(ang), s = (float)sin(ang);
     o[i] = a * c - b * s;
     o[i + half] = b * c + a * s;
 }
@@ -104,7 +111,6 @@ extern "C" __global__ void qk_norm_rope(const float* q, const float* k, const fl
 // NeoX rotary embedding: one block per (row, head), angles in double as the CPU computes them.
 extern "C" __global__ void rope(const float* x, const int* positions, float* out, int heads, int head_dim,
                                 float theta) {
-    pdl_launch();
     pdl_wait();
     int r = blockIdx.x / heads;
     u64 base = (u64)blockIdx.x * head_dim;
@@ -122,7 +128,6 @@ extern "C" __global__ void rope(const float* x, const int* positions, float* out
 
 // op 0: a + b, 1: a * b, 2: gelu(a), 3: gelu(a) * b.
 extern "C" __global__ void elementwise(const float* a, const float* b, float* out, u64 len, int op) {
-    pdl_launch();
     pdl_wait();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= len) return;
@@ -132,7 +137,6 @@ extern "C" __global__ void elementwise(const float* a, const float* b, float* ou
 }
 
 extern "C" __global__ void copy_row(const float* x, float* out, int row, int width) {
-    pdl_launch();
     pdl_wait();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < width) out[i] = x[(u64)row * width + i];
@@ -152,7 +156,6 @@ extern "C" __global__ void argmax_partial(const float* x, float* pval, int* pidx
     __shared__ float sv[32];
     __shared__ int si[32];
     __shared__ int sbad;
-    pdl_launch();
     pdl_wait();
     int r = blockIdx.y, blocks = gridDim.x;
     const float* row = x + (u64)r * width;
@@ -197,7 +200,6 @@ extern "C" __global__ void argmax_partial(const float* x, float* pval, int* pidx
 
 // Argmax phase 2: one warp per row reduces its `blocks` partials; -1 when any value was non-finite.
 extern "C" __global__ void argmax_final(const float* pval, const int* pidx, int* out, int blocks) {
-    pdl_launch();
     pdl_wait();
     int r = blockIdx.x, lane = threadIdx.x;
     float best = -INFINITY;
@@ -219,7 +221,6 @@ extern "C" __global__ void argmax_final(const float* pval, const int* pidx, int*
 
 // Reads `bytes` of `src` as 16-byte words and writes their xor to `sink` (device-memory bandwidth).
 extern "C" __global__ void read_bandwidth(const uint4* src, u64 words, uint4* sink) {
-    pdl_launch();
     pdl_wait();
     uint4 acc = make_uint4(0, 0, 0, 0);
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x) {

@@ -470,11 +470,18 @@ __device__ __noinline__ void norm_epilogue(const float* x, const float* w1, cons
         }
     inv2 = 1.f / sqrtf(block_sum(ss2, scratch) / (float)k + eps);
     }
+    // The last pass's weights are loaded together (one round trip, not one per iteration).
+    float4 wl[EPI_PER];
+#pragma unroll
+    for (int j = 0; j < EPI_PER; j++) {
+        int i = 4 * (threadIdx.x + j * blockDim.x);
+        wl[j] = i < k ? *(const float4*)((res ? w2 : w1) + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
 #pragma unroll
     for (int j = 0; j < EPI_PER; j++) {
         int i = 4 * (threadIdx.x + j * blockDim.x);
         if (4 * (j * blockDim.x + (threadIdx.x & ~31)) >= k) break;
-        float4 w = *(const float4*)((res ? w2 : w1) + i);
+        float4 w = wl[j];
         float s = res ? inv2 : inv;
         float4 y = make_float4(v[j].x * s * w.x, v[j].y * s * w.y, v[j].z * s * w.z, v[j].w * s * w.w);
         if (i < k) {
@@ -507,9 +514,21 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
     __shared__ int last_block;
     // The block's MV_WARPS warps form MV_WARPS / split groups; the `split` warps of a group share
     // its R output rows, each walking every split-th run of 32 chunks.
-    pdl_launch();
     int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int warp = blockIdx.x * (MV_WARPS / split) + wi / split, piece = wi % split;
+    if (ecnt) {
+        // Whichever block computes the norm finds its vectors in L2: the blocks prefetch the
+        // 128-byte lines of w1, the residual and w2 (L2 is coherent: the residual may be prefetched
+        // before its writer is known to be done).
+        int lines = (k * rows + 31) >> 5, t = blockIdx.x * blockDim.x + threadIdx.x;
+        if (t < lines) {
+            if (er) prefetch_l2(er + 32 * (u64)t);
+            if (t < (k + 31) >> 5) {
+                prefetch_l2(ew1 + 32 * t);
+                if (ew2) prefetch_l2(ew2 + 32 * t);
+            }
+        }
+    }
     u64 bpr = rb / Fmt<T>::bytes, xqb = xq_bytes(k);
     // Per output row: its matrix (-1: none), row index, width and output (selects, not arrays
     // indexed at run time, so nothing goes to local memory).
@@ -540,14 +559,14 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
         for (int rr = 0; rr < R; rr++) acc[r][rr] = 0.f;
     int chunks = any ? k >> 5 : 0;
     // The lane's first chunk of weights is loaded before waiting for the kernels that write x.
-    int c = piece * 32 + lane;
+    int c = piece * 32 + lane, stride = 32 * split;
     typename Chunk<T>::Raw raw[R];
 #pragma unroll
     for (int rr = 0; rr < R; rr++)
         if (mi[rr] >= 0 && c < chunks) raw[rr] = Chunk<T>::load(mr[rr], ri[rr], c);
     pdl_wait();
-    for (; c < chunks; c += 32 * split) {
-        if (c >= piece * 32 + 32 * split) {
+    for (; c < chunks; c += stride) {
+        if (c >= piece * 32 + stride) {
 #pragma unroll
             for (int rr = 0; rr < R; rr++)
                 if (mi[rr] >= 0) raw[rr] = Chunk<T>::load(mr[rr], ri[rr], c);
@@ -681,10 +700,116 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
     }
 }
 
+// Greedy head for one activation row over a planar Q8_0 matrix of n rows and k <= HEAD_MAX_K
+// columns (k a multiple of 32): aout[0] = argmax_o x . W[o, :] (lowest index among equal maxima,
+// -1 if a product is not finite). Warps stride over steps of 8 consecutive rows; in a step,
+// lane 4s + p takes row s of the step and the 32-element blocks p, p + 4, p + 8, ... of it (each
+// lane's loads are issued together, rows' bytes are contiguous). x (quantized) is staged in
+// shared memory once per block; each lane keeps its best row, the block's best goes to
+// `aslots[block % ARGMAX_SLOTS]` (then a non-finite flag), and the last block to finish (counted
+// in `acnt`) reduces the slots, writes aout and resets them.
+#define HEAD_WARPS 8
+#define HEAD_MAX_K 1024
+#define HEAD_BLOCKS (HEAD_MAX_K / 128)
+extern "C" __global__ void __launch_bounds__(HEAD_WARPS * 32) argmax_head_q8_0(const u8* w, u64 nblk, int n, const u8* xq, int k,
+                                                                              u64* aslots, int* aout, u32* acnt) {
+    __shared__ __align__(16) u8 sx[HEAD_MAX_K * 5 / 2];
+    __shared__ u64 sbest[HEAD_WARPS];
+    __shared__ int sbad, last;
+    int lane = threadIdx.x & 31, wi = threadIdx.x >> 5;
+    int bpr = k >> 5, part = lane & 3, sub = lane >> 2;
+    int warps = gridDim.x * HEAD_WARPS, steps = (n + 7) >> 3;
+    uint4 qa[HEAD_BLOCKS], qb[HEAD_BLOCKS];
+    float dw[HEAD_BLOCKS];
+    // Loads the lane's blocks of step g.
+    auto load = [&](int g) {
+        u64 row = (u64)g * 8 + sub;
+#pragma unroll
+        for (int j = 0; j < HEAD_BLOCKS; j++) {
+            int b = part + 4 * j;
+            if (b < bpr && row < (u64)n) {
+                u64 blk = row * bpr + b;
+                const uint4* q = (const uint4*)(w + 32 * blk);
+                qa[j] = q[0];
+                qb[j] = q[1];
+                dw[j] = half_u16(*(const u16*)(w + 32 * nblk + 2 * blk));
+            }
+        }
+    };
+    int g = blockIdx.x * HEAD_WARPS + wi;
+    if (g < steps) load(g);
+    if (threadIdx.x == 0) sbad = 0;
+    pdl_wait();
+    for (int i = threadIdx.x; i < (int)(xq_bytes(k) / 16); i += blockDim.x) ((uint4*)sx)[i] = ((const uint4*)xq)[i];
+    __syncthreads();
+    float best = -INFINITY;
+    int idx = 0x7fffffff, bad = 0;
+    for (; g < steps; g += warps) {
+        u64 row = (u64)g * 8 + sub;
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < HEAD_BLOCKS; j++) {
+            int b = part + 4 * j;
+            if (b < bpr && row < (u64)n) {
+                XGroup x0 = xgroup(sx, k, 32 * b), x1 = xgroup(sx, k, 32 * b + 16);
+                u32 a[4] = {qa[j].x, qa[j].y, qa[j].z, qa[j].w}, c[4] = {qb[j].x, qb[j].y, qb[j].z, qb[j].w};
+                acc += dw[j] * x0.d * (float)(dotq16(a, x0) + dotq16(c, x1));
+            }
+        }
+        if (g + warps < steps) load(g + warps);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+        if (row < (u64)n) {
+            if (!(fabsf(acc) <= 3.402823466e38f)) bad = 1;
+            // Rows come in increasing order: a strict comparison keeps the lowest index.
+            if (acc > best) {
+                best = acc;
+                idx = (int)row;
+            }
+        }
+    }
+    u64 key = idx != 0x7fffffff ? argmax_key(best, idx) : 0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        u64 v = __shfl_xor_sync(0xffffffffu, key, o);
+        key = v > key ? v : key;
+    }
+    if (__any_sync(0xffffffffu, bad) && lane == 0) sbad = 1;
+    if (lane == 0) sbest[wi] = key;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u64 b = 0;
+        for (int i = 0; i < HEAD_WARPS; i++) b = sbest[i] > b ? sbest[i] : b;
+        if (b) atomicMax((unsigned long long*)&aslots[blockIdx.x % ARGMAX_SLOTS], (unsigned long long)b);
+        if (sbad) atomicOr((u32*)(aslots + MV_ROWS * ARGMAX_SLOTS), 1u);
+        __threadfence();
+        last = atomicAdd(acnt, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last || wi != 0) return;
+    __threadfence();
+    u64 b = 0;
+    for (int i = lane; i < ARGMAX_SLOTS; i += 32) {
+        u64 v = __ldcg(&aslots[i]);
+        b = v > b ? v : b;
+        aslots[i] = 0;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        u64 v = __shfl_xor_sync(0xffffffffu, b, o);
+        b = v > b ? v : b;
+    }
+    if (lane == 0) {
+        u32* flag = (u32*)(aslots + MV_ROWS * ARGMAX_SLOTS);
+        aout[0] = __ldcg(flag) ? -1 : (int)(0xffffffffu - (u32)(b & 0xffffffffu));
+        *flag = 0;
+        *acnt = 0;
+    }
+}
+
 // out[r, :] = dequant(W[ids[r], :]) * scale; one block per row, one thread per sub-block.
 template <int T>
 __device__ __forceinline__ void embed(const Mat& m, const int* ids, float* out, int k, float scale) {
-    pdl_launch();
     pdl_wait();
     int r = blockIdx.x;
     u64 row = (u64)ids[r];
@@ -700,7 +825,6 @@ __device__ __forceinline__ void embed(const Mat& m, const int* ids, float* out, 
 // out[r, :] = dequant(W[r, :]) for rows 0..count (f32, for the GEMM path).
 template <int T>
 __device__ __forceinline__ void dequant(const Mat& m, float* out, int k, u64 count) {
-    pdl_launch();
     pdl_wait();
     u64 subs = (u64)(k >> 5);
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -716,7 +840,6 @@ __device__ __forceinline__ void dequant(const Mat& m, float* out, int k, u64 cou
 
 // Quantizes rows of x (k a multiple of 32) for the matrix-vector kernels: one warp per 32 elements.
 extern "C" __global__ void quantize_rows(const float* x, u8* xq, int k, int rows) {
-    pdl_launch();
     pdl_wait();
     u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 r = e / k;

@@ -96,6 +96,8 @@ pub struct Device {
     pub(crate) graph_kernels: AtomicUsize,
     /// Whether kernels are launched with programmatic dependent launch (sm_90 and later).
     dependent_launch: bool,
+    /// Multiprocessors.
+    pub(crate) sms: u32,
 }
 
 // SAFETY: the cuBLAS handle is used only while `lock` is held; the other fields are thread-safe.
@@ -119,6 +121,7 @@ impl Device {
         let blas = CudaBlas::new(stream.clone()).map_err(|e| cuda_err(format!("cuBLAS: {e}")))?;
         let arch = ctx.compute_capability().map_err(cuda_err)?;
         let name = ctx.name().map_err(cuda_err)?;
+        let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(cuda_err)? as u32;
         let mut functions = HashMap::new();
         for (family, src) in FAMILIES {
             let ptx = compile_family(family, src, arch)?;
@@ -139,6 +142,7 @@ impl Device {
             arch,
             launches: AtomicUsize::new(0),
             graph_kernels: AtomicUsize::new(0),
+            sms,
             dependent_launch: arch.0 >= 9,
         })
     }
@@ -318,7 +322,7 @@ mod tests {
     fn kernel_names_are_found_in_every_family() {
         let quant = kernel_names(FAMILIES[0].1);
         assert!(quant.contains(&"matvec_q4_k".to_string()) && quant.contains(&"dequant_q8_0".to_string()));
-        assert_eq!(quant.len(), 13 * 5 + 1);
+        assert_eq!(quant.len(), 13 * 5 + 2);
         assert!(quant.contains(&"quantize_rows".to_string()));
         let ops = kernel_names(FAMILIES[1].1);
         for k in

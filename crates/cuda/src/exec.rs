@@ -21,6 +21,10 @@ const ARGMAX_BLOCKS: usize = 64;
 const EPILOGUE_MAX: usize = 4 * 8 * 32 * MATVEC_WARPS;
 /// Partial maxima per row of the greedy head's fused argmax (`ARGMAX_SLOTS` in quant.cu).
 const ARGMAX_SLOTS: usize = 256;
+/// Widest Q8_0 row the one-row greedy head kernel takes (`HEAD_MAX_K` in quant.cu).
+const HEAD_MAX_K: usize = 1024;
+/// Warps of a greedy head block (`HEAD_WARPS` in quant.cu).
+const HEAD_WARPS: usize = 8;
 
 /// Threads of an attention block (`ATT_WARPS` warps in attention.cu).
 const ATTENTION_THREADS: u32 = 512;
@@ -492,8 +496,8 @@ impl CudaExecutable {
     /// Enqueues every step of the plan for `n` active rows.
     fn enqueue(&self, n: usize, kv: &CudaKvCache, scratch: &mut Scratch) -> Result<(), RuntimeError> {
         let d = &*self.device;
-        let (tokens, positions) = (self.input("tokens"), self.input("positions"));
-        d.launch("set_inputs", (n.div_ceil(256) as u32, 1), 256, &[Arg::U64(self.step.ptr()), Arg::U64(tokens), Arg::U64(positions)])?;
+        let (tokens, positions_in) = (self.input("tokens"), self.input("positions"));
+        d.launch("set_inputs", (n.div_ceil(256) as u32, 1), 256, &[Arg::U64(self.step.ptr()), Arg::U64(tokens), Arg::U64(positions_in)])?;
         for l in &self.launches {
             let quant_out = l.quant_out.map_or(0, |b| self.xq[b].ptr());
             match &l.op {
@@ -565,6 +569,9 @@ impl CudaExecutable {
                         return Err(cuda_err("a fused q/k norm and RoPE is not two norms and two RoPEs"));
                     };
                     let rows = rows_of(s[a].rows, n);
+                    // The plan's positions input is the step's (`set_inputs`): the kernel computes
+                    // them from the step buffer, before its predecessor ends.
+                    let step = if self.slot(*positions) == positions_in { self.step.ptr() } else { 0 };
                     d.launch(
                         "qk_norm_rope",
                         ((rows * (qh + kh)) as u32, 1),
@@ -575,6 +582,7 @@ impl CudaExecutable {
                             Arg::U64(self.weights.vector(*wq)?.ptr()),
                             Arg::U64(self.weights.vector(*wk)?.ptr()),
                             Arg::U64(self.slot(*positions)),
+                            Arg::U64(step),
                             Arg::U64(self.slot(*qn)),
                             Arg::U64(self.slot(*kn)),
                             Arg::U64(self.slot(*qr)),
@@ -643,8 +651,11 @@ impl CudaExecutable {
             _ => ("matvec", 2),
         };
         let groups = if a.glu != 0 { m.n.div_ceil(per_warp / 2) } else { total.div_ceil(per_warp) };
-        // Long rows are split over 2 or 4 warps (more loads in flight per output row).
+        // Long rows are split over 2 or 4 warps (more loads in flight per output row), unless
+        // there are rows enough for two rounds of the warps the device holds at once (16 per
+        // multiprocessor): then each warp walks whole rows (longer loops, prefetched ahead).
         let split = match m.k / 32 {
+            _ if groups >= 2 * 16 * self.device.sms as usize => 1,
             c if c >= 128 => 4,
             c if c >= 64 => 2,
             _ => 1,
@@ -803,7 +814,29 @@ impl CudaExecutable {
                         None => self.quantize(self.slot(x), w.matrix(wid)?.k, rows)?,
                     };
                     let argmax = self.slot(out);
-                    self.matvecs(MatVecArgs { xq, mats: &[(wid, 0)], glu: 0, gq: 0, rows, epi: None, argmax })?;
+                    let m = w.matrix(wid)?;
+                    if rows == 1 && m.ty == GgmlType::Q8_0 && m.k <= HEAD_MAX_K {
+                        // Persistent warps over the rows: two blocks per multiprocessor.
+                        let blocks = (m.n.div_ceil(8).div_ceil(HEAD_WARPS)).min(2 * d.sms as usize);
+                        let sync = self.sync.ptr();
+                        d.launch(
+                            "argmax_head_q8_0",
+                            (blocks as u32, 1),
+                            32 * HEAD_WARPS as u32,
+                            &[
+                                Arg::U64(m.buf.ptr()),
+                                Arg::U64(m.blocks as u64),
+                                Arg::I32(m.n as i32),
+                                Arg::U64(xq),
+                                Arg::I32(m.k as i32),
+                                Arg::U64(sync),
+                                Arg::U64(argmax),
+                                Arg::U64(sync + SYNC_ARGMAX),
+                            ],
+                        )?;
+                    } else {
+                        self.matvecs(MatVecArgs { xq, mats: &[(wid, 0)], glu: 0, gq: 0, rows, epi: None, argmax })?;
+                    }
                 } else {
                     self.matmul(self.slot(x), wid, self.head.ptr(), rows, scratch, None)?;
                     self.argmax(self.head.ptr(), self.slot(out), rows, n)?;
