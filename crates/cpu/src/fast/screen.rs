@@ -159,12 +159,18 @@ pub fn group_scores<const R: usize>(isa: Isa, groups: &[u8], nb: usize, a: [(&[i
     }
 }
 
-/// Keeps the `CANDIDATES` largest `(value, index)` pairs seen (finite values): a binary min-heap,
-/// so the smallest kept value is at the root.
+/// Keeps the `CANDIDATES` best `(value, index)` pairs seen (finite values; the larger value is
+/// better, the lower index among equal values, so the kept set does not depend on the order of
+/// arrival): a binary heap with the worst kept pair at the root.
 struct TopK {
     items: Vec<(f32, usize)>,
-    /// The smallest kept value once full.
+    /// The worst kept value once full (a pair below it cannot enter).
     floor: f32,
+}
+
+/// Whether pair `a` is better than pair `b`.
+fn better(a: (f32, usize), b: (f32, usize)) -> bool {
+    a.0 > b.0 || (a.0 == b.0 && a.1 < b.1)
 }
 
 impl TopK {
@@ -178,24 +184,24 @@ impl TopK {
             // Sift up.
             h.push((v, j));
             let mut i = h.len() - 1;
-            while i > 0 && h[(i - 1) / 2].0 > h[i].0 {
+            while i > 0 && better(h[(i - 1) / 2], h[i]) {
                 h.swap(i, (i - 1) / 2);
                 i = (i - 1) / 2;
             }
             if h.len() == CANDIDATES {
                 self.floor = h[0].0;
             }
-        } else if v > self.floor {
+        } else if better((v, j), h[0]) {
             // Replace the root and sift down.
             h[0] = (v, j);
             let mut i = 0;
             loop {
                 let (l, r) = (2 * i + 1, 2 * i + 2);
                 let mut m = i;
-                if l < h.len() && h[l].0 < h[m].0 {
+                if l < h.len() && better(h[m], h[l]) {
                     m = l;
                 }
-                if r < h.len() && h[r].0 < h[m].0 {
+                if r < h.len() && better(h[m], h[r]) {
                     m = r;
                 }
                 if m == i {
@@ -218,19 +224,19 @@ pub fn argmax(pool: &ThreadPool, isa: Isa, x: &[f32], acts: &QuantizedRows, w: &
     assert!(copy.len() == copy_len(n, k) && rows <= MAX_ACT_ROWS && out.len() >= rows);
     let sa = ScreenActs::new(x, rows, k);
     let groups = n.div_ceil(GROUP);
-    let tasks = (pool.threads() * 4).min(groups.div_ceil(32)).max(1);
-    let chunk = groups.div_ceil(tasks);
-    let mut tops: Vec<(TopK, bool)> = (0..tasks * rows).map(|_| (TopK::new(), false)).collect();
+    let threads = pool.threads();
+    // Per participating thread and row: its best candidates, and whether it saw a non-finite score.
+    let mut tops: Vec<(TopK, bool)> = (0..threads * rows).map(|_| (TopK::new(), false)).collect();
     let tp = SharedMut(tops.as_mut_ptr());
-    pool.run(tasks, &|t| {
-        // SAFETY: entries t * rows .. (t + 1) * rows belong to task t only.
-        let mine = unsafe { std::slice::from_raw_parts_mut(tp.ptr().add(t * rows), rows) };
-        let task_groups = t * chunk..((t + 1) * chunk).min(groups);
-        let mut g0 = task_groups.start;
-        while g0 < task_groups.end {
+    pool.for_chunks_with(groups, SCORE_RUN, &|p, chunk| {
+        // SAFETY: entries p * rows .. (p + 1) * rows belong to participant p, whose chunks run one
+        // after another on one thread.
+        let mine = unsafe { std::slice::from_raw_parts_mut(tp.ptr().add(p * rows), rows) };
+        let mut g0 = chunk.start;
+        while g0 < chunk.end {
             // Scores of a run of groups at a time (one kernel call, an L1-sized buffer), then the
             // candidates among them.
-            let g1 = (g0 + SCORE_RUN).min(task_groups.end);
+            let g1 = (g0 + SCORE_RUN).min(chunk.end);
             let run_bytes = &copy[g0 * group_bytes..g1 * group_bytes];
             let mut r0 = 0;
             while r0 < rows {
@@ -246,7 +252,7 @@ pub fn argmax(pool: &ThreadPool, isa: Isa, x: &[f32], acts: &QuantizedRows, w: &
                                 // (a NaN fails the comparison and is flagged below). Not
                                 // short-circuited, so it compiles to vector compares.
                                 let floor = mine[r0 + i].0.floor;
-                                if lanes.iter().fold(0u8, |any, &v| any | u8::from(v > floor) | u8::from(v.is_nan())) == 0 {
+                                if lanes.iter().fold(0u8, |any, &v| any | u8::from(v >= floor) | u8::from(v.is_nan())) == 0 {
                                     continue;
                                 }
                                 for (lane, &v) in lanes.iter().enumerate() {
@@ -280,9 +286,10 @@ pub fn argmax(pool: &ThreadPool, isa: Isa, x: &[f32], acts: &QuantizedRows, w: &
     pool.run(rows, &|r| {
         // SAFETY: out[r] is written by task r only, and r < rows <= out.len().
         let o = unsafe { &mut *op.ptr().add(r) };
-        let bad = (0..tasks).any(|t| tops[t * rows + r].1);
-        let mut cands: Vec<(f32, usize)> = (0..tasks).flat_map(|t| tops[t * rows + r].0.items.iter().copied()).collect();
-        cands.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let bad = (0..threads).any(|p| tops[p * rows + r].1);
+        // The best CANDIDATES of all are among the participants' best CANDIDATES each.
+        let mut cands: Vec<(f32, usize)> = (0..threads).flat_map(|p| tops[p * rows + r].0.items.iter().copied()).collect();
+        cands.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
         cands.truncate(CANDIDATES);
         // Rescored in index order, so the lowest index wins among equal maxima.
         cands.sort_unstable_by_key(|c| c.1);
@@ -306,9 +313,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn top_k_keeps_the_largest_values() {
+    fn top_k_keeps_the_best_pairs_whatever_their_order() {
         let mut seed = 0x70b4_u64;
         for len in [0, 1, CANDIDATES - 1, CANDIDATES, CANDIDATES + 1, 5000] {
+            // Values from a small range, so many are equal and the index decides.
             let values: Vec<f32> = (0..len)
                 .map(|_| {
                     seed ^= seed << 13;
@@ -317,19 +325,21 @@ mod tests {
                     (seed % 1000) as f32 - 500.0
                 })
                 .collect();
-            let mut top = TopK::new();
-            for (j, &v) in values.iter().enumerate() {
-                top.push(v, j);
-            }
-            let mut kept: Vec<f32> = top.items.iter().map(|c| c.0).collect();
-            kept.sort_by(|a, b| b.total_cmp(a));
-            let mut want = values.clone();
-            want.sort_by(|a, b| b.total_cmp(a));
+            let mut want: Vec<(f32, usize)> = values.iter().copied().zip(0..).collect();
+            want.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
             want.truncate(CANDIDATES);
-            assert_eq!(kept, want, "{len} values");
-            assert!(top.items.iter().all(|&(v, j)| values[j] == v));
-            if len >= CANDIDATES {
-                assert_eq!(top.floor, want[CANDIDATES - 1]);
+            for reversed in [false, true] {
+                let mut top = TopK::new();
+                let order: Vec<usize> = if reversed { (0..len).rev().collect() } else { (0..len).collect() };
+                for j in order {
+                    top.push(values[j], j);
+                }
+                let mut kept = top.items.clone();
+                kept.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+                assert_eq!(kept, want, "{len} values, reversed {reversed}");
+                if len >= CANDIDATES {
+                    assert_eq!(top.floor, want[CANDIDATES - 1].0);
+                }
             }
         }
     }
