@@ -239,8 +239,8 @@ impl CpuExecutable {
                 let (x, out) = (a.f32(x, rows * k), a.i32_mut(out, rows));
                 if self.fast(&m) {
                     let screen = w.screening_copy(wid, pool)?;
-                    fast::matmul_argmax(pool, isa, x, rows, &m, screen, out);
-                    w.note_rows_read(wid, rows);
+                    let read = fast::matmul_argmax(pool, isa, x, rows, &m, screen, out);
+                    w.note_rows_read(wid, read);
                 } else {
                     kernels::matmul_argmax(pool, isa, x, rows, &m, out);
                 }

@@ -229,16 +229,27 @@ pub fn wants_screening_copy(w: &PackedMatrix<'_>) -> bool {
 
 /// `out[r] = argmax_j q16(x[r, :]) · w[j, :]` (lowest index among equal maxima), without storing
 /// the products; `-1` when any product is not finite. `w` must be a fast format. With `screen`
-/// (the bytes of w's screening copy, from [`make_screening_copy`]) and at most a few rows, only the copy's best
-/// candidates are scored with `w` (see `screen`).
-pub fn matmul_argmax(pool: &ThreadPool, isa: Isa, x: &[f32], rows: usize, w: &PackedMatrix<'_>, screen: Option<&[u8]>, out: &mut [i32]) {
+/// (the bytes of w's screening copy, from [`make_screening_copy`]), only the copy's best candidates
+/// are scored with `w` (see `screen`), a few rows at a time. Returns how many rows of `w` it read.
+pub fn matmul_argmax(
+    pool: &ThreadPool,
+    isa: Isa,
+    x: &[f32],
+    rows: usize,
+    w: &PackedMatrix<'_>,
+    screen: Option<&[u8]>,
+    out: &mut [i32],
+) -> usize {
     let (k, n) = (w.k, w.n);
     let fam = family(w.ty).expect("a fast format");
-    let acts = QuantizedRows::new(pool, isa, &x[..rows * k], rows, k, fam);
-    if let Some(screen) = screen.filter(|_| rows <= screen::MAX_ACT_ROWS) {
-        screen::argmax(pool, isa, x, &acts, w, screen, out);
-        return;
+    if let Some(screen) = screen {
+        for (xs, out) in x[..rows * k].chunks(screen::MAX_ACT_ROWS * k).zip(out.chunks_mut(screen::MAX_ACT_ROWS)) {
+            let acts = QuantizedRows::new(pool, isa, xs, xs.len() / k, k, fam);
+            screen::argmax(pool, isa, xs, &acts, w, screen, out);
+        }
+        return rows * screen::CANDIDATES;
     }
+    let acts = QuantizedRows::new(pool, isa, &x[..rows * k], rows, k, fam);
     let tasks = (pool.threads() * 4).min(n.div_ceil(16)).max(1);
     let chunk = n.div_ceil(tasks);
     // Per task and row: (best value, its index, whether a non-finite value was seen).
@@ -258,6 +269,7 @@ pub fn matmul_argmax(pool: &ThreadPool, isa: Isa, x: &[f32], rows: usize, w: &Pa
         });
     });
     crate::kernels::reduce_argmax(&best, tasks, rows, out);
+    n
 }
 
 #[cfg(test)]

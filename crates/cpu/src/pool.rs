@@ -108,16 +108,49 @@ impl ThreadPool {
     }
 
     /// Splits `0..len` into contiguous chunks of at least `min_chunk` items and runs
-    /// `f(start..end)` for each, in parallel.
+    /// `f(start..end)` for each, in parallel. Chunks are claimed in order, each a share of what is
+    /// left (large first, small last), so the threads finish together; where the chunks fall
+    /// depends on timing, so `f`'s results must not depend on them.
     pub fn for_chunks(&self, len: usize, min_chunk: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+        let min_chunk = min_chunk.max(1);
+        let threads = self.threads();
         if len == 0 {
             return;
         }
-        let max_tasks = (len / min_chunk.max(1)).max(1);
-        let tasks = max_tasks.min(self.threads() * 4);
-        let chunk = len.div_ceil(tasks);
-        let tasks = len.div_ceil(chunk);
-        self.run(tasks, &|t| f(t * chunk..((t + 1) * chunk).min(len)));
+        if threads == 1 || len <= min_chunk {
+            f(0..len);
+            return;
+        }
+        self.for_chunks_with(len, min_chunk, &|_, chunk| f(chunk));
+    }
+
+    /// Runs `f(participant, start..end)` over chunks of `0..len` as [`ThreadPool::for_chunks`]
+    /// does, where `participant < self.threads()` is the same for every chunk one thread claims
+    /// (so per-participant state, e.g. a running best, needs no locking).
+    pub fn for_chunks_with(&self, len: usize, min_chunk: usize, f: &(dyn Fn(usize, std::ops::Range<usize>) + Sync)) {
+        let (min_chunk, threads) = (min_chunk.max(1), self.threads());
+        let next = AtomicUsize::new(0);
+        self.run(threads, &|p| {
+            while let Some(chunk) = claim_chunk(&next, len, min_chunk, threads) {
+                f(p, chunk);
+            }
+        });
+    }
+}
+
+/// Claims the next chunk of `0..len` from the shared cursor `next`: a `1 / (2 · threads)` share of
+/// what is left, at least `min_chunk` items; `None` once nothing is left.
+fn claim_chunk(next: &AtomicUsize, len: usize, min_chunk: usize, threads: usize) -> Option<std::ops::Range<usize>> {
+    let mut start = next.load(Ordering::Relaxed);
+    loop {
+        if start >= len {
+            return None;
+        }
+        let end = (start + ((len - start) / (2 * threads)).max(min_chunk)).min(len);
+        match next.compare_exchange_weak(start, end, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return Some(start..end),
+            Err(now) => start = now,
+        }
     }
 }
 
@@ -187,6 +220,25 @@ mod tests {
             sum.fetch_add(r.map(|i| i + 1).sum::<usize>(), Ordering::Relaxed);
         });
         assert_eq!(sum.load(Ordering::Relaxed), 12345 * 12346 / 2);
+    }
+
+    #[test]
+    fn chunks_with_participants_cover_the_range_once() {
+        let pool = ThreadPool::new(3);
+        for (len, min_chunk) in [(0, 4), (1, 4), (7, 1), (1000, 16), (12345, 100)] {
+            let hits: Vec<AtomicUsize> = (0..len).map(|_| AtomicUsize::new(0)).collect();
+            let chunks = AtomicUsize::new(0);
+            pool.for_chunks_with(len, min_chunk, &|p, r| {
+                assert!(p < pool.threads());
+                assert!(r.len() >= min_chunk.min(len) || r.end == len, "chunk {r:?} below {min_chunk}");
+                chunks.fetch_add(1, Ordering::Relaxed);
+                r.for_each(|i| {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                });
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "len {len}");
+            assert!(chunks.load(Ordering::Relaxed) <= len.div_ceil(min_chunk));
+        }
     }
 
     #[test]

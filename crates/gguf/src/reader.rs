@@ -325,8 +325,10 @@ impl GgufFile {
     }
 
     /// Drops the resident pages of `bytes` (a view of this file's data) from the process's memory
-    /// when the file is memory-mapped (the next read faults them back in from the file, unchanged);
-    /// returns whether it did. For data read once, e.g. to build a derived copy.
+    /// when the file is memory-mapped (the next read faults them back in from the file, unchanged,
+    /// one page at a time: the range is marked as read at random, so no read-around maps its
+    /// neighbours); returns whether it did. For data read once, e.g. to build a derived copy, and
+    /// then only sparsely.
     pub fn release_pages(&self, bytes: &[u8]) -> bool {
         #[cfg(unix)]
         if let Storage::Mapped(m) = &self.storage {
@@ -336,7 +338,7 @@ impl GgufFile {
                 // only makes later reads fault the same file contents back in; every reference into
                 // it stays valid because the mapping itself stays.
                 let advised = unsafe { m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start - base, bytes.len()) };
-                return advised.is_ok();
+                return advised.is_ok() && m.advise_range(memmap2::Advice::Random, start - base, bytes.len()).is_ok();
             }
         }
         false

@@ -303,44 +303,50 @@ unsafe fn k_rows_of<const T: u8, const R: usize>(ty: GgmlType, src: &[u8], a: &[
     out
 }
 
-/// The 8 scores of one group of the screening copy (`nb` blocks; see `screen`) for `R` activation
-/// rows (8-bit levels, block scales, block offset terms), in the copy's lane order.
+/// The 8 scores of each of `out.len()` consecutive groups of the screening copy (`nb` blocks
+/// each; see `screen`) for `R` activation rows (8-bit levels, block scales, block offset terms), in
+/// the copy's lane order.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn screen_group<const R: usize>(grp: &[u8], nb: usize, a: [(&[i8], &[f32], &[f32]); R]) -> [[f32; 8]; R] {
-    assert!(grp.len() == nb * GROUP_BLOCK_BYTES && a.iter().all(|(q, d, o)| q.len() == 32 * nb && d.len() == nb && o.len() == nb));
+pub unsafe fn screen_groups<const R: usize>(groups: &[u8], nb: usize, a: [(&[i8], &[f32], &[f32]); R], out: &mut [[[f32; 8]; R]]) {
+    assert!(
+        groups.len() == out.len() * nb * GROUP_BLOCK_BYTES
+            && a.iter().all(|(q, d, o)| q.len() == 32 * nb && d.len() == nb && o.len() == nb)
+    );
     let (m4, ones) = (_mm256_set1_epi8(15), _mm256_set1_epi16(1));
-    let mut acc = [_mm256_setzero_ps(); R];
-    for b in 0..nb {
-        let p = grp.as_ptr().add(b * GROUP_BLOCK_BYTES);
-        let dw = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-        // Two rows per register: row 2i in the low 128 bits, row 2i + 1 in the high ones.
-        let (mut lo, mut hi) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
-        for i in 0..4 {
-            let v = _mm256_loadu_si256(p.add(16 + 32 * i) as *const __m256i);
-            lo[i] = _mm256_and_si256(v, m4);
-            hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    let (qs, ds, offs) = (a.map(|r| r.0.as_ptr()), a.map(|r| r.1.as_ptr()), a.map(|r| r.2.as_ptr()));
+    for (g, o) in out.iter_mut().enumerate() {
+        let grp = groups.as_ptr().add(g * nb * GROUP_BLOCK_BYTES);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for b in 0..nb {
+            let p = grp.add(b * GROUP_BLOCK_BYTES);
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+            // Two rows per register: row 2i in the low 128 bits, row 2i + 1 in the high ones.
+            let (mut lo, mut hi) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
+            for i in 0..4 {
+                let v = _mm256_loadu_si256(p.add(16 + 32 * i) as *const __m256i);
+                lo[i] = _mm256_and_si256(v, m4);
+                hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+            for r in 0..R {
+                let ap = qs[r].add(32 * b);
+                let lo_act = _mm256_broadcastsi128_si256(_mm_loadu_si128(ap as *const __m128i));
+                let hi_act = _mm256_broadcastsi128_si256(_mm_loadu_si128(ap.add(16) as *const __m128i));
+                // At most 2 · 2 · 15 · 127 = 7620 per 16-bit lane; two rounds of additions keep every
+                // lane below 4 · 7620 = 30480, and the widening one leaves each row's sum in its lane
+                // (rows 0, 2, 4, 6, 1, 3, 5, 7: LANE_ROW).
+                let pair = |i: usize| _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], lo_act), _mm256_maddubs_epi16(hi[i], hi_act));
+                // Interleave-and-add (`hadd` has a quarter of the throughput on Zen 3): 16-bit pairs,
+                // then 64-bit halves, leave each row's two partial sums side by side.
+                let dwords = |x: __m256i, y: __m256i| _mm256_add_epi16(_mm256_unpacklo_epi32(x, y), _mm256_unpackhi_epi32(x, y));
+                let (u01, u23) = (dwords(pair(0), pair(1)), dwords(pair(2), pair(3)));
+                let x = _mm256_add_epi16(_mm256_unpacklo_epi64(u01, u23), _mm256_unpackhi_epi64(u01, u23));
+                let h = _mm256_cvtepi32_ps(_mm256_madd_epi16(x, ones));
+                let (da, off) = (_mm256_broadcast_ss(&*ds[r].add(b)), _mm256_broadcast_ss(&*offs[r].add(b)));
+                acc[r] = _mm256_fmadd_ps(dw, _mm256_fmadd_ps(h, da, off), acc[r]);
+            }
         }
         for r in 0..R {
-            let ap = a[r].0.as_ptr().add(32 * b);
-            let lo_act = _mm256_broadcastsi128_si256(_mm_loadu_si128(ap as *const __m128i));
-            let hi_act = _mm256_broadcastsi128_si256(_mm_loadu_si128(ap.add(16) as *const __m128i));
-            // At most 2 · 2 · 15 · 127 = 7620 per 16-bit lane; two rounds of additions keep every
-            // lane below 4 · 7620 = 30480, and the widening one leaves each row's sum in its lane
-            // (rows 0, 2, 4, 6, 1, 3, 5, 7: LANE_ROW).
-            let pair = |i: usize| _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], lo_act), _mm256_maddubs_epi16(hi[i], hi_act));
-            // Interleave-and-add (`hadd` has a quarter of the throughput on Zen 3): 16-bit pairs,
-            // then 64-bit halves, leave each row's two partial sums side by side.
-            let dwords = |x: __m256i, y: __m256i| _mm256_add_epi16(_mm256_unpacklo_epi32(x, y), _mm256_unpackhi_epi32(x, y));
-            let (u01, u23) = (dwords(pair(0), pair(1)), dwords(pair(2), pair(3)));
-            let x = _mm256_add_epi16(_mm256_unpacklo_epi64(u01, u23), _mm256_unpackhi_epi64(u01, u23));
-            let h = _mm256_cvtepi32_ps(_mm256_madd_epi16(x, ones));
-            let (da, off) = (_mm256_broadcast_ss(a[r].1.get_unchecked(b)), _mm256_broadcast_ss(a[r].2.get_unchecked(b)));
-            acc[r] = _mm256_fmadd_ps(dw, _mm256_fmadd_ps(h, da, off), acc[r]);
+            _mm256_storeu_ps(o[r].as_mut_ptr(), acc[r]);
         }
     }
-    let mut out = [[0f32; 8]; R];
-    for r in 0..R {
-        _mm256_storeu_ps(out[r].as_mut_ptr(), acc[r]);
-    }
-    out
 }

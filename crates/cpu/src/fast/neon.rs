@@ -286,52 +286,58 @@ unsafe fn k_rows_of<const T: u8, const R: usize>(ty: GgmlType, src: &[u8], a: &[
     out
 }
 
-/// The 8 scores of one group of the screening copy (`nb` blocks; see `screen`) for `R` activation
-/// rows (8-bit levels, block scales, block offset terms), in the copy's lane order (`LANE_ROW`:
-/// rows 0, 2, 4, 6 in the first four lanes, rows 1, 3, 5, 7 in the last four).
-pub unsafe fn screen_group<const R: usize>(grp: &[u8], nb: usize, a: [(&[i8], &[f32], &[f32]); R]) -> [[f32; 8]; R] {
-    assert!(grp.len() == nb * GROUP_BLOCK_BYTES && a.iter().all(|(q, d, o)| q.len() == 32 * nb && d.len() == nb && o.len() == nb));
+/// The 8 scores of each of `out.len()` consecutive groups of the screening copy (`nb` blocks
+/// each; see `screen`) for `R` activation rows (8-bit levels, block scales, block offset terms), in
+/// the copy's lane order (`LANE_ROW`: rows 0, 2, 4, 6 in the first four lanes, rows 1, 3, 5, 7 in
+/// the last four).
+pub unsafe fn screen_groups<const R: usize>(groups: &[u8], nb: usize, a: [(&[i8], &[f32], &[f32]); R], out: &mut [[[f32; 8]; R]]) {
+    assert!(
+        groups.len() == out.len() * nb * GROUP_BLOCK_BYTES
+            && a.iter().all(|(q, d, o)| q.len() == 32 * nb && d.len() == nb && o.len() == nb)
+    );
     let m4 = vdupq_n_u8(15);
-    let mut acc = [[vdupq_n_f32(0.0); 2]; R];
-    for b in 0..nb {
-        let p = grp.as_ptr().add(b * GROUP_BLOCK_BYTES);
-        let h = vreinterpretq_u16_u8(vld1q_u8(p));
-        let dw = [f16x4_to_f32(vget_low_u16(h)), f16x4_to_f32(vget_high_u16(h))];
-        // Row s's levels of elements 0..16 (low nibbles) and 16..32 (high nibbles).
-        let (mut lo, mut hi) = ([vdupq_n_s8(0); 8], [vdupq_n_s8(0); 8]);
-        for s in 0..8 {
-            let v = vld1q_u8(p.add(16 + 16 * s));
-            lo[s] = vreinterpretq_s8_u8(vandq_u8(v, m4));
-            hi[s] = vreinterpretq_s8_u8(vshrq_n_u8::<4>(v));
-        }
-        for r in 0..R {
-            let ap = a[r].0.as_ptr().add(32 * b);
-            let (al, ah) = (vld1q_s8(ap), vld1q_s8(ap.add(16)));
-            // Per row, 4 products of at most 15 · 127 per 16-bit lane.
-            let sums: [int16x8_t; 8] = std::array::from_fn(|s| {
-                let t = vmull_s8(vget_low_s8(lo[s]), vget_low_s8(al));
-                let t = vmlal_high_s8(t, lo[s], al);
-                let t = vmlal_s8(t, vget_low_s8(hi[s]), vget_low_s8(ah));
-                vmlal_high_s8(t, hi[s], ah)
-            });
-            // Two pairwise additions leave 16 products (at most 30480) per 16-bit lane, two lanes
-            // per row; the widening one gives the rows' sums in lane order.
-            let reduce = |r: [usize; 4]| {
-                let x = vpaddq_s16(vpaddq_s16(sums[r[0]], sums[r[1]]), vpaddq_s16(sums[r[2]], sums[r[3]]));
-                vcvtq_f32_s32(vpaddlq_s16(x))
-            };
-            let halves = [reduce([0, 2, 4, 6]), reduce([1, 3, 5, 7])];
-            let (da, off) = (*a[r].1.get_unchecked(b), *a[r].2.get_unchecked(b));
-            for ((acc, &h), &dwv) in acc[r].iter_mut().zip(&halves).zip(&dw) {
-                *acc = vfmaq_f32(*acc, h, vmulq_n_f32(dwv, da));
-                *acc = vfmaq_n_f32(*acc, dwv, off);
+    let (qs, ds, offs) = (a.map(|r| r.0.as_ptr()), a.map(|r| r.1.as_ptr()), a.map(|r| r.2.as_ptr()));
+    for (g, o) in out.iter_mut().enumerate() {
+        let grp = groups.as_ptr().add(g * nb * GROUP_BLOCK_BYTES);
+        let mut acc = [[vdupq_n_f32(0.0); 2]; R];
+        for b in 0..nb {
+            let p = grp.add(b * GROUP_BLOCK_BYTES);
+            let h = vreinterpretq_u16_u8(vld1q_u8(p));
+            let dw = [f16x4_to_f32(vget_low_u16(h)), f16x4_to_f32(vget_high_u16(h))];
+            // Row s's levels of elements 0..16 (low nibbles) and 16..32 (high nibbles).
+            let (mut lo, mut hi) = ([vdupq_n_s8(0); 8], [vdupq_n_s8(0); 8]);
+            for s in 0..8 {
+                let v = vld1q_u8(p.add(16 + 16 * s));
+                lo[s] = vreinterpretq_s8_u8(vandq_u8(v, m4));
+                hi[s] = vreinterpretq_s8_u8(vshrq_n_u8::<4>(v));
+            }
+            for r in 0..R {
+                let ap = qs[r].add(32 * b);
+                let (al, ah) = (vld1q_s8(ap), vld1q_s8(ap.add(16)));
+                // Per row, 4 products of at most 15 · 127 per 16-bit lane.
+                let sums: [int16x8_t; 8] = std::array::from_fn(|s| {
+                    let t = vmull_s8(vget_low_s8(lo[s]), vget_low_s8(al));
+                    let t = vmlal_high_s8(t, lo[s], al);
+                    let t = vmlal_s8(t, vget_low_s8(hi[s]), vget_low_s8(ah));
+                    vmlal_high_s8(t, hi[s], ah)
+                });
+                // Two pairwise additions leave 16 products (at most 30480) per 16-bit lane, two lanes
+                // per row; the widening one gives the rows' sums in lane order.
+                let reduce = |r: [usize; 4]| {
+                    let x = vpaddq_s16(vpaddq_s16(sums[r[0]], sums[r[1]]), vpaddq_s16(sums[r[2]], sums[r[3]]));
+                    vcvtq_f32_s32(vpaddlq_s16(x))
+                };
+                let halves = [reduce([0, 2, 4, 6]), reduce([1, 3, 5, 7])];
+                let (da, off) = (*ds[r].add(b), *offs[r].add(b));
+                for ((acc, &h), &dwv) in acc[r].iter_mut().zip(&halves).zip(&dw) {
+                    *acc = vfmaq_f32(*acc, h, vmulq_n_f32(dwv, da));
+                    *acc = vfmaq_n_f32(*acc, dwv, off);
+                }
             }
         }
+        for r in 0..R {
+            vst1q_f32(o[r].as_mut_ptr(), acc[r][0]);
+            vst1q_f32(o[r].as_mut_ptr().add(4), acc[r][1]);
+        }
     }
-    let mut out = [[0f32; 8]; R];
-    for r in 0..R {
-        vst1q_f32(out[r].as_mut_ptr(), acc[r][0]);
-        vst1q_f32(out[r].as_mut_ptr().add(4), acc[r][1]);
-    }
-    out
 }

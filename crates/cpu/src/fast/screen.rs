@@ -40,6 +40,9 @@ pub const GROUP_BLOCK_BYTES: usize = 2 * GROUP + 16 * GROUP;
 /// slot holds.
 pub const LANE_ROW: [usize; GROUP] = [0, 2, 4, 6, 1, 3, 5, 7];
 
+/// Groups scored per kernel call (their scores fill an L1-sized buffer).
+const SCORE_RUN: usize = 32;
+
 /// Rows handled between two calls of `release` while making a copy.
 const RELEASE_ROWS: usize = 1024;
 
@@ -123,59 +126,91 @@ impl ScreenActs {
     }
 }
 
-/// The 8 scores of group `grp` (one group's bytes of the copy, `nb` blocks) for `R` activation
-/// rows, in lane order ([`LANE_ROW`]).
-pub fn group_scores<const R: usize>(isa: Isa, grp: &[u8], nb: usize, a: [(&[i8], &[f32], &[f32]); R]) -> [[f32; GROUP]; R] {
+/// The 8 scores of each of `out.len()` consecutive groups (`groups`: their bytes of the copy, `nb`
+/// blocks each) for `R` activation rows, in lane order ([`LANE_ROW`]).
+pub fn group_scores<const R: usize>(isa: Isa, groups: &[u8], nb: usize, a: [(&[i8], &[f32], &[f32]); R], out: &mut [[[f32; GROUP]; R]]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Avx2Fma is only chosen on CPUs that have it; lengths are checked inside.
-        Isa::Avx2Fma => unsafe { super::avx2::screen_group(grp, nb, a) },
+        Isa::Avx2Fma => unsafe { super::avx2::screen_groups(groups, nb, a, out) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: NEON is part of every aarch64 CPU; lengths are checked inside.
-        Isa::Neon => unsafe { super::neon::screen_group(grp, nb, a) },
+        Isa::Neon => unsafe { super::neon::screen_groups(groups, nb, a, out) },
         _ => {
-            let mut out = [[0f32; GROUP]; R];
-            for (o, (qs, d, offset)) in out.iter_mut().zip(a) {
-                for (lane, &s) in LANE_ROW.iter().enumerate() {
-                    for b in 0..nb {
-                        let blk = &grp[b * GROUP_BLOCK_BYTES..(b + 1) * GROUP_BLOCK_BYTES];
-                        let dw = kiln_quant::f16_to_f32(u16::from_le_bytes([blk[2 * lane], blk[2 * lane + 1]]));
-                        let nib = &blk[2 * GROUP + 16 * s..2 * GROUP + 16 * s + 16];
-                        let aq = &qs[32 * b..32 * b + 32];
-                        let sum: i32 = (0..16)
-                            .map(|j| i32::from(nib[j] & 15) * i32::from(aq[j]) + i32::from(nib[j] >> 4) * i32::from(aq[j + 16]))
-                            .sum();
-                        o[lane] += dw * (d[b] * sum as f32 + offset[b]);
+            assert!(groups.len() == out.len() * nb * GROUP_BLOCK_BYTES);
+            for (grp, o) in groups.chunks_exact(nb * GROUP_BLOCK_BYTES).zip(out.iter_mut()) {
+                *o = [[0f32; GROUP]; R];
+                for (o, (qs, d, offset)) in o.iter_mut().zip(a) {
+                    for (lane, &s) in LANE_ROW.iter().enumerate() {
+                        for b in 0..nb {
+                            let blk = &grp[b * GROUP_BLOCK_BYTES..(b + 1) * GROUP_BLOCK_BYTES];
+                            let dw = kiln_quant::f16_to_f32(u16::from_le_bytes([blk[2 * lane], blk[2 * lane + 1]]));
+                            let nib = &blk[2 * GROUP + 16 * s..2 * GROUP + 16 * s + 16];
+                            let aq = &qs[32 * b..32 * b + 32];
+                            let sum: i32 = (0..16)
+                                .map(|j| i32::from(nib[j] & 15) * i32::from(aq[j]) + i32::from(nib[j] >> 4) * i32::from(aq[j + 16]))
+                                .sum();
+                            o[lane] += dw * (d[b] * sum as f32 + offset[b]);
+                        }
                     }
                 }
             }
-            out
         }
     }
 }
 
-/// Keeps the `CANDIDATES` largest `(value, index)` pairs seen.
+/// Keeps the `CANDIDATES` best `(value, index)` pairs seen (finite values; the larger value is
+/// better, the lower index among equal values, so the kept set does not depend on the order of
+/// arrival): a binary heap with the worst kept pair at the root.
 struct TopK {
     items: Vec<(f32, usize)>,
-    /// The smallest kept value once full.
+    /// The worst kept value once full (a pair below it cannot enter).
     floor: f32,
+}
+
+/// Whether pair `a` is better than pair `b`.
+fn better(a: (f32, usize), b: (f32, usize)) -> bool {
+    a.0 > b.0 || (a.0 == b.0 && a.1 < b.1)
 }
 
 impl TopK {
     fn new() -> Self {
-        TopK { items: Vec::with_capacity(CANDIDATES + 1), floor: f32::NEG_INFINITY }
+        TopK { items: Vec::with_capacity(CANDIDATES), floor: f32::NEG_INFINITY }
     }
 
     fn push(&mut self, v: f32, j: usize) {
-        if self.items.len() < CANDIDATES {
-            self.items.push((v, j));
-            if self.items.len() == CANDIDATES {
-                self.floor = self.items.iter().map(|c| c.0).fold(f32::INFINITY, f32::min);
+        let h = &mut self.items;
+        if h.len() < CANDIDATES {
+            // Sift up.
+            h.push((v, j));
+            let mut i = h.len() - 1;
+            while i > 0 && better(h[(i - 1) / 2], h[i]) {
+                h.swap(i, (i - 1) / 2);
+                i = (i - 1) / 2;
             }
-        } else if v > self.floor {
-            let at = self.items.iter().position(|c| c.0 == self.floor).expect("the floor is kept");
-            self.items[at] = (v, j);
-            self.floor = self.items.iter().map(|c| c.0).fold(f32::INFINITY, f32::min);
+            if h.len() == CANDIDATES {
+                self.floor = h[0].0;
+            }
+        } else if better((v, j), h[0]) {
+            // Replace the root and sift down.
+            h[0] = (v, j);
+            let mut i = 0;
+            loop {
+                let (l, r) = (2 * i + 1, 2 * i + 2);
+                let mut m = i;
+                if l < h.len() && better(h[m], h[l]) {
+                    m = l;
+                }
+                if r < h.len() && better(h[m], h[r]) {
+                    m = r;
+                }
+                if m == i {
+                    break;
+                }
+                h.swap(i, m);
+                i = m;
+            }
+            self.floor = h[0].0;
         }
     }
 }
@@ -186,40 +221,50 @@ pub fn argmax(pool: &ThreadPool, isa: Isa, x: &[f32], acts: &QuantizedRows, w: &
     let (rows, n, k) = (acts.rows(), w.n, w.k);
     let nb = k / 32;
     let group_bytes = nb * GROUP_BLOCK_BYTES;
-    assert!(copy.len() == copy_len(n, k) && rows <= MAX_ACT_ROWS);
+    assert!(copy.len() == copy_len(n, k) && rows <= MAX_ACT_ROWS && out.len() >= rows);
     let sa = ScreenActs::new(x, rows, k);
     let groups = n.div_ceil(GROUP);
-    let tasks = (pool.threads() * 4).min(groups.div_ceil(32)).max(1);
-    let chunk = groups.div_ceil(tasks);
-    let mut tops: Vec<(TopK, bool)> = (0..tasks * rows).map(|_| (TopK::new(), false)).collect();
+    let threads = pool.threads();
+    // Per participating thread and row: its best candidates, and whether it saw a non-finite score.
+    let mut tops: Vec<(TopK, bool)> = (0..threads * rows).map(|_| (TopK::new(), false)).collect();
     let tp = SharedMut(tops.as_mut_ptr());
-    pool.run(tasks, &|t| {
-        // SAFETY: entries t * rows .. (t + 1) * rows belong to task t only.
-        let mine = unsafe { std::slice::from_raw_parts_mut(tp.ptr().add(t * rows), rows) };
-        for g in t * chunk..((t + 1) * chunk).min(groups) {
-            let grp = &copy[g * group_bytes..(g + 1) * group_bytes];
+    pool.for_chunks_with(groups, SCORE_RUN, &|p, chunk| {
+        // SAFETY: entries p * rows .. (p + 1) * rows belong to participant p, whose chunks run one
+        // after another on one thread.
+        let mine = unsafe { std::slice::from_raw_parts_mut(tp.ptr().add(p * rows), rows) };
+        let mut g0 = chunk.start;
+        while g0 < chunk.end {
+            // Scores of a run of groups at a time (one kernel call, an L1-sized buffer), then the
+            // candidates among them.
+            let g1 = (g0 + SCORE_RUN).min(chunk.end);
+            let run_bytes = &copy[g0 * group_bytes..g1 * group_bytes];
             let mut r0 = 0;
             while r0 < rows {
                 macro_rules! scores {
                     ($r:literal) => {{
-                        let a: [_; $r] = std::array::from_fn(|i| sa.row(r0 + i));
-                        for (i, lanes) in group_scores::<$r>(isa, grp, nb, a).iter().enumerate() {
-                            // Most groups hold no candidate: one pass over the lanes skips them
-                            // (a NaN fails the comparison and is flagged below). Not short-circuited,
-                            // so it compiles to vector compares.
-                            let floor = mine[r0 + i].0.floor;
-                            if lanes.iter().fold(0u8, |any, &v| any | u8::from(v > floor) | u8::from(v.is_nan())) == 0 {
-                                continue;
-                            }
-                            for (lane, &v) in lanes.iter().enumerate() {
-                                let j = g * GROUP + LANE_ROW[lane];
-                                if j >= n {
+                        let mut buf = [[[0f32; GROUP]; $r]; SCORE_RUN];
+                        let buf = &mut buf[..g1 - g0];
+                        group_scores::<$r>(isa, run_bytes, nb, std::array::from_fn(|i| sa.row(r0 + i)), buf);
+                        for (gi, group) in buf.iter().enumerate() {
+                            let g = g0 + gi;
+                            for (i, lanes) in group.iter().enumerate() {
+                                // Most groups hold no candidate: one pass over the lanes skips them
+                                // (a NaN fails the comparison and is flagged below). Not
+                                // short-circuited, so it compiles to vector compares.
+                                let floor = mine[r0 + i].0.floor;
+                                if lanes.iter().fold(0u8, |any, &v| any | u8::from(v >= floor) | u8::from(v.is_nan())) == 0 {
                                     continue;
                                 }
-                                if v.is_finite() {
-                                    mine[r0 + i].0.push(v, j);
-                                } else {
-                                    mine[r0 + i].1 = true;
+                                for (lane, &v) in lanes.iter().enumerate() {
+                                    let j = g * GROUP + LANE_ROW[lane];
+                                    if j >= n {
+                                        continue;
+                                    }
+                                    if v.is_finite() {
+                                        mine[r0 + i].0.push(v, j);
+                                    } else {
+                                        mine[r0 + i].1 = true;
+                                    }
                                 }
                             }
                         }
@@ -233,12 +278,18 @@ pub fn argmax(pool: &ThreadPool, isa: Isa, x: &[f32], acts: &QuantizedRows, w: &
                     _ => scores!(8),
                 }
             }
+            g0 = g1;
         }
     });
-    for (r, o) in out.iter_mut().take(rows).enumerate() {
-        let bad = (0..tasks).any(|t| tops[t * rows + r].1);
-        let mut cands: Vec<(f32, usize)> = (0..tasks).flat_map(|t| tops[t * rows + r].0.items.iter().copied()).collect();
-        cands.sort_by(|a, b| b.0.total_cmp(&a.0));
+    // Each row's candidates are rescored by its own task (their reads of w may fault pages in).
+    let op = SharedMut(out.as_mut_ptr());
+    pool.run(rows, &|r| {
+        // SAFETY: out[r] is written by task r only, and r < rows <= out.len().
+        let o = unsafe { &mut *op.ptr().add(r) };
+        let bad = (0..threads).any(|p| tops[p * rows + r].1);
+        // The best CANDIDATES of all are among the participants' best CANDIDATES each.
+        let mut cands: Vec<(f32, usize)> = (0..threads).flat_map(|p| tops[p * rows + r].0.items.iter().copied()).collect();
+        cands.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
         cands.truncate(CANDIDATES);
         // Rescored in index order, so the lowest index wins among equal maxima.
         cands.sort_unstable_by_key(|c| c.1);
@@ -254,5 +305,42 @@ pub fn argmax(pool: &ThreadPool, isa: Isa, x: &[f32], acts: &QuantizedRows, w: &
             });
         }
         *o = if bad || best.1 == usize::MAX || !best.0.is_finite() { -1 } else { best.1 as i32 };
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_keeps_the_best_pairs_whatever_their_order() {
+        let mut seed = 0x70b4_u64;
+        for len in [0, 1, CANDIDATES - 1, CANDIDATES, CANDIDATES + 1, 5000] {
+            // Values from a small range, so many are equal and the index decides.
+            let values: Vec<f32> = (0..len)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    (seed % 1000) as f32 - 500.0
+                })
+                .collect();
+            let mut want: Vec<(f32, usize)> = values.iter().copied().zip(0..).collect();
+            want.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+            want.truncate(CANDIDATES);
+            for reversed in [false, true] {
+                let mut top = TopK::new();
+                let order: Vec<usize> = if reversed { (0..len).rev().collect() } else { (0..len).collect() };
+                for j in order {
+                    top.push(values[j], j);
+                }
+                let mut kept = top.items.clone();
+                kept.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+                assert_eq!(kept, want, "{len} values, reversed {reversed}");
+                if len >= CANDIDATES {
+                    assert_eq!(top.floor, want[CANDIDATES - 1].0);
+                }
+            }
+        }
     }
 }

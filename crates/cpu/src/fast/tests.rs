@@ -277,8 +277,14 @@ fn simd_screen_scores_equal_the_scalar_ones() {
     let x = rng.vec(3 * k);
     let acts = screen::ScreenActs::new(&x, 3, k);
     let group = &copy[..k / 32 * screen::GROUP_BLOCK_BYTES];
-    let scores: Vec<[[f32; 8]; 3]> =
-        Isa::supported().into_iter().map(|isa| screen::group_scores(isa, group, k / 32, std::array::from_fn(|r| acts.row(r)))).collect();
+    let scores: Vec<[[f32; 8]; 3]> = Isa::supported()
+        .into_iter()
+        .map(|isa| {
+            let mut out = [[[0f32; 8]; 3]];
+            screen::group_scores(isa, group, k / 32, std::array::from_fn(|r| acts.row(r)), &mut out);
+            out[0]
+        })
+        .collect();
     // The scalar scores, lane by lane, are the products of the rows' Q4_0 forms with the 8-bit activations.
     for (r, lanes) in scores[0].iter().enumerate() {
         let (qs, d, _) = acts.row(r);
@@ -303,20 +309,26 @@ fn simd_screen_scores_equal_the_scalar_ones() {
 #[test]
 fn screen_scores_do_not_depend_on_the_rows_screened_together() {
     let mut rng = Rng(0x5c0e_0b17);
-    let (k, n) = (160, 8);
+    let (k, n) = (160, 16);
     let packed = quantize(GgmlType::Q8_0, &rng.vec(k * n)).unwrap();
     let m = PackedMatrix::from_bytes(&packed, GgmlType::Q8_0, k, n);
     let copy = make_screening_copy(&ThreadPool::new(1), &m, &|_| {});
     let x = rng.vec(8 * k);
     let acts = screen::ScreenActs::new(&x, 8, k);
     for isa in Isa::supported() {
-        let eight = screen::group_scores::<8>(isa, &copy, k / 32, std::array::from_fn(|r| acts.row(r)));
-        let four = screen::group_scores::<4>(isa, &copy, k / 32, std::array::from_fn(|r| acts.row(r + 4)));
-        for r in 0..8 {
-            let one = screen::group_scores::<1>(isa, &copy, k / 32, [acts.row(r)]);
-            assert_eq!(one[0], eight[r], "{isa:?} row {r}");
-            if r >= 4 {
-                assert_eq!(one[0], four[r - 4], "{isa:?} row {r}");
+        // Two groups per call: a group's scores do not depend on the groups scored with it either.
+        let (mut eight, mut four) = ([[[0f32; 8]; 8]; 2], [[[0f32; 8]; 4]; 2]);
+        screen::group_scores::<8>(isa, &copy, k / 32, std::array::from_fn(|r| acts.row(r)), &mut eight);
+        screen::group_scores::<4>(isa, &copy, k / 32, std::array::from_fn(|r| acts.row(r + 4)), &mut four);
+        for g in 0..2 {
+            let group = &copy[g * copy.len() / 2..(g + 1) * copy.len() / 2];
+            for r in 0..8 {
+                let mut one = [[[0f32; 8]; 1]];
+                screen::group_scores::<1>(isa, group, k / 32, [acts.row(r)], &mut one);
+                assert_eq!(one[0][0], eight[g][r], "{isa:?} group {g} row {r}");
+                if r >= 4 {
+                    assert_eq!(one[0][0], four[g][r - 4], "{isa:?} group {g} row {r}");
+                }
             }
         }
     }
