@@ -12,9 +12,10 @@ use kiln_runtime::{DeviceWeights, RuntimeError, WeightId, WeightStore};
 const EXPAND_LIMIT: usize = 1 << 16;
 
 /// Rows read from a screened matrix (see [`CpuWeights::note_rows_read`]) between two releases of
-/// its mapped pages. A released matrix faults in one page per row read (no read-around), so at
-/// most this many pages (16 MiB) pile up: about every 60 one-sequence decode steps (a gathered
-/// embedding and 64 rescored head rows per step), every 8 steps of 8 sequences.
+/// its mapped pages. A released matrix faults in only the pages a row read touches (no
+/// read-around), so at most this many rows' pages (16-32 MiB) pile up: about every 60
+/// one-sequence decode steps (a gathered embedding and 64 rescored head rows per step), every 8
+/// steps of 8 sequences.
 const RELEASE_AFTER_ROWS: usize = 4096;
 
 /// Weights as the CPU kernels read them.
@@ -142,8 +143,8 @@ impl CpuWeights {
     /// Notes that a step read `rows` rows of matrix `id` (gathered embeddings, or head rows
     /// rescored for the next tokens) and, once it has a screening copy and
     /// [`RELEASE_AFTER_ROWS`] rows have been noted since the last time, drops its resident mapped
-    /// pages: only the rows read (each with the pages the kernel maps around a faulting one) are
-    /// resident then, and they would pile up next to the copy step after step. Later reads fault
+    /// pages: only the pages of the rows read are resident then, and they would pile up next to
+    /// the copy step after step. Later reads fault
     /// them back in from the page cache, unchanged.
     pub fn note_rows_read(&self, id: WeightId, rows: usize) {
         if self.screens[id.0].get().is_none() {
