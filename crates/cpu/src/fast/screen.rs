@@ -13,6 +13,9 @@
 //! block sums), and three pairwise additions leave the group's 8 sums in one register, in the lane
 //! order [`LANE_ROW`], which is also the order the scales are stored in.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
 use kiln_quant::{dequantize, quantize, GgmlType};
 
 use super::{products, QuantizedRows};
@@ -159,59 +162,54 @@ pub fn group_scores<const R: usize>(isa: Isa, groups: &[u8], nb: usize, a: [(&[i
     }
 }
 
-/// Keeps the `CANDIDATES` best `(value, index)` pairs seen (finite values; the larger value is
-/// better, the lower index among equal values, so the kept set does not depend on the order of
-/// arrival): a binary heap with the worst kept pair at the root.
-struct TopK {
-    items: Vec<(f32, usize)>,
-    /// The worst kept value once full (a pair below it cannot enter).
-    floor: f32,
+/// A screening candidate `(value, index)`, ordered from worse to better: by value, then the lower
+/// index first (a total order, so the best candidates do not depend on the order of arrival).
+#[derive(Clone, Copy, PartialEq)]
+struct Candidate(f32, usize);
+
+impl Eq for Candidate {}
+
+impl Ord for Candidate {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&other.0).then(other.1.cmp(&self.1))
+    }
 }
 
-/// Whether pair `a` is better than pair `b`.
-fn better(a: (f32, usize), b: (f32, usize)) -> bool {
-    a.0 > b.0 || (a.0 == b.0 && a.1 < b.1)
+impl PartialOrd for Candidate {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// Keeps the `CANDIDATES` best candidates seen (finite values), the worst of them on top.
+struct TopK {
+    heap: BinaryHeap<Reverse<Candidate>>,
+    /// The worst kept value once full (a candidate below it cannot enter).
+    floor: f32,
 }
 
 impl TopK {
     fn new() -> Self {
-        TopK { items: Vec::with_capacity(CANDIDATES), floor: f32::NEG_INFINITY }
+        TopK { heap: BinaryHeap::with_capacity(CANDIDATES), floor: f32::NEG_INFINITY }
     }
 
     fn push(&mut self, v: f32, j: usize) {
-        let h = &mut self.items;
-        if h.len() < CANDIDATES {
-            // Sift up.
-            h.push((v, j));
-            let mut i = h.len() - 1;
-            while i > 0 && better(h[(i - 1) / 2], h[i]) {
-                h.swap(i, (i - 1) / 2);
-                i = (i - 1) / 2;
-            }
-            if h.len() == CANDIDATES {
-                self.floor = h[0].0;
-            }
-        } else if better((v, j), h[0]) {
-            // Replace the root and sift down.
-            h[0] = (v, j);
-            let mut i = 0;
-            loop {
-                let (l, r) = (2 * i + 1, 2 * i + 2);
-                let mut m = i;
-                if l < h.len() && better(h[m], h[l]) {
-                    m = l;
-                }
-                if r < h.len() && better(h[m], h[r]) {
-                    m = r;
-                }
-                if m == i {
-                    break;
-                }
-                h.swap(i, m);
-                i = m;
-            }
-            self.floor = h[0].0;
+        let c = Candidate(v, j);
+        if self.heap.len() < CANDIDATES {
+            self.heap.push(Reverse(c));
+        } else if let Some(mut worst) = self.heap.peek_mut().filter(|w| c > w.0) {
+            *worst = Reverse(c);
+        } else {
+            return;
         }
+        if self.heap.len() == CANDIDATES {
+            self.floor = self.heap.peek().map_or(f32::NEG_INFINITY, |w| w.0 .0);
+        }
+    }
+
+    /// The kept candidates as `(value, index)`, in no particular order.
+    fn items(&self) -> impl Iterator<Item = (f32, usize)> + '_ {
+        self.heap.iter().map(|c| (c.0 .0, c.0 .1))
     }
 }
 
@@ -288,7 +286,7 @@ pub fn argmax(pool: &ThreadPool, isa: Isa, x: &[f32], acts: &QuantizedRows, w: &
         let o = unsafe { &mut *op.ptr().add(r) };
         let bad = (0..threads).any(|p| tops[p * rows + r].1);
         // The best CANDIDATES of all are among the participants' best CANDIDATES each.
-        let mut cands: Vec<(f32, usize)> = (0..threads).flat_map(|p| tops[p * rows + r].0.items.iter().copied()).collect();
+        let mut cands: Vec<(f32, usize)> = (0..threads).flat_map(|p| tops[p * rows + r].0.items()).collect();
         cands.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
         cands.truncate(CANDIDATES);
         // Rescored in index order, so the lowest index wins among equal maxima.
@@ -334,7 +332,7 @@ mod tests {
                 for j in order {
                     top.push(values[j], j);
                 }
-                let mut kept = top.items.clone();
+                let mut kept: Vec<(f32, usize)> = top.items().collect();
                 kept.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
                 assert_eq!(kept, want, "{len} values, reversed {reversed}");
                 if len >= CANDIDATES {
