@@ -21,6 +21,34 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// Asynchronous copies from global to shared memory (sm_80 and later; a plain copy before): each
+// thread's copies since its last `cp_async_commit` form a group; `cp_async_wait<N>` waits until at
+// most N of the thread's groups are still in flight, whose bytes the thread may then read.
+__device__ __forceinline__ void cp_async16(void* smem, const void* g) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(smem)), "l"(g) : "memory");
+#else
+    *(uint4*)smem = *(const uint4*)g;
+#endif
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* g) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((u32)__cvta_generic_to_shared(smem)), "l"(g) : "memory");
+#else
+    *(u32*)smem = *(const u32*)g;
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+}
+
 // Asks for the 128-byte line holding `p` to be brought into L2 (no register holds the data).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 

@@ -240,6 +240,10 @@ template <> __device__ __forceinline__ void sub32<F_Q6_K>(const Mat& m, u64 r, i
 // bytes (16-byte loads where the format has a chunk decoder), `dot` turns them into bytes of
 // integer levels and returns the dot product with the chunk's quantized activations (integer
 // dp4a products, one float scale per group). The generic chunk is a sub-block decoded by sub32.
+// Formats with NP > 0 can also be staged through shared memory: `stage` issues asynchronous copies
+// of a chunk's bytes (NP 16-byte pieces; the lane's piece p at dst[32 p]) and `unstage` reads them
+// back as the Raw that `load` would have returned (the matrix-vector loop keeps several chunks in
+// flight without holding them in registers).
 // ---------------------------------------------------------------------------------------------
 
 // 16 quantized activations and their block's scale and level sum (see quantize32).
@@ -272,10 +276,13 @@ __device__ __forceinline__ int dotq16(const u32* w, const XGroup& x) {
 }
 
 template <int T> struct Chunk {
+    static const int NP = 0;
     struct Raw {
         u64 row;
         int c;
     };
+    static __device__ __forceinline__ void stage(const Mat&, u64, int, uint4*) {}
+    static __device__ __forceinline__ Raw unstage(const Mat&, u64 row, int c, const uint4*) { return Raw{row, c}; }
     static __device__ __forceinline__ int xoff(int c, int g) { return 32 * c + 16 * g; }
     static __device__ __forceinline__ Raw load(const Mat& m, u64 row, int c) { return Raw{row, c}; }
     static __device__ __forceinline__ float dot(const Mat& m, const Raw& r, const XGroup* x) {
@@ -296,6 +303,7 @@ template <int T> struct Chunk {
 };
 
 template <> struct Chunk<F_Q8_0> {
+    static const int NP = 3;
     struct Raw {
         uint4 a, b;
         float d;
@@ -306,6 +314,17 @@ template <> struct Chunk<F_Q8_0> {
         const uint4* q = (const uint4*)(m.w + 32 * g);
         return Raw{q[0], q[1], half_u16(*(const u16*)(m.w + 32 * m.nblk + 2 * g))};
     }
+    // (The scale is copied with its even-indexed neighbour: 4-byte copies; planar uploads are padded.)
+    static __device__ __forceinline__ void stage(const Mat& m, u64 row, int c, uint4* dst) {
+        u64 g = block_of<F_Q8_0>(m, row, c);
+        cp_async16(dst, m.w + 32 * g);
+        cp_async16(dst + 32, m.w + 32 * g + 16);
+        cp_async4(dst + 64, m.w + 32 * m.nblk + 2 * (g & ~1ull));
+    }
+    static __device__ __forceinline__ Raw unstage(const Mat& m, u64 row, int c, const uint4* src) {
+        u64 g = block_of<F_Q8_0>(m, row, c);
+        return Raw{src[0], src[32], half_u16(((const u16*)(src + 64))[g & 1])};
+    }
     static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const XGroup* x) {
         u32 a[4] = {r.a.x, r.a.y, r.a.z, r.a.w}, b[4] = {r.b.x, r.b.y, r.b.z, r.b.w};
         return r.d * x[0].d * (float)(dotq16(a, x[0]) + dotq16(b, x[1]));
@@ -313,6 +332,7 @@ template <> struct Chunk<F_Q8_0> {
 };
 
 template <> struct Chunk<F_Q5_0> {
+    static const int NP = 2;
     struct Raw {
         uint4 q;
         u32 h;
@@ -323,6 +343,17 @@ template <> struct Chunk<F_Q5_0> {
         u64 g = block_of<F_Q5_0>(m, row, c);
         return Raw{*(const uint4*)(m.w + 16 * g), *(const u32*)(m.w + 16 * m.nblk + 4 * g),
                    half_u16(*(const u16*)(m.w + 20 * m.nblk + 2 * g))};
+    }
+    static __device__ __forceinline__ void stage(const Mat& m, u64 row, int c, uint4* dst) {
+        u64 g = block_of<F_Q5_0>(m, row, c);
+        cp_async16(dst, m.w + 16 * g);
+        cp_async4(dst + 32, m.w + 16 * m.nblk + 4 * g);
+        cp_async4((u8*)(dst + 32) + 4, m.w + 20 * m.nblk + 2 * (g & ~1ull));
+    }
+    static __device__ __forceinline__ Raw unstage(const Mat& m, u64 row, int c, const uint4* src) {
+        u64 g = block_of<F_Q5_0>(m, row, c);
+        const u32* p = (const u32*)(src + 32);
+        return Raw{src[0], p[0], half_u16(((const u16*)(p + 1))[g & 1])};
     }
     static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const XGroup* x) {
         u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
@@ -342,12 +373,8 @@ template <> struct Chunk<F_Q5_0> {
     }
 };
 
-__device__ __forceinline__ u32 byte3(u32 a, u32 b, u32 c, int i) {
-    u32 w = i < 4 ? a : i < 8 ? b : c;
-    return (w >> (8 * (i & 3))) & 0xff;
-}
-
 template <> struct Chunk<F_Q4_K> {
+    static const int NP = 2;
     struct Raw {
         uint4 hdr, q;
         int j;
@@ -362,32 +389,38 @@ template <> struct Chunk<F_Q4_K> {
         int j = (c & 7) >> 1;
         return Raw{*(const uint4*)b, *(const uint4*)(b + 16 + 32 * j + 16 * (c & 1)), j};
     }
+    static __device__ __forceinline__ void stage(const Mat& m, u64 row, int c, uint4* dst) {
+        const u8* b = m.w + row * m.rb + 144 * (c >> 3);
+        cp_async16(dst, b);
+        cp_async16(dst + 32, b + 16 + 32 * ((c & 7) >> 1) + 16 * (c & 1));
+    }
+    static __device__ __forceinline__ Raw unstage(const Mat&, u64, int c, const uint4* src) { return Raw{src[0], src[32], (c & 7) >> 1}; }
     static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const XGroup* x) {
         float d = half_u16(r.hdr.x & 0xffff), dmin = half_u16(r.hdr.x >> 16);
         u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+        // The 6-bit scales and minima of sub-blocks 2j and 2j + 1, one per byte (scale_min_k4 for
+        // both at once, without branches): bytes 2j.. of the scale words for j < 2, else the low
+        // nibbles (scales) or high nibbles (minima) of bytes 8 + 2(j - 2).. with the top two bits
+        // of bytes 2(j - 2).. (scales) or 4 + 2(j - 2).. (minima).
+        int sh = 16 * (r.j & 1);
+        u32 y = (r.hdr.y >> sh) & 0xffffu, z = (r.hdr.z >> sh) & 0xffffu, w4 = (r.hdr.w >> sh) & 0xffffu;
+        u32 sc2 = r.j < 2 ? y & 0x3f3fu : (w4 & 0x0f0fu) | ((y >> 2) & 0x3030u);
+        u32 mn2 = r.j < 2 ? z & 0x3f3fu : ((w4 >> 4) & 0x0f0fu) | ((z >> 2) & 0x3030u);
         float s = 0.f;
 #pragma unroll
         for (int g = 0; g < 2; g++) {
-            int i = 2 * r.j + g;
-            u32 sc, mn;
-            if (i < 4) {
-                sc = byte3(r.hdr.y, r.hdr.z, r.hdr.w, i) & 63;
-                mn = byte3(r.hdr.y, r.hdr.z, r.hdr.w, i + 4) & 63;
-            } else {
-                u32 hi = byte3(r.hdr.y, r.hdr.z, r.hdr.w, i + 4);
-                sc = (hi & 15) | ((byte3(r.hdr.y, r.hdr.z, r.hdr.w, i - 4) >> 6) << 4);
-                mn = (hi >> 4) | ((byte3(r.hdr.y, r.hdr.z, r.hdr.w, i) >> 6) << 4);
-            }
+            int sc = (int)((sc2 >> (8 * g)) & 0xff), mn = (int)((mn2 >> (8 * g)) & 0xff);
             u32 w[4];
 #pragma unroll
             for (int t = 0; t < 4; t++) w[t] = g ? (q[t] >> 4) & 0x0f0f0f0fu : q[t] & 0x0f0f0f0fu;
-            s += x[g].d * (d * (float)sc * (float)dotq16(w, x[g]) - dmin * (float)mn * (float)x[g].s);
+            s += x[g].d * (d * (float)(sc * dotq16(w, x[g])) - dmin * (float)(mn * x[g].s));
         }
         return s;
     }
 };
 
 template <> struct Chunk<F_Q6_K> {
+    static const int NP = 4;
     struct Raw {
         uint4 l, h;
         float s0, s1;
@@ -408,6 +441,23 @@ template <> struct Chunk<F_Q6_K> {
         return Raw{*(const uint4*)(m.w + 128 * g + 64 * n + 32 * a + 16 * t), *(const uint4*)(m.w + 128 * m.nblk + 64 * g + 32 * n + 16 * t),
                    d * (float)sc[0], d * (float)sc[4], 2 * a};
     }
+    // Pieces: low bits, high bits, the super-block's 16 scales, its d (with its even-indexed
+    // neighbour: a 4-byte copy; planar uploads are padded).
+    static __device__ __forceinline__ void stage(const Mat& m, u64 row, int c, uint4* dst) {
+        int q = c & 7, n = q >> 2, a = (q >> 1) & 1, t = q & 1;
+        u64 g = block_of<F_Q6_K>(m, row, c >> 3);
+        cp_async16(dst, m.w + 128 * g + 64 * n + 32 * a + 16 * t);
+        cp_async16(dst + 32, m.w + 128 * m.nblk + 64 * g + 32 * n + 16 * t);
+        cp_async16(dst + 64, m.w + 192 * m.nblk + 16 * g);
+        cp_async4(dst + 96, m.w + 208 * m.nblk + 2 * (g & ~1ull));
+    }
+    static __device__ __forceinline__ Raw unstage(const Mat& m, u64 row, int c, const uint4* src) {
+        int q = c & 7, n = q >> 2, a = (q >> 1) & 1, t = q & 1;
+        u64 g = block_of<F_Q6_K>(m, row, c >> 3);
+        const i8* sc = (const i8*)(src + 64) + 8 * n + 2 * a + t;
+        float d = half_u16(((const u16*)(src + 96))[g & 1]);
+        return Raw{src[0], src[32], d * (float)sc[0], d * (float)sc[4], 2 * a};
+    }
     static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const XGroup* x) {
         u32 h[4] = {r.h.x, r.h.y, r.h.z, r.h.w}, l[4] = {r.l.x, r.l.y, r.l.z, r.l.w};
         int s[2];
@@ -427,6 +477,8 @@ template <> struct Chunk<F_Q6_K> {
 #define MV_ROWS 8
 // Warps per matrix-vector block.
 #define MV_WARPS 4
+// Shared-memory stages of matvec4 (exec.rs sizes its dynamic shared memory from it).
+#define MV_STAGES 3
 // Argmax partial maxima per activation row (spread over addresses: fewer atomics per address).
 #define ARGMAX_SLOTS 256
 
@@ -501,10 +553,13 @@ __device__ __noinline__ void norm_epilogue(const float* x, const float* w1, cons
 //   that completes it, counted in `gcnt`) for the next matrix-vector product.
 // - `ecnt` (one matrix, no glu): the last block to finish (counted in `ecnt`) also computes the
 //   norm (pair) of the products o0 (see norm_epilogue): all of them are written by then.
+// - STAGES > 0 (formats with staged chunks): each lane keeps its next STAGES - 1 chunks (of all R
+//   rows) in flight as asynchronous copies into dynamic shared memory (mv_stage_bytes per block)
+//   instead of loading one chunk at a time into registers.
 // - `aout` (one matrix, no glu): instead of the products, aout[r] = argmax of row r (lowest
 //   index among equal maxima, -1 if any value is not finite), through `aslots` (ARGMAX_SLOTS keys
 //   per row, then a flag per row) and the arrival counter `acnt`; the last warp resets them.
-template <int T, int R, int ROWS>
+template <int T, int R, int ROWS, int STAGES>
 __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2, u64 rb, int n0, int n1, int n2, float* o0,
                                        float* o1, float* o2, float* glu, const u8* xq, int k, int rows, int split, u8* gq,
                                        u32* gcnt, const float* ew1, const float* er, float* eh, const float* ew2, float* eout,
@@ -558,27 +613,62 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
 #pragma unroll
         for (int rr = 0; rr < R; rr++) acc[r][rr] = 0.f;
     int chunks = any ? k >> 5 : 0;
-    // The lane's first chunk of weights is loaded before waiting for the kernels that write x.
     int c = piece * 32 + lane, stride = 32 * split;
-    typename Chunk<T>::Raw raw[R];
-#pragma unroll
-    for (int rr = 0; rr < R; rr++)
-        if (mi[rr] >= 0 && c < chunks) raw[rr] = Chunk<T>::load(mr[rr], ri[rr], c);
-    pdl_wait();
-    for (; c < chunks; c += stride) {
-        if (c >= piece * 32 + stride) {
-#pragma unroll
-            for (int rr = 0; rr < R; rr++)
-                if (mi[rr] >= 0) raw[rr] = Chunk<T>::load(mr[rr], ri[rr], c);
-        }
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            if (r < rows) {
-                const u8* xr = xq + r * xqb;
-                XGroup xg[2] = {xgroup(xr, k, Chunk<T>::xoff(c, 0)), xgroup(xr, k, Chunk<T>::xoff(c, 1))};
+    if constexpr (STAGES > 0 && Chunk<T>::NP > 0) {
+        // Stage s of the lane's ring holds turn t = s (mod STAGES): R rows of NP pieces.
+        constexpr int NP = Chunk<T>::NP;
+        extern __shared__ uint4 mv_stage[];
+        uint4* ring = mv_stage + wi * (STAGES * R * NP * 32) + lane;
+        int turns = c < chunks ? (chunks - c + stride - 1) / stride : 0;
+        auto issue = [&](int t) {
+            if (t < turns) {
 #pragma unroll
                 for (int rr = 0; rr < R; rr++)
-                    if (mi[rr] >= 0) acc[r][rr] += Chunk<T>::dot(mr[rr], raw[rr], xg);
+                    if (mi[rr] >= 0) Chunk<T>::stage(mr[rr], ri[rr], c + t * stride, ring + ((t % STAGES) * R + rr) * NP * 32);
+            }
+            cp_async_commit();
+        };
+        // The first turns' weights are requested before waiting for the kernels that write x.
+#pragma unroll
+        for (int t = 0; t < STAGES - 1; t++) issue(t);
+        pdl_wait();
+        for (int t = 0; t < turns; t++, c += stride) {
+            issue(t + STAGES - 1);
+            cp_async_wait<STAGES - 1>();
+            const uint4* st = ring + (t % STAGES) * R * NP * 32;
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                if (r < rows) {
+                    const u8* xr = xq + r * xqb;
+                    XGroup xg[2] = {xgroup(xr, k, Chunk<T>::xoff(c, 0)), xgroup(xr, k, Chunk<T>::xoff(c, 1))};
+#pragma unroll
+                    for (int rr = 0; rr < R; rr++)
+                        if (mi[rr] >= 0) acc[r][rr] += Chunk<T>::dot(mr[rr], Chunk<T>::unstage(mr[rr], ri[rr], c, st + rr * NP * 32), xg);
+                }
+            }
+        }
+    } else {
+        // The lane's first chunk of weights is loaded before waiting for the kernels that write x.
+        typename Chunk<T>::Raw raw[R];
+#pragma unroll
+        for (int rr = 0; rr < R; rr++)
+            if (mi[rr] >= 0 && c < chunks) raw[rr] = Chunk<T>::load(mr[rr], ri[rr], c);
+        pdl_wait();
+        for (; c < chunks; c += stride) {
+            if (c >= piece * 32 + stride) {
+#pragma unroll
+                for (int rr = 0; rr < R; rr++)
+                    if (mi[rr] >= 0) raw[rr] = Chunk<T>::load(mr[rr], ri[rr], c);
+            }
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                if (r < rows) {
+                    const u8* xr = xq + r * xqb;
+                    XGroup xg[2] = {xgroup(xr, k, Chunk<T>::xoff(c, 0)), xgroup(xr, k, Chunk<T>::xoff(c, 1))};
+#pragma unroll
+                    for (int rr = 0; rr < R; rr++)
+                        if (mi[rr] >= 0) acc[r][rr] += Chunk<T>::dot(mr[rr], raw[rr], xg);
+                }
             }
         }
     }
@@ -849,8 +939,9 @@ extern "C" __global__ void quantize_rows(const float* x, u8* xq, int k, int rows
 }
 
 // Per format: matvec (2 output rows per warp, up to MV_ROWS activation rows), matvec1 (the same for
-// one activation row), matvec4 (4 output rows per warp, one activation row: large matrices),
-// embed, dequant. `nb`: blocks of the matrix.
+// one activation row), matvec4 (4 output rows per warp, one activation row: large matrices; chunks
+// staged through MV_STAGES shared-memory stages where the format can), embed, dequant. `nb`:
+// blocks of the matrix.
 #define MV_ARGS                                                                                                     \
     const u8 *w0, const u8 *w1, const u8 *w2, u64 rb, int n0, int n1, int n2, float *o0, float *o1, float *o2, \
         float *glu, const u8 *xq, int k, int rows, int split, u8 *gq, u32 *gcnt, const float *ew1, \
@@ -859,13 +950,13 @@ extern "C" __global__ void quantize_rows(const float* x, u8* xq, int k, int rows
 #define MV_PASS o0, o1, o2, glu, xq, k, rows, split, gq, gcnt, ew1, er, eh, ew2, eout, exq, ecnt, eps, aslots, aout, acnt
 #define KILN_FORMAT(NAME, T)                                                                                        \
     extern "C" __global__ void __launch_bounds__(128) matvec_##NAME(MV_ARGS) {                                     \
-        matvec<T, 2, MV_ROWS>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                 \
+        matvec<T, 2, MV_ROWS, 0>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                 \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(128) matvec1_##NAME(MV_ARGS) {                                    \
-        matvec<T, 2, 1>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                       \
+        matvec<T, 2, 1, 0>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                       \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(128, 4) matvec4_##NAME(MV_ARGS) {                                    \
-        matvec<T, 4, 1>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                       \
+        matvec<T, 4, 1, MV_STAGES>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                       \
     }                                                                                                               \
     extern "C" __global__ void embed_##NAME(const u8* w, u64 rb, u64 nb, const int* ids, float* out, int k,        \
                                             float scale) {                                                          \

@@ -128,6 +128,11 @@ impl Device {
             let module = ctx.load_module(ptx).map_err(|e| cuda_err(format!("loading kernel family '{family}': {e}")))?;
             for f in kernel_names(src) {
                 let func = module.load_function(&f).map_err(|e| cuda_err(format!("kernel '{f}': {e}")))?;
+                // Kernels whose blocks take more than the default 48 KiB of shared memory opt in.
+                if let Some(bytes) = f.strip_prefix("matvec4_").map(crate::exec::matvec4_shared_bytes).filter(|&b| b > 0) {
+                    func.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+                        .map_err(|e| cuda_err(format!("kernel '{f}': {bytes} bytes of shared memory: {e}")))?;
+                }
                 functions.insert(f, func);
             }
         }
@@ -156,6 +161,11 @@ impl Device {
     /// programmatic dependent launch (sm_90+) the kernel may start while the previous one runs:
     /// every kernel waits for its predecessor before touching what it wrote (common.cuh).
     pub(crate) fn launch(&self, name: &str, grid: (u32, u32), block: u32, args: &[Arg]) -> Result<(), RuntimeError> {
+        self.launch_shared(name, grid, block, 0, args)
+    }
+
+    /// `launch` with `shared` bytes of dynamic shared memory per block.
+    pub(crate) fn launch_shared(&self, name: &str, grid: (u32, u32), block: u32, shared: u32, args: &[Arg]) -> Result<(), RuntimeError> {
         let f = self.function(name)?;
         // Each argument in its own 8-byte word (4-byte arguments in the low bytes: little-endian).
         let mut words: Vec<u64> = args
@@ -178,7 +188,7 @@ impl Device {
             blockDimX: block,
             blockDimY: 1,
             blockDimZ: 1,
-            sharedMemBytes: 0,
+            sharedMemBytes: shared,
             hStream: self.stream.cu_stream(),
             attrs: &mut attr,
             numAttrs: self.dependent_launch as u32,

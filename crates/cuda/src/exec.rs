@@ -33,6 +33,21 @@ const MATVEC_WARPS: usize = 4;
 /// Output rows (all matrices together) from which one activation row uses the 4-rows-per-warp
 /// matrix-vector kernel (enough warps to fill the device).
 const MATVEC4_MIN_ROWS: usize = 2048;
+/// Shared-memory stages of the 4-rows-per-warp matrix-vector kernels (`MV_STAGES` in quant.cu).
+const MATVEC_STAGES: usize = 3;
+
+/// Dynamic shared memory of a `matvec4_<fmt>` block: its warps' rings of staged chunks
+/// (`MV_WARPS` warps x `MV_STAGES` stages x 4 rows x the format's 16-byte pieces per chunk,
+/// `Chunk<T>::NP` in quant.cu, x 32 lanes); 0 for formats loaded straight into registers.
+pub(crate) fn matvec4_shared_bytes(fmt: &str) -> u32 {
+    let pieces = match fmt {
+        "q4_k" | "q5_0" => 2,
+        "q8_0" => 3,
+        "q6_k" => 4,
+        _ => 0,
+    };
+    (MATVEC_WARPS * MATVEC_STAGES * 4 * pieces * 32 * 16) as u32
+}
 /// Widest row the norm kernels take (`NORM_PER * NORM_THREADS` in ops.cu).
 const NORM_MAX: usize = 8192;
 /// Threads of a norm block for rows of `width` (at most `NORM_THREADS` in ops.cu).
@@ -673,7 +688,8 @@ impl CudaExecutable {
         let ecnt = if a.epi.is_some() { sync + SYNC_EPI } else { 0 };
         args.extend([Arg::U64(ecnt), Arg::F32(e.eps), Arg::U64(sync), Arg::U64(a.argmax), Arg::U64(sync + SYNC_ARGMAX)]);
         let blocks = groups.div_ceil(MATVEC_WARPS / split);
-        self.device.launch(&format!("{kernel}_{fmt}"), (blocks as u32, 1), 32 * MATVEC_WARPS as u32, &args)
+        let shared = if kernel == "matvec4" { matvec4_shared_bytes(fmt) } else { 0 };
+        self.device.launch_shared(&format!("{kernel}_{fmt}"), (blocks as u32, 1), 32 * MATVEC_WARPS as u32, shared, &args)
     }
 
     /// `out[r] = x[r] · Wᵀ` for `rows` rows: matrix-vector kernels for few rows, else the weight

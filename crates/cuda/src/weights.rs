@@ -45,17 +45,23 @@ fn planar_fields(ty: GgmlType) -> Option<&'static [(usize, usize)]> {
     }
 }
 
+/// Zero bytes after a planar matrix: the kernels copy 2-byte scales in aligned 4-byte pairs, which
+/// may reach past the last block.
+const PLANAR_PAD: usize = 16;
+
 /// `src` (whole blocks of `ty`) rearranged planar: each field of every block contiguous, in block
-/// order, fields in `planar_fields` order. Same bytes; every field naturally aligned.
+/// order, fields in `planar_fields` order, then `PLANAR_PAD` zero bytes. Same bytes; every field
+/// naturally aligned.
 fn to_planar(src: &[u8], block_bytes: usize, fields: &[(usize, usize)]) -> Vec<u8> {
     let blocks = src.len() / block_bytes;
-    let mut out = Vec::with_capacity(src.len());
+    let mut out = Vec::with_capacity(src.len() + PLANAR_PAD);
     for &(off, len) in fields {
         for b in src.chunks_exact(block_bytes) {
             out.extend_from_slice(&b[off..off + len]);
         }
     }
     debug_assert_eq!(out.len(), blocks * block_bytes);
+    out.resize(out.len() + PLANAR_PAD, 0);
     out
 }
 
@@ -179,6 +185,8 @@ mod tests {
             let blocks = 3;
             let src: Vec<u8> = (0..blocks * bytes).map(|i| (i * 7 + 1) as u8).collect();
             let out = to_planar(&src, bytes, fields);
+            assert_eq!(out.len(), blocks * bytes + PLANAR_PAD, "{ty:?}");
+            assert!(out[blocks * bytes..].iter().all(|&b| b == 0), "{ty:?}: padding");
             let mut base = 0;
             for &(off, len) in fields {
                 assert_eq!(base % len.min(16), 0, "{ty:?}: plane at {base} is not aligned for {len}-byte fields");
