@@ -243,7 +243,9 @@ template <> __device__ __forceinline__ void sub32<F_Q6_K>(const Mat& m, u64 r, i
 // Formats with NP > 0 can also be staged through shared memory: `stage` issues asynchronous copies
 // of a chunk's bytes (NP 16-byte pieces; the lane's piece p at dst[32 p]) and `unstage` reads them
 // back as the Raw that `load` would have returned (the matrix-vector loop keeps several chunks in
-// flight without holding them in registers).
+// flight without holding them in registers). Only Q5_0 is staged: measured on an H200, staging
+// made the 270M shapes' Q5_0 gate/up launch faster (+3-4% decode), gained nothing for Q4_K at
+// 12B shapes and slowed Q6_K (96 KiB of stages per block halve the resident warps).
 // ---------------------------------------------------------------------------------------------
 
 // 16 quantized activations and their block's scale and level sum (see quantize32).
@@ -281,8 +283,6 @@ template <int T> struct Chunk {
         u64 row;
         int c;
     };
-    static __device__ __forceinline__ void stage(const Mat&, u64, int, uint4*) {}
-    static __device__ __forceinline__ Raw unstage(const Mat&, u64 row, int c, const uint4*) { return Raw{row, c}; }
     static __device__ __forceinline__ int xoff(int c, int g) { return 32 * c + 16 * g; }
     static __device__ __forceinline__ Raw load(const Mat& m, u64 row, int c) { return Raw{row, c}; }
     static __device__ __forceinline__ float dot(const Mat& m, const Raw& r, const XGroup* x) {
@@ -303,7 +303,7 @@ template <int T> struct Chunk {
 };
 
 template <> struct Chunk<F_Q8_0> {
-    static const int NP = 3;
+    static const int NP = 0;
     struct Raw {
         uint4 a, b;
         float d;
@@ -313,17 +313,6 @@ template <> struct Chunk<F_Q8_0> {
         u64 g = block_of<F_Q8_0>(m, row, c);
         const uint4* q = (const uint4*)(m.w + 32 * g);
         return Raw{q[0], q[1], half_u16(*(const u16*)(m.w + 32 * m.nblk + 2 * g))};
-    }
-    // (The scale is copied with its even-indexed neighbour: 4-byte copies; planar uploads are padded.)
-    static __device__ __forceinline__ void stage(const Mat& m, u64 row, int c, uint4* dst) {
-        u64 g = block_of<F_Q8_0>(m, row, c);
-        cp_async16(dst, m.w + 32 * g);
-        cp_async16(dst + 32, m.w + 32 * g + 16);
-        cp_async4(dst + 64, m.w + 32 * m.nblk + 2 * (g & ~1ull));
-    }
-    static __device__ __forceinline__ Raw unstage(const Mat& m, u64 row, int c, const uint4* src) {
-        u64 g = block_of<F_Q8_0>(m, row, c);
-        return Raw{src[0], src[32], half_u16(((const u16*)(src + 64))[g & 1])};
     }
     static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const XGroup* x) {
         u32 a[4] = {r.a.x, r.a.y, r.a.z, r.a.w}, b[4] = {r.b.x, r.b.y, r.b.z, r.b.w};
@@ -374,7 +363,7 @@ template <> struct Chunk<F_Q5_0> {
 };
 
 template <> struct Chunk<F_Q4_K> {
-    static const int NP = 2;
+    static const int NP = 0;
     struct Raw {
         uint4 hdr, q;
         int j;
@@ -389,12 +378,6 @@ template <> struct Chunk<F_Q4_K> {
         int j = (c & 7) >> 1;
         return Raw{*(const uint4*)b, *(const uint4*)(b + 16 + 32 * j + 16 * (c & 1)), j};
     }
-    static __device__ __forceinline__ void stage(const Mat& m, u64 row, int c, uint4* dst) {
-        const u8* b = m.w + row * m.rb + 144 * (c >> 3);
-        cp_async16(dst, b);
-        cp_async16(dst + 32, b + 16 + 32 * ((c & 7) >> 1) + 16 * (c & 1));
-    }
-    static __device__ __forceinline__ Raw unstage(const Mat&, u64, int c, const uint4* src) { return Raw{src[0], src[32], (c & 7) >> 1}; }
     static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const XGroup* x) {
         float d = half_u16(r.hdr.x & 0xffff), dmin = half_u16(r.hdr.x >> 16);
         u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
@@ -420,7 +403,7 @@ template <> struct Chunk<F_Q4_K> {
 };
 
 template <> struct Chunk<F_Q6_K> {
-    static const int NP = 4;
+    static const int NP = 0;
     struct Raw {
         uint4 l, h;
         float s0, s1;
@@ -436,27 +419,12 @@ template <> struct Chunk<F_Q6_K> {
     static __device__ __forceinline__ Raw load(const Mat& m, u64 row, int c) {
         int q = c & 7, n = q >> 2, a = (q >> 1) & 1, t = q & 1;
         u64 g = block_of<F_Q6_K>(m, row, c >> 3);
-        const i8* sc = (const i8*)(m.w + 192 * m.nblk + 16 * g + 8 * n + 2 * a + t);
+        // Scales 8n + 2a + t and 4 later: the same byte of two consecutive words (one 8-byte load).
+        uint2 sc = *(const uint2*)(m.w + 192 * m.nblk + 16 * g + 8 * n);
+        int sh = 8 * (2 * a + t);
         float d = half_u16(*(const u16*)(m.w + 208 * m.nblk + 2 * g));
         return Raw{*(const uint4*)(m.w + 128 * g + 64 * n + 32 * a + 16 * t), *(const uint4*)(m.w + 128 * m.nblk + 64 * g + 32 * n + 16 * t),
-                   d * (float)sc[0], d * (float)sc[4], 2 * a};
-    }
-    // Pieces: low bits, high bits, the super-block's 16 scales, its d (with its even-indexed
-    // neighbour: a 4-byte copy; planar uploads are padded).
-    static __device__ __forceinline__ void stage(const Mat& m, u64 row, int c, uint4* dst) {
-        int q = c & 7, n = q >> 2, a = (q >> 1) & 1, t = q & 1;
-        u64 g = block_of<F_Q6_K>(m, row, c >> 3);
-        cp_async16(dst, m.w + 128 * g + 64 * n + 32 * a + 16 * t);
-        cp_async16(dst + 32, m.w + 128 * m.nblk + 64 * g + 32 * n + 16 * t);
-        cp_async16(dst + 64, m.w + 192 * m.nblk + 16 * g);
-        cp_async4(dst + 96, m.w + 208 * m.nblk + 2 * (g & ~1ull));
-    }
-    static __device__ __forceinline__ Raw unstage(const Mat& m, u64 row, int c, const uint4* src) {
-        int q = c & 7, n = q >> 2, a = (q >> 1) & 1, t = q & 1;
-        u64 g = block_of<F_Q6_K>(m, row, c >> 3);
-        const i8* sc = (const i8*)(src + 64) + 8 * n + 2 * a + t;
-        float d = half_u16(((const u16*)(src + 96))[g & 1]);
-        return Raw{src[0], src[32], d * (float)sc[0], d * (float)sc[4], 2 * a};
+                   d * (float)(i8)(sc.x >> sh), d * (float)(i8)(sc.y >> sh), 2 * a};
     }
     static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const XGroup* x) {
         u32 h[4] = {r.h.x, r.h.y, r.h.z, r.h.w}, l[4] = {r.l.x, r.l.y, r.l.z, r.l.w};

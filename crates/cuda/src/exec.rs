@@ -41,9 +41,7 @@ const MATVEC_STAGES: usize = 3;
 /// `Chunk<T>::NP` in quant.cu, x 32 lanes); 0 for formats loaded straight into registers.
 pub(crate) fn matvec4_shared_bytes(fmt: &str) -> u32 {
     let pieces = match fmt {
-        "q4_k" | "q5_0" => 2,
-        "q8_0" => 3,
-        "q6_k" => 4,
+        "q5_0" => 2,
         _ => 0,
     };
     (MATVEC_WARPS * MATVEC_STAGES * 4 * pieces * 32 * 16) as u32
