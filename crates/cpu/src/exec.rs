@@ -101,18 +101,24 @@ impl Executable for CpuExecutable {
         self.execute(inputs.tokens, &mut [Segment { kv, start: inputs.start_pos, rows }])
     }
 
-    fn run_batch(&mut self, tokens: &[u32], kvs: &mut [&mut dyn KvCache]) -> Result<Vec<HostTensor>, RuntimeError> {
-        if !matches!(self.plan.bucket, Bucket::Decode { .. }) {
-            return Err(RuntimeError::StepShape("several sequences need a decode plan".into()));
-        }
-        if kvs.len() != tokens.len() {
-            return Err(RuntimeError::StepShape(format!("{} tokens for {} sequences", tokens.len(), kvs.len())));
+    fn run_batch(&mut self, tokens: &[u32], rows: &[usize], kvs: &mut [&mut dyn KvCache]) -> Result<Vec<HostTensor>, RuntimeError> {
+        let fits = match self.plan.bucket {
+            Bucket::Decode { .. } => rows.iter().all(|&r| r == 1),
+            Bucket::Prefill { seqs, .. } => rows.len() <= seqs && rows.iter().all(|&r| r >= 1),
+        };
+        if !fits || kvs.len() != rows.len() || rows.iter().sum::<usize>() != tokens.len() {
+            return Err(RuntimeError::StepShape(format!(
+                "{} tokens in sequences of {rows:?} rows for {} caches do not fit a {:?} plan",
+                tokens.len(),
+                kvs.len(),
+                self.plan.bucket
+            )));
         }
         let mut segments = Vec::with_capacity(kvs.len());
-        for kv in kvs.iter_mut() {
+        for (kv, &rows) in kvs.iter_mut().zip(rows) {
             let kv = cpu_kv(&mut **kv)?;
             let start = kv.len();
-            segments.push(Segment { kv, start, rows: 1 });
+            segments.push(Segment { kv, start, rows });
         }
         self.execute(tokens, &mut segments)
     }
@@ -160,14 +166,14 @@ impl CpuExecutable {
         for step in &self.plan.steps {
             let rows = match step.rows {
                 Rows::Active => n,
-                Rows::One => 1,
+                Rows::One => segments.len(),
             };
             // SAFETY: see `Arena`.
             unsafe { self.step(&arena, &step.kernel, rows, n, segments, &rope_tables)? };
         }
         let mut outs = Vec::with_capacity(self.plan.outputs.len());
         for o in &self.plan.outputs {
-            let rows = if o.rows == Rows::One { 1 } else { n };
+            let rows = if o.rows == Rows::One { segments.len() } else { n };
             let len = rows * o.width;
             // SAFETY: output slots are inside the arena; no step is running.
             let data = unsafe {
@@ -361,8 +367,12 @@ impl CpuExecutable {
                 });
             }
             Kernel::LastRow { x, out, width } => {
-                let src = &a.f32(x, active * width)[(active - 1) * width..];
-                a.f32_mut(out, width).copy_from_slice(src);
+                let (x, out) = (a.f32(x, active * width), a.f32_mut(out, segments.len() * width));
+                let mut end = 0;
+                for (seg, o) in segments.iter().zip(out.chunks_exact_mut(width)) {
+                    end += seg.rows;
+                    o.copy_from_slice(&x[(end - 1) * width..end * width]);
+                }
             }
             Kernel::Argmax { x, out, width } => {
                 let x = a.f32(x, rows * width);

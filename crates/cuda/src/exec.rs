@@ -1091,7 +1091,7 @@ mod tests {
 
     #[test]
     fn prefill_plans_keep_separate_steps_for_many_rows() {
-        let (plan, l) = launches(Bucket::Prefill { rows: 16 }, FormatMix::All(GgmlType::Q8_0));
+        let (plan, l) = launches(Bucket::Prefill { rows: 16, seqs: 1 }, FormatMix::All(GgmlType::Q8_0));
         assert!(plan.rows() > MATVEC_ROWS);
         assert!(l.iter().all(|l| l.quant_out.is_none() && !matches!(l.op, Op::MatVecs { epi: Some(_), .. })));
     }

@@ -3,10 +3,13 @@
 /// The static shape a plan is compiled for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Bucket {
-    /// Prompt processing of up to `rows` new tokens in one step.
+    /// Prompt processing of up to `rows` new tokens in one step, from up to `seqs` sequences
+    /// (consecutive rows of one sequence each, with its own KV cache and positions).
     Prefill {
         /// Row capacity of the plan (active rows may be fewer).
         rows: usize,
+        /// Sequences prefilled together (1 for a single prompt; a power of two above).
+        seqs: usize,
     },
     /// One new token for each of up to `seqs` sequences (row r is sequence r, with its own KV
     /// cache and position), each attending to at most `past` earlier positions.
@@ -22,7 +25,7 @@ impl Bucket {
     /// Row capacity of a plan compiled for this bucket.
     pub fn rows(&self) -> usize {
         match *self {
-            Bucket::Prefill { rows } => rows,
+            Bucket::Prefill { rows, .. } => rows,
             Bucket::Decode { seqs, .. } => seqs,
         }
     }
@@ -30,7 +33,7 @@ impl Bucket {
     /// Upper bound on the number of positions already in the KV cache when this plan runs.
     pub fn max_past(&self, context: usize) -> usize {
         match *self {
-            Bucket::Prefill { rows } => context.saturating_sub(rows),
+            Bucket::Prefill { rows, .. } => context.saturating_sub(rows),
             Bucket::Decode { past, .. } => past,
         }
     }
@@ -39,7 +42,7 @@ impl Bucket {
 /// The one bucket policy: maps real lengths to buckets.
 ///
 /// Prefill: the next power of two when it wastes at most 1/8 of the rows, else the exact length,
-/// capped at the context size. Decode: a power-of-two ladder over the longest past length of the
+/// capped at the context size, and a power-of-two ladder over the sequences prefilled together. Decode: a power-of-two ladder over the longest past length of the
 /// batch (starting at `min_decode_past`), capped at the context size, and a power-of-two ladder
 /// over the number of sequences decoded together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,13 +59,18 @@ impl BucketPolicy {
         BucketPolicy { context, min_decode_past: 64 }
     }
 
-    /// The prefill bucket for `n` new tokens (`n >= 1`).
+    /// The prefill bucket for `n` new tokens (`n >= 1`) of one sequence.
     pub fn prefill(&self, n: usize) -> Bucket {
+        self.prefill_batch(n, 1)
+    }
+
+    /// The prefill bucket for `n` new tokens (`n >= 1`) from `seqs` sequences prefilled together.
+    pub fn prefill_batch(&self, n: usize, seqs: usize) -> Bucket {
         let n = n.max(1);
         let pow2 = n.next_power_of_two();
         // waste (pow2 - n) / pow2 <= 1/8  <=>  8 * (pow2 - n) <= pow2
         let rows = if 8 * (pow2 - n) <= pow2 { pow2 } else { n };
-        Bucket::Prefill { rows: rows.min(self.context.max(n)) }
+        Bucket::Prefill { rows: rows.min(self.context.max(n)), seqs: seqs.clamp(1, n).next_power_of_two() }
     }
 
     /// The decode bucket for one sequence whose KV cache already holds `past` positions.
@@ -85,22 +93,32 @@ mod tests {
     #[test]
     fn prefill_rounds_up_only_when_cheap() {
         let p = BucketPolicy::new(4096);
-        assert_eq!(p.prefill(1), Bucket::Prefill { rows: 1 });
-        assert_eq!(p.prefill(6), Bucket::Prefill { rows: 6 }); // 8 would waste 2/8
-        assert_eq!(p.prefill(7), Bucket::Prefill { rows: 8 }); // wastes 1/8
-        assert_eq!(p.prefill(8), Bucket::Prefill { rows: 8 });
-        assert_eq!(p.prefill(9), Bucket::Prefill { rows: 9 });
-        assert_eq!(p.prefill(120), Bucket::Prefill { rows: 128 });
-        assert_eq!(p.prefill(111), Bucket::Prefill { rows: 111 });
-        assert_eq!(p.prefill(112), Bucket::Prefill { rows: 128 });
-        assert_eq!(p.prefill(700), Bucket::Prefill { rows: 700 });
+        assert_eq!(p.prefill(1), Bucket::Prefill { rows: 1, seqs: 1 });
+        assert_eq!(p.prefill(6), Bucket::Prefill { rows: 6, seqs: 1 }); // 8 would waste 2/8
+        assert_eq!(p.prefill(7), Bucket::Prefill { rows: 8, seqs: 1 }); // wastes 1/8
+        assert_eq!(p.prefill(8), Bucket::Prefill { rows: 8, seqs: 1 });
+        assert_eq!(p.prefill(9), Bucket::Prefill { rows: 9, seqs: 1 });
+        assert_eq!(p.prefill(120), Bucket::Prefill { rows: 128, seqs: 1 });
+        assert_eq!(p.prefill(111), Bucket::Prefill { rows: 111, seqs: 1 });
+        assert_eq!(p.prefill(112), Bucket::Prefill { rows: 128, seqs: 1 });
+        assert_eq!(p.prefill(700), Bucket::Prefill { rows: 700, seqs: 1 });
+    }
+
+    #[test]
+    fn prefill_batch_ladder_over_sequences() {
+        let p = BucketPolicy::new(4096);
+        assert_eq!(p.prefill_batch(7, 1), p.prefill(7));
+        assert_eq!(p.prefill_batch(98, 8), Bucket::Prefill { rows: 98, seqs: 8 });
+        assert_eq!(p.prefill_batch(120, 5), Bucket::Prefill { rows: 128, seqs: 8 });
+        assert_eq!(p.prefill_batch(3, 3), Bucket::Prefill { rows: 3, seqs: 4 });
+        assert_eq!(p.prefill_batch(2, 0), Bucket::Prefill { rows: 2, seqs: 1 });
     }
 
     #[test]
     fn prefill_capped_at_context() {
         let p = BucketPolicy::new(60);
-        assert_eq!(p.prefill(57), Bucket::Prefill { rows: 60 });
-        assert_eq!(p.prefill(60), Bucket::Prefill { rows: 60 });
+        assert_eq!(p.prefill(57), Bucket::Prefill { rows: 60, seqs: 1 });
+        assert_eq!(p.prefill(60), Bucket::Prefill { rows: 60, seqs: 1 });
     }
 
     #[test]

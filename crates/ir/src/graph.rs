@@ -201,7 +201,8 @@ pub enum Op {
         /// Input.
         x: NodeId,
     },
-    /// The last active row of `x` [rows, d]: [1, d].
+    /// The last active row of each sequence of the step in `x` [rows, d]: [seqs, d] (the bucket's
+    /// sequence capacity; one row for a single sequence).
     LastRow {
         /// Input.
         x: NodeId,
@@ -503,7 +504,7 @@ impl GraphBuilder {
 
     /// The rows of `x` [rows, d] that feed the output head in `mode`: every row for
     /// [`OutputMode::AllLogits`] and in decode buckets (one row per sequence), else the last
-    /// active row (a prefill step is one sequence).
+    /// active row of each sequence of the prefill step.
     pub fn head_rows(&mut self, x: NodeId, mode: OutputMode) -> NodeId {
         match self.bucket {
             Bucket::Prefill { .. } if mode != OutputMode::AllLogits => self.last_row(x),
@@ -511,11 +512,15 @@ impl GraphBuilder {
         }
     }
 
-    /// Last active row of `x` [rows, d].
+    /// The last active row of each sequence in `x` [rows, d]: [seqs, d].
     pub fn last_row(&mut self, x: NodeId) -> NodeId {
         let xs = self.node(x).shape.clone();
         self.check("last_row", xs.len() == 2, || format!("needs [rows, d], got {xs:?}"));
-        self.push(Op::LastRow { x }, vec![1, xs.get(1).copied().unwrap_or(0)], DType::F32)
+        let seqs = match self.bucket {
+            Bucket::Prefill { seqs, .. } => seqs,
+            Bucket::Decode { .. } => 1,
+        };
+        self.push(Op::LastRow { x }, vec![seqs, xs.get(1).copied().unwrap_or(0)], DType::F32)
     }
 
     /// Row-wise argmax of `x` [rows, n].
@@ -545,7 +550,7 @@ mod tests {
 
     #[test]
     fn builds_and_infers_shapes() {
-        let mut b = GraphBuilder::new(Bucket::Prefill { rows: 4 });
+        let mut b = GraphBuilder::new(Bucket::Prefill { rows: 4, seqs: 1 });
         let ids = b.input("tokens", DType::I32);
         let table = b.weight("emb", &[10, 8]);
         let x = b.embed(table, ids, 2.0);
@@ -563,7 +568,7 @@ mod tests {
 
     #[test]
     fn reports_shape_errors() {
-        let mut b = GraphBuilder::new(Bucket::Prefill { rows: 2 });
+        let mut b = GraphBuilder::new(Bucket::Prefill { rows: 2, seqs: 1 });
         let ids = b.input("tokens", DType::I32);
         let table = b.weight("emb", &[10, 8]);
         let x = b.embed(table, ids, 1.0);
@@ -588,7 +593,7 @@ mod tests {
 
     #[test]
     fn new_ops_check_their_operands() {
-        let prefill = Bucket::Prefill { rows: 2 };
+        let prefill = Bucket::Prefill { rows: 2, seqs: 1 };
         let base = |b: &mut GraphBuilder| {
             let ids = b.input("tokens", DType::I32);
             let table = b.weight("emb", &[10, 8]);

@@ -266,7 +266,7 @@ pub struct ServeArgs {
     /// Most requests waiting for a free slot; more are answered 429.
     #[arg(long, default_value_t = 64)]
     pub queue: usize,
-    /// Most prompt tokens prefilled between two decode steps (keeps running streams flowing).
+    /// Most prompt tokens prefilled in one step while sequences are decoding (keeps running streams flowing).
     #[arg(long, default_value_t = 64)]
     pub prefill_chunk: usize,
     /// Compiled plans kept (prefill chunks and batched decode buckets).

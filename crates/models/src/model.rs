@@ -98,6 +98,11 @@ impl Model {
         self.plans.lock().map(|c| c.compiles()).unwrap_or(0)
     }
 
+    /// Most prompt rows one step processes (the engine's `max_prefill_rows`).
+    pub fn max_step_rows(&self) -> usize {
+        self.config.max_prefill_rows.max(1)
+    }
+
     /// A new, empty sequence.
     pub fn new_session(&self) -> Result<Session<'_>, ModelError> {
         let kv = self.backend.new_kv_cache(&self.arch.kv_layout(self.config.context))?;
@@ -105,37 +110,67 @@ impl Model {
     }
 
     /// Decodes one token for each session in one batched step (the weights are read once for all
-    /// of them): `tokens[i]` is appended to `sessions[i]`, which attends to its own KV cache at its
-    /// own position. Returns each session's output for `mode` (`Logits` or `NextToken`); a
-    /// non-finite row is an error for its session only. On a backend whose plans cannot decode
-    /// several sequences at once, the sessions are decoded one after another.
+    /// of them): `tokens[i]` is appended to `sessions[i]`. See [`Model::forward_batch`].
     pub fn decode_batch(
         &self,
         sessions: &mut [&mut Session<'_>],
         tokens: &[u32],
         mode: OutputMode,
     ) -> Result<Vec<Result<StepOutput, ModelError>>, ModelError> {
-        if sessions.is_empty() || sessions.len() != tokens.len() {
-            return Err(ModelError::InvalidParameter(format!("{} tokens for {} sequences", tokens.len(), sessions.len())));
+        let chunks: Vec<&[u32]> = tokens.iter().map(std::slice::from_ref).collect();
+        self.forward_batch(sessions, &chunks, mode)
+    }
+
+    /// Appends `chunks[i]` to `sessions[i]` for every session in one step (the weights are read
+    /// once for all of them): one new token each runs a batched decode plan, longer chunks a
+    /// prefill plan over all their rows. Each session attends to its own KV cache at its own
+    /// positions. Returns each session's output for `mode` (`Logits` or `NextToken`, for its
+    /// last new token); a non-finite row is an error for its session only. On a backend whose
+    /// plans cannot run several sequences at once, the sessions run one after another.
+    pub fn forward_batch(
+        &self,
+        sessions: &mut [&mut Session<'_>],
+        chunks: &[&[u32]],
+        mode: OutputMode,
+    ) -> Result<Vec<Result<StepOutput, ModelError>>, ModelError> {
+        if sessions.is_empty() || sessions.len() != chunks.len() || chunks.iter().any(|c| c.is_empty()) {
+            let lens: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
+            return Err(ModelError::InvalidParameter(format!(
+                "{} token chunks (lengths {lens:?}) for {} sequences",
+                chunks.len(),
+                sessions.len()
+            )));
         }
         if !matches!(mode, OutputMode::Logits | OutputMode::NextToken) {
-            return Err(ModelError::InvalidParameter(format!("batched decode produces logits or tokens, not {mode:?}")));
+            return Err(ModelError::InvalidParameter(format!("a batched step produces logits or tokens, not {mode:?}")));
         }
         let vocab = self.arch.vocab_size();
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+        if let Some(&bad) = chunks.iter().flat_map(|c| c.iter()).find(|&&t| t as usize >= vocab) {
             return Err(kiln_runtime::RuntimeError::TokenOutOfRange { id: bad, vocab }.into());
         }
-        let max_past = sessions.iter().map(|s| s.position()).max().unwrap_or(0);
-        if max_past + 1 > self.context() {
-            return Err(ModelError::ContextOverflow { needed: max_past + 1, context: self.context() });
+        if let Some(needed) = sessions.iter().zip(chunks).map(|(s, c)| s.position() + c.len()).max().filter(|&n| n > self.context()) {
+            return Err(ModelError::ContextOverflow { needed, context: self.context() });
         }
-        let positions: Vec<usize> = sessions.iter().map(|s| s.position()).collect();
-        let key = PlanKey { mode, bucket: self.policy.decode_batch(max_past, sessions.len()) };
+        let rows: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
+        let total: usize = rows.iter().sum();
+        let decode = rows.iter().all(|&r| r == 1);
+        if !decode && total > self.config.max_prefill_rows.max(1) {
+            return Err(ModelError::InvalidParameter(format!(
+                "{total} prompt tokens in one batched step; at most {} fit",
+                self.config.max_prefill_rows
+            )));
+        }
+        // Position of each session's last new token.
+        let positions: Vec<usize> = sessions.iter().zip(&rows).map(|(s, r)| s.position() + r - 1).collect();
+        let max_past = sessions.iter().map(|s| s.position()).max().unwrap_or(0);
+        let bucket =
+            if decode { self.policy.decode_batch(max_past, sessions.len()) } else { self.policy.prefill_batch(total, sessions.len()) };
+        let tokens: Vec<u32> = chunks.concat();
         let mut kvs: Vec<&mut dyn KvCache> = sessions.iter_mut().map(|s| s.kv.as_mut() as &mut dyn KvCache).collect();
-        let out = match self.with_plan(key, |exec| Ok(exec.run_batch(tokens, &mut kvs)?)) {
-            // A backend that cannot decode several sequences in one step decodes them one by one.
+        let out = match self.with_plan(PlanKey { mode, bucket }, |exec| Ok(exec.run_batch(&tokens, &rows, &mut kvs)?)) {
+            // A backend that cannot run several sequences in one step runs them one by one.
             Err(ModelError::Runtime(kiln_runtime::RuntimeError::Unsupported(_))) => {
-                return Ok(sessions.iter_mut().zip(tokens).map(|(s, &t)| s.forward(&[t], mode)).collect());
+                return Ok(sessions.iter_mut().zip(chunks).map(|(s, c)| s.forward(c, mode)).collect());
             }
             out => out?,
         };
@@ -158,7 +193,7 @@ impl Model {
                 }
             }
         };
-        Ok((0..tokens.len()).map(row_result).collect())
+        Ok((0..sessions.len()).map(row_result).collect())
     }
 
     /// Runs `f` on the executable for `key`, compiling it on a compile-cache miss.

@@ -449,8 +449,8 @@ fn chunked_prefill_equals_one_shot() {
 fn padded_buckets_equal_exact_steps() {
     let model = load(config());
     let policy = BucketPolicy::new(model.context());
-    assert_eq!(policy.prefill(7), Bucket::Prefill { rows: 8 }, "7 rows run in a padded bucket");
-    assert_eq!(policy.prefill(6), Bucket::Prefill { rows: 6 }, "6 rows run exactly");
+    assert_eq!(policy.prefill(7), Bucket::Prefill { rows: 8, seqs: 1 }, "7 rows run in a padded bucket");
+    assert_eq!(policy.prefill(6), Bucket::Prefill { rows: 6, seqs: 1 }, "6 rows run exactly");
     let tokens = prompt(7, 6);
     let mut padded = model.new_session().unwrap();
     let want = logits(&mut padded, &tokens);
@@ -462,7 +462,7 @@ fn padded_buckets_equal_exact_steps() {
     let more = prompt(15, 7);
     let a = logits(&mut padded, &more);
     let b = logits(&mut split, &more);
-    assert_eq!(policy.prefill(15), Bucket::Prefill { rows: 16 });
+    assert_eq!(policy.prefill(15), Bucket::Prefill { rows: 16, seqs: 1 });
     assert_close(&a, &b, 1e-4, "15 tokens (bucket 16) after a padded step");
     // And one at a time from the same point.
     let mut dec = model.new_session().unwrap();
@@ -907,10 +907,10 @@ fn plans_are_cached_per_bucket_and_share_the_weights() {
     // Sanity of the expected keys against the policy's documented behaviour.
     use OutputMode::*;
     for k in [
-        (Hidden, Bucket::Prefill { rows: 8 }),
-        (Logits, Bucket::Prefill { rows: 4 }),
-        (NextToken, Bucket::Prefill { rows: 8 }),
-        (AllLogits, Bucket::Prefill { rows: 2 }),
+        (Hidden, Bucket::Prefill { rows: 8, seqs: 1 }),
+        (Logits, Bucket::Prefill { rows: 4, seqs: 1 }),
+        (NextToken, Bucket::Prefill { rows: 8, seqs: 1 }),
+        (AllLogits, Bucket::Prefill { rows: 2, seqs: 1 }),
         (Logits, Bucket::Decode { past: 64, seqs: 1 }),
         (Logits, Bucket::Decode { past: 128, seqs: 1 }),
         (Hidden, Bucket::Decode { past: 64, seqs: 1 }),
@@ -979,7 +979,51 @@ fn batched_decode_equals_each_sequence_alone() {
     let err = model.decode_batch(&mut refs, &[5, VOCAB as u32], OutputMode::Logits).unwrap_err();
     assert!(err.to_string().contains("outside the vocabulary"), "{err}");
     let err = model.decode_batch(&mut refs, &[5], OutputMode::Logits).unwrap_err();
-    assert!(err.to_string().contains("1 tokens for 2 sequences"), "{err}");
+    assert!(err.to_string().contains("1 token chunks (lengths [1]) for 2 sequences"), "{err}");
+}
+
+#[test]
+fn batched_prefill_and_decode_rows_equal_each_sequence_alone() {
+    let model = load(config());
+    // Sequences at different positions (one empty), each adding a chunk of its own length in one
+    // step: prompt chunks and single decode tokens together, as the server's scheduler mixes them.
+    let start = |p: &Vec<u32>| {
+        let mut s = model.new_session().unwrap();
+        if !p.is_empty() {
+            logits(&mut s, p);
+        }
+        s
+    };
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| prompt(3 * i, 700 + i as u64)).collect();
+    let mut alone: Vec<Session<'_>> = prompts.iter().map(start).collect();
+    let mut batched: Vec<Session<'_>> = prompts.iter().map(start).collect();
+    for (step, lens) in [[5, 1, 7, 2], [1, 1, 1, 1], [1, 6, 1, 3]].into_iter().enumerate() {
+        let chunks: Vec<Vec<u32>> = lens.iter().enumerate().map(|(i, &n)| prompt(n, 800 + (10 * step + i) as u64)).collect();
+        let refs: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
+        let mut sessions: Vec<&mut Session<'_>> = batched.iter_mut().collect();
+        let mode = if step == 1 { OutputMode::NextToken } else { OutputMode::Logits };
+        let outs = model.forward_batch(&mut sessions, &refs, mode).unwrap();
+        for (i, out) in outs.into_iter().enumerate() {
+            let a = logits(&mut alone[i], &chunks[i]);
+            match out.unwrap() {
+                StepOutput::Logits(b) => assert_eq!(a, b, "step {step}, sequence {i}: batched logits differ from running alone"),
+                StepOutput::Token(t) => assert_eq!(t, argmax(&a), "step {step}, sequence {i}"),
+                other => panic!("unexpected output {other:?}"),
+            }
+            assert_eq!(batched[i].position(), alone[i].position());
+        }
+    }
+    // A batch over the engine's step rows, an empty chunk or an output that is not per sequence
+    // is an error naming it.
+    let small = load(EngineConfig { max_prefill_rows: 8, ..config() });
+    let (mut s1, mut s2) = (small.new_session().unwrap(), small.new_session().unwrap());
+    let err = small.forward_batch(&mut [&mut s1, &mut s2], &[&prompt(8, 900), &[N_SPECIAL as u32]], OutputMode::Logits).unwrap_err();
+    assert!(err.to_string().contains("9 prompt tokens in one batched step; at most 8 fit"), "{err}");
+    let mut sessions: Vec<&mut Session<'_>> = batched.iter_mut().take(2).collect();
+    let err = model.forward_batch(&mut sessions, &[&[1], &[]], OutputMode::Logits).unwrap_err();
+    assert!(err.to_string().contains("lengths [1, 0]"), "{err}");
+    let err = model.forward_batch(&mut sessions, &[&[1], &[2]], OutputMode::Hidden).unwrap_err();
+    assert!(err.to_string().contains("logits or tokens"), "{err}");
 }
 
 /// The CPU backend with plans that cannot decode several sequences in one step (the trait's
@@ -1031,5 +1075,13 @@ fn batched_decode_on_a_backend_without_it_decodes_one_by_one() {
             assert_eq!(w.unwrap(), g.unwrap(), "step {step}, sequence {i}");
             assert_eq!(a[i].position(), b[i].position());
         }
+    }
+    // Prompt chunks of several sequences run one by one there too.
+    let chunks = [prompt(4, 650), prompt(1, 651), prompt(2, 652)];
+    let refs: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
+    let want = batching.forward_batch(&mut a.iter_mut().collect::<Vec<_>>(), &refs, OutputMode::Logits).unwrap();
+    let got = single.forward_batch(&mut b.iter_mut().collect::<Vec<_>>(), &refs, OutputMode::Logits).unwrap();
+    for (i, (w, g)) in want.into_iter().zip(got).enumerate() {
+        assert_eq!(w.unwrap(), g.unwrap(), "prompt chunks, sequence {i}");
     }
 }

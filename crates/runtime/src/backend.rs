@@ -65,13 +65,14 @@ pub trait Executable: Send {
     /// Runs one step of one sequence over `inputs.tokens.len()` active rows, appending their K/V
     /// to `kv`, and copies the outputs back.
     fn run(&mut self, inputs: StepInputs<'_>, kv: &mut dyn KvCache) -> Result<Vec<HostTensor>, RuntimeError>;
-    /// Runs one decode step of several sequences (a [`kiln_ir::Bucket::Decode`] plan): row `r` is
-    /// token `tokens[r]` of the sequence whose cache is `kvs[r]`, at position `kvs[r].len()`, and
-    /// attends to that cache only; each row's K/V is appended to its own cache. Outputs have one
-    /// row per sequence. Backends that cannot do this keep the default, an `Unsupported` error.
-    fn run_batch(&mut self, tokens: &[u32], kvs: &mut [&mut dyn KvCache]) -> Result<Vec<HostTensor>, RuntimeError> {
-        let _ = (tokens, kvs);
-        Err(RuntimeError::Unsupported("decoding several sequences in one step".into()))
+    /// Runs one step of several sequences: sequence `i` owns the next `rows[i]` rows of `tokens`
+    /// (one each in a [`kiln_ir::Bucket::Decode`] plan), which go to the cache `kvs[i]` at
+    /// positions from `kvs[i].len()` on and attend to that cache only. Outputs have one row per
+    /// row of a decode plan, and one row per sequence (its last) where a prefill plan keeps the
+    /// last rows. Backends that cannot do this keep the default, an `Unsupported` error.
+    fn run_batch(&mut self, tokens: &[u32], rows: &[usize], kvs: &mut [&mut dyn KvCache]) -> Result<Vec<HostTensor>, RuntimeError> {
+        let _ = (tokens, rows, kvs);
+        Err(RuntimeError::Unsupported("running several sequences in one step".into()))
     }
 }
 

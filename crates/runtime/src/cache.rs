@@ -91,7 +91,7 @@ mod tests {
     }
 
     fn key(rows: usize) -> PlanKey {
-        PlanKey { mode: OutputMode::Logits, bucket: Bucket::Prefill { rows } }
+        PlanKey { mode: OutputMode::Logits, bucket: Bucket::Prefill { rows, seqs: 1 } }
     }
 
     /// Looks `k` up; builds a dummy tagged `tag` on a miss. Returns the tag of the executable

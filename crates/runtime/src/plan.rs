@@ -18,7 +18,8 @@ pub struct Slot {
 pub enum Rows {
     /// The active rows of this run (the real length, at most the bucket's rows).
     Active,
-    /// Exactly one row (values derived from the last row).
+    /// One row per sequence of the run (values derived from each sequence's last row; a single
+    /// row when the run is one sequence).
     One,
 }
 

@@ -35,7 +35,7 @@ fn f32_store(tensors: &[(&str, &[usize])]) -> WeightStore {
 /// Embedding, gated MLP, residual norm, two reshapes, greedy head:
 /// `argmax(last_row(reshape(reshape(x + rms_norm(down(gelu(gate(x)) * up(x)))))) · embᵀ)`.
 fn fused_graph() -> Graph {
-    let mut b = GraphBuilder::new(Bucket::Prefill { rows: ROWS });
+    let mut b = GraphBuilder::new(Bucket::Prefill { rows: ROWS, seqs: 1 });
     let tokens = b.input("tokens", DType::I32);
     let emb = b.weight("emb", &[VOCAB, D]);
     let x = b.embed(emb, tokens, 1.0);
@@ -212,7 +212,7 @@ fn fuses_with_operands_in_either_order() {
 #[test]
 fn values_used_elsewhere_are_not_fused() {
     // The gelu, the norm and the logits are also graph outputs: each must be materialised.
-    let mut b = GraphBuilder::new(Bucket::Prefill { rows: ROWS });
+    let mut b = GraphBuilder::new(Bucket::Prefill { rows: ROWS, seqs: 1 });
     let tokens = b.input("tokens", DType::I32);
     let emb = b.weight("emb", &[VOCAB, D]);
     let norm = b.weight("norm", &[D]);
@@ -249,7 +249,7 @@ fn values_used_elsewhere_are_not_fused() {
 /// One attention block: q/k/v projections, per-head q/k norms, rope, attention, output
 /// projection, residual, and a final norm.
 fn block_graph() -> Graph {
-    let mut b = GraphBuilder::new(Bucket::Prefill { rows: ROWS });
+    let mut b = GraphBuilder::new(Bucket::Prefill { rows: ROWS, seqs: 1 });
     let tokens = b.input("tokens", DType::I32);
     let positions = b.input("positions", DType::I32);
     let emb = b.weight("emb", &[VOCAB, D]);
@@ -311,7 +311,7 @@ fn no_step_overwrites_a_value_still_needed() {
 #[test]
 fn lowers_bias_silu_soft_capping_and_scaled_rope() {
     // q = rope_norm(x·Wqᵀ + b), attention soft-capped at 50, silu(x)·x fused, logits capped at 30.
-    let mut b = GraphBuilder::new(Bucket::Prefill { rows: ROWS });
+    let mut b = GraphBuilder::new(Bucket::Prefill { rows: ROWS, seqs: 1 });
     let tokens = b.input("tokens", DType::I32);
     let positions = b.input("positions", DType::I32);
     let emb = b.weight("emb", &[VOCAB, D]);
@@ -357,7 +357,7 @@ fn lowers_bias_silu_soft_capping_and_scaled_rope() {
 #[test]
 fn a_chain_reuses_arena_memory() {
     // tokens -> embed -> six matmuls: at most two activations are live at any step.
-    let mut b = GraphBuilder::new(Bucket::Prefill { rows: ROWS });
+    let mut b = GraphBuilder::new(Bucket::Prefill { rows: ROWS, seqs: 1 });
     let tokens = b.input("tokens", DType::I32);
     let emb = b.weight("emb", &[VOCAB, D]);
     let w = b.weight("w", &[D, D]);

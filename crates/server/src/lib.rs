@@ -35,7 +35,7 @@ pub struct ServerConfig {
     pub parallel: usize,
     /// Most requests waiting for a free sequence; more are answered 429.
     pub queue: usize,
-    /// Most prompt tokens prefilled between two decode steps.
+    /// Most prompt tokens prefilled in one step while sequences are decoding.
     pub prefill_chunk: usize,
     /// Largest request body accepted (bytes); larger ones are answered 413.
     pub max_body_bytes: usize,

@@ -31,13 +31,13 @@ pub struct Metrics {
     pub queue_depth: AtomicU64,
     /// Sequences being prefilled or decoded.
     pub active: AtomicU64,
-    /// Batched decode steps run.
+    /// Steps that decoded running sequences (some with prompt chunks too).
     pub decode_steps: AtomicU64,
-    /// Microseconds spent in decode steps.
+    /// Microseconds spent in steps of decode rows only.
     pub decode_micros: AtomicU64,
-    /// Prefill chunks run.
+    /// Prompt chunks run (one per sequence and step).
     pub prefill_chunks: AtomicU64,
-    /// Microseconds spent in prefill chunks.
+    /// Microseconds spent in steps with prompt chunks (with or without decode rows).
     pub prefill_micros: AtomicU64,
     /// Time to first token: count per bucket of `TTFT_BUCKETS` (cumulative at render time).
     ttft_buckets: [AtomicU64; TTFT_BUCKETS.len()],
@@ -99,13 +99,28 @@ impl Metrics {
         metric("kiln_generation_tokens_total", "counter", "Tokens generated.", &[("", get(&self.generated_tokens) as f64)]);
         metric("kiln_queue_depth", "gauge", "Requests waiting for a sequence slot.", &[("", get(&self.queue_depth) as f64)]);
         metric("kiln_active_sequences", "gauge", "Sequences being prefilled or decoded.", &[("", get(&self.active) as f64)]);
-        metric("kiln_decode_steps_total", "counter", "Batched decode steps run.", &[("", get(&self.decode_steps) as f64)]);
-        metric("kiln_decode_seconds_total", "counter", "Seconds spent in decode steps.", &[("", get(&self.decode_micros) as f64 / 1e6)]);
-        metric("kiln_prefill_chunks_total", "counter", "Prefill chunks run.", &[("", get(&self.prefill_chunks) as f64)]);
+        metric(
+            "kiln_decode_steps_total",
+            "counter",
+            "Steps that decoded running sequences (some with prompt chunks too).",
+            &[("", get(&self.decode_steps) as f64)],
+        );
+        metric(
+            "kiln_decode_seconds_total",
+            "counter",
+            "Seconds spent in steps of decode rows only.",
+            &[("", get(&self.decode_micros) as f64 / 1e6)],
+        );
+        metric(
+            "kiln_prefill_chunks_total",
+            "counter",
+            "Prompt chunks run (one per sequence and step).",
+            &[("", get(&self.prefill_chunks) as f64)],
+        );
         metric(
             "kiln_prefill_seconds_total",
             "counter",
-            "Seconds spent in prefill chunks.",
+            "Seconds spent in steps with prompt chunks.",
             &[("", get(&self.prefill_micros) as f64 / 1e6)],
         );
         let busy = (get(&self.decode_micros) + get(&self.prefill_micros)) as f64 / 1e6;

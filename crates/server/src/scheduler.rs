@@ -1,7 +1,7 @@
-//! The continuous-batching scheduler: one thread owns the model and, between decode steps, admits
-//! queued requests, prefills newcomers in chunks, runs one batched decode step for every active
-//! sequence, streams each new piece of text to its request, and drops sequences whose client went
-//! away (freeing their KV cache).
+//! The continuous-batching scheduler: one thread owns the model and, between steps, admits queued
+//! requests, runs one batched step that decodes a token for every running sequence and prefills
+//! chunks of newcomers' prompts, streams each new piece of text to its request, and drops
+//! sequences whose client went away (freeing their KV cache).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
@@ -54,7 +54,7 @@ pub enum Event {
 pub struct SchedulerConfig {
     /// Most sequences decoded together.
     pub parallel: usize,
-    /// Most prompt tokens prefilled between two decode steps (over all newcomers).
+    /// Most prompt tokens prefilled in one step while sequences are decoding (over all newcomers).
     pub prefill_chunk: usize,
     /// After shutdown is asked for, running requests may finish for this long; then they are
     /// cancelled.
@@ -153,8 +153,7 @@ pub fn run(model: &Model, jobs: Receiver<Job>, config: SchedulerConfig, metrics:
             }
             continue;
         }
-        prefill_chunks(model, &mut seqs, config, &metrics);
-        decode_step(model, &mut seqs, &metrics);
+        step(model, &mut seqs, config, &metrics);
     }
 }
 
@@ -164,84 +163,108 @@ fn fail(events: &UnboundedSender<Event>, metrics: &Metrics, e: &ModelError) {
     let _ = events.send(Event::Failed(ApiError::internal(e.to_string())));
 }
 
-/// Prefills newcomers, oldest first, up to `prefill_chunk` prompt tokens in all (so running
-/// streams wait at most that long between two tokens); a long prompt takes several rounds.
-fn prefill_chunks(model: &Model, seqs: &mut Vec<Seq<'_>>, config: SchedulerConfig, metrics: &Metrics) {
-    let mut budget = config.prefill_chunk.max(1);
-    let mut i = 0;
-    while budget > 0 && i < seqs.len() {
-        if seqs[i].next.is_some() {
-            i += 1;
-            continue;
-        }
-        let seq = &mut seqs[i];
-        let end = (seq.prefilled + budget).min(seq.job.prompt.len());
-        budget -= end - seq.prefilled;
-        let last = end == seq.job.prompt.len();
-        // Chunks before the last only fill the KV cache: the cheapest output will do.
-        let mode = if last { seq.job.generator.mode() } else { OutputMode::Hidden };
-        let t0 = Instant::now();
-        let result = seq.session.forward(&seq.job.prompt[seq.prefilled..end], mode);
-        metrics.prefill_chunks.fetch_add(1, Ordering::Relaxed);
-        metrics.prefill_micros.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
-        let outcome = match result {
-            Ok(out) => {
-                metrics.prompt_tokens.fetch_add((end - seq.prefilled) as u64, Ordering::Relaxed);
-                seq.prefilled = end;
-                if last {
-                    deliver(model, seq, Ok(out), metrics)
-                } else {
-                    Outcome::Running
-                }
-            }
-            Err(e) => deliver(model, seq, Err(e), metrics),
-        };
-        match outcome {
-            Outcome::Ended => {
-                seqs.remove(i);
-                metrics.active.fetch_sub(1, Ordering::Relaxed);
-            }
-            Outcome::Running => i += 1,
-        }
-    }
+/// What one sequence contributes to a step.
+#[derive(Clone, Copy)]
+enum Part {
+    /// Its next token (the sequence is past its prompt).
+    Decode,
+    /// Its prompt from what is prefilled so far up to this end.
+    Prompt(usize),
 }
 
-/// One batched decode step over every sequence past its prompt.
-fn decode_step(model: &Model, seqs: &mut Vec<Seq<'_>>, metrics: &Metrics) {
-    let ready: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].next.is_some()).collect();
-    if ready.is_empty() {
+/// One step over the active sequences: every sequence past its prompt decodes its next token,
+/// and newcomers, oldest first, add prompt chunks of up to `prefill_chunk` tokens in all while
+/// any sequence is decoding (so running streams wait at most that long between two tokens), or
+/// up to one step's rows when none is; a long prompt takes several steps. All of it runs as one
+/// batched step, so the weights are read once for decode and prefill rows alike.
+fn step(model: &Model, seqs: &mut Vec<Seq<'_>>, config: SchedulerConfig, metrics: &Metrics) {
+    let decoding = seqs.iter().filter(|s| s.next.is_some()).count();
+    let limit = model.max_step_rows().saturating_sub(decoding);
+    let mut budget = if decoding > 0 { config.prefill_chunk.min(limit) } else { limit }.max(1);
+    let mut parts: Vec<(usize, Part)> = Vec::with_capacity(seqs.len());
+    for (i, seq) in seqs.iter().enumerate() {
+        if seq.next.is_some() {
+            parts.push((i, Part::Decode));
+        } else if budget > 0 {
+            let end = (seq.prefilled + budget).min(seq.job.prompt.len());
+            budget -= end - seq.prefilled;
+            parts.push((i, Part::Prompt(end)));
+        }
+    }
+    if parts.is_empty() {
         return;
     }
-    // One step serves all: logits when any sequence samples or wants log-probabilities (greedy
-    // ones take the argmax on the host), else the in-graph greedy head.
-    let mode =
-        if ready.iter().any(|&i| seqs[i].job.generator.mode() == OutputMode::Logits) { OutputMode::Logits } else { OutputMode::NextToken };
-    let tokens: Vec<u32> = ready.iter().filter_map(|&i| seqs[i].next).collect();
-    let t0 = Instant::now();
-    let results = {
-        let mut sessions: Vec<&mut Session<'_>> = seqs.iter_mut().filter(|s| s.next.is_some()).map(|s| &mut s.session).collect();
-        model.decode_batch(&mut sessions, &tokens, mode)
+    let finishing = |seq: &Seq<'_>, part: Part| match part {
+        Part::Decode => true,
+        Part::Prompt(end) => end == seq.job.prompt.len(),
     };
-    metrics.decode_steps.fetch_add(1, Ordering::Relaxed);
-    metrics.decode_micros.fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
-    let mut ended = Vec::new();
-    match results {
-        Ok(outs) => {
-            for (&i, out) in ready.iter().zip(outs) {
-                if let Outcome::Ended = deliver(model, &mut seqs[i], out, metrics) {
-                    ended.push(i);
-                }
-            }
+    let t0 = Instant::now();
+    let results = if let [(i, Part::Prompt(end))] = parts[..] {
+        // A lone prompt chunk: one before the prompt's last only fills the KV cache, so the
+        // cheapest output will do.
+        let seq = &mut seqs[i];
+        let mode = if end == seq.job.prompt.len() { seq.job.generator.mode() } else { OutputMode::Hidden };
+        Ok(vec![seq.session.forward(&seq.job.prompt[seq.prefilled..end], mode)])
+    } else {
+        // One step serves all: logits when any sequence taking its output samples or wants
+        // log-probabilities (greedy ones take the argmax on the host), else the in-graph greedy
+        // head. Outputs of prompt chunks before a prompt's last are not used.
+        let logits = parts.iter().any(|&(i, p)| finishing(&seqs[i], p) && seqs[i].job.generator.mode() == OutputMode::Logits);
+        let mode = if logits { OutputMode::Logits } else { OutputMode::NextToken };
+        let mut chosen = parts.iter().peekable();
+        let mut sessions: Vec<&mut Session<'_>> = Vec::with_capacity(parts.len());
+        let mut chunks: Vec<&[u32]> = Vec::with_capacity(parts.len());
+        for (i, seq) in seqs.iter_mut().enumerate() {
+            let Some(&(_, part)) = chosen.next_if(|&&(j, _)| j == i) else { continue };
+            let chunk = match part {
+                Part::Decode => std::slice::from_ref(seq.next.as_ref().expect("a decoding sequence has its next token")),
+                Part::Prompt(end) => &seq.job.prompt[seq.prefilled..end],
+            };
+            chunks.push(chunk);
+            sessions.push(&mut seq.session);
         }
+        model.forward_batch(&mut sessions, &chunks, mode)
+    };
+    let micros = t0.elapsed().as_micros() as u64;
+    let prompts = parts.iter().filter(|(_, p)| matches!(p, Part::Prompt(_))).count() as u64;
+    metrics.prefill_chunks.fetch_add(prompts, Ordering::Relaxed);
+    if prompts == 0 {
+        metrics.decode_steps.fetch_add(1, Ordering::Relaxed);
+        metrics.decode_micros.fetch_add(micros, Ordering::Relaxed);
+    } else if decoding > 0 {
+        // A mixed step counts as a decode step, its time as prefill (it stalled the streams).
+        metrics.decode_steps.fetch_add(1, Ordering::Relaxed);
+        metrics.prefill_micros.fetch_add(micros, Ordering::Relaxed);
+    } else {
+        metrics.prefill_micros.fetch_add(micros, Ordering::Relaxed);
+    }
+    let results = match results {
+        Ok(r) => r,
         Err(e) => {
-            for &i in &ready {
+            for &(i, _) in &parts {
                 fail(&seqs[i].job.events, metrics, &e);
-                ended.push(i);
             }
+            return remove_ended(seqs, parts.iter().map(|&(i, _)| i).collect(), metrics);
+        }
+    };
+    let mut ended = Vec::new();
+    for (&(i, part), result) in parts.iter().zip(results) {
+        let seq = &mut seqs[i];
+        if let (Part::Prompt(end), Ok(_)) = (part, &result) {
+            metrics.prompt_tokens.fetch_add((end - seq.prefilled) as u64, Ordering::Relaxed);
+            seq.prefilled = end;
+        }
+        let outcome = if result.is_err() || finishing(seq, part) { deliver(model, seq, result, metrics) } else { Outcome::Running };
+        if let Outcome::Ended = outcome {
+            ended.push(i);
         }
     }
-    // Remove from the back so the indices stay valid (and the admission order is kept).
-    ended.sort_unstable();
+    remove_ended(seqs, ended, metrics);
+}
+
+/// Removes the sequences at `ended` (in increasing order), keeping the admission order.
+fn remove_ended(seqs: &mut Vec<Seq<'_>>, ended: Vec<usize>, metrics: &Metrics) {
+    // From the back, so the indices stay valid.
     for i in ended.into_iter().rev() {
         seqs.remove(i);
         metrics.active.fetch_sub(1, Ordering::Relaxed);
