@@ -1090,6 +1090,16 @@ mod tests {
     }
 
     #[test]
+    fn only_staged_formats_take_dynamic_shared_memory() {
+        // Q5_0: 4 warps x 3 stages x 4 rows x 2 pieces x 32 lanes x 16 bytes, within a block's limit.
+        assert_eq!(matvec4_shared_bytes("q5_0"), 48 * 1024);
+        assert!(matvec4_shared_bytes("q5_0") <= 227 * 1024);
+        for fmt in ["f32", "q4_0", "q8_0", "q4_k", "q6_k"] {
+            assert_eq!(matvec4_shared_bytes(fmt), 0, "{fmt}");
+        }
+    }
+
+    #[test]
     fn prefill_plans_keep_separate_steps_for_many_rows() {
         let (plan, l) = launches(Bucket::Prefill { rows: 16, seqs: 1 }, FormatMix::All(GgmlType::Q8_0));
         assert!(plan.rows() > MATVEC_ROWS);
