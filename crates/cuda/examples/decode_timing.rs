@@ -22,6 +22,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let pp: usize = args.get(2).map_or(Ok(512), |s| s.parse())?;
     let tg: usize = args.get(3).map_or(Ok(128), |s| s.parse())?;
     let reps: usize = args.get(4).map_or(Ok(5), |s| s.parse())?;
+    if pp == 0 || tg == 0 || reps == 0 {
+        return Err(format!("PP_TOKENS, TG_TOKENS and REPS must be at least 1 (got {pp}, {tg}, {reps})").into());
+    }
     let backend = Arc::new(CudaBackend::new(0)?);
     let t = Instant::now();
     let model =
