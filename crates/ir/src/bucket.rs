@@ -42,7 +42,8 @@ impl Bucket {
 /// The one bucket policy: maps real lengths to buckets.
 ///
 /// Prefill: the next power of two when it wastes at most 1/8 of the rows, else the exact length,
-/// capped at the context size, and a power-of-two ladder over the sequences prefilled together. Decode: a power-of-two ladder over the longest past length of the
+/// capped at the context size, and a power-of-two ladder over the sequences prefilled together.
+/// Decode: a power-of-two ladder over the longest past length of the
 /// batch (starting at `min_decode_past`), capped at the context size, and a power-of-two ladder
 /// over the number of sequences decoded together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -180,7 +180,8 @@ enum Part {
 fn step(model: &Model, seqs: &mut Vec<Seq<'_>>, config: SchedulerConfig, metrics: &Metrics) {
     let decoding = seqs.iter().filter(|s| s.next.is_some()).count();
     let limit = model.max_step_rows().saturating_sub(decoding);
-    let mut budget = if decoding > 0 { config.prefill_chunk.min(limit) } else { limit }.max(1);
+    // (With more sequences decoding than a step holds rows, newcomers wait for room.)
+    let mut budget = if decoding > 0 { config.prefill_chunk.max(1).min(limit) } else { limit };
     let mut parts: Vec<(usize, Part)> = Vec::with_capacity(seqs.len());
     for (i, seq) in seqs.iter().enumerate() {
         if seq.next.is_some() {
