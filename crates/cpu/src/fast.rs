@@ -250,15 +250,14 @@ pub fn matmul_argmax(
         return rows * screen::CANDIDATES;
     }
     let acts = QuantizedRows::new(pool, isa, &x[..rows * k], rows, k, fam);
-    let tasks = (pool.threads() * 4).min(n.div_ceil(16)).max(1);
-    let chunk = n.div_ceil(tasks);
-    // Per task and row: (best value, its index, whether a non-finite value was seen).
-    let mut best = vec![(f32::NEG_INFINITY, usize::MAX, false); tasks * rows];
+    let threads = pool.threads();
+    // Per participating thread and row: (best value, its index, whether a non-finite value was seen).
+    let mut best = vec![(f32::NEG_INFINITY, usize::MAX, false); threads * rows];
     let best_ptr = SharedMut(best.as_mut_ptr());
-    pool.run(tasks, &|t| {
-        let range = t * chunk..((t + 1) * chunk).min(n);
-        // SAFETY: entries t * rows .. (t + 1) * rows are written by task t only.
-        let mine = unsafe { std::slice::from_raw_parts_mut(best_ptr.ptr().add(t * rows), rows) };
+    pool.for_chunks_with(n, 16, &|p, range| {
+        // SAFETY: entries p * rows .. (p + 1) * rows belong to participant p, whose chunks run one
+        // after another on one thread.
+        let mine = unsafe { std::slice::from_raw_parts_mut(best_ptr.ptr().add(p * rows), rows) };
         products(isa, w, &acts, range, |r, j, v| {
             let b = &mut mine[r];
             if !v.is_finite() {
@@ -268,7 +267,7 @@ pub fn matmul_argmax(
             }
         });
     });
-    crate::kernels::reduce_argmax(&best, tasks, rows, out);
+    crate::kernels::reduce_argmax(&best, threads, rows, out);
     n
 }
 

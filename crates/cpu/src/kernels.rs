@@ -77,18 +77,17 @@ pub fn matmul(pool: &ThreadPool, isa: Isa, x: &[f32], rows: usize, w: &PackedMat
 /// products; `-1` when any product is NaN or infinite (the caller reports it).
 pub fn matmul_argmax(pool: &ThreadPool, isa: Isa, x: &[f32], rows: usize, w: &PackedMatrix<'_>, out: &mut [i32]) {
     let (k, n) = (w.k, w.n);
-    let tasks = (pool.threads() * 4).min(n.div_ceil(16)).max(1);
-    let chunk = n.div_ceil(tasks);
-    // Per task and row: (best value, its index, whether a non-finite value was seen).
-    let mut best = vec![(f32::NEG_INFINITY, usize::MAX, false); tasks * rows];
+    let threads = pool.threads();
+    // Per participating thread and row: (best value, its index, whether a non-finite value was seen).
+    let mut best = vec![(f32::NEG_INFINITY, usize::MAX, false); threads * rows];
     let best_ptr = SharedMut(best.as_mut_ptr());
-    pool.run(tasks, &|t| {
-        let range = t * chunk..((t + 1) * chunk).min(n);
+    pool.for_chunks_with(n, 16, &|p, range| {
         for_tiles(w, range, |r0, cnt, tile| {
             for r in 0..rows {
                 let d = dot4(isa, tile, &x[r * k..(r + 1) * k]);
-                // SAFETY: entry t * rows + r is written by task t only.
-                let b = unsafe { &mut *best_ptr.ptr().add(t * rows + r) };
+                // SAFETY: entry p * rows + r belongs to participant p, whose chunks run one after
+                // another on one thread.
+                let b = unsafe { &mut *best_ptr.ptr().add(p * rows + r) };
                 for (j, v) in d.iter().take(cnt).enumerate() {
                     if !v.is_finite() {
                         b.2 = true;
@@ -99,16 +98,16 @@ pub fn matmul_argmax(pool: &ThreadPool, isa: Isa, x: &[f32], rows: usize, w: &Pa
             }
         });
     });
-    reduce_argmax(&best, tasks, rows, out);
+    reduce_argmax(&best, threads, rows, out);
 }
 
-/// Merges per-task `(best value, index, saw a non-finite value)` entries (`tasks × rows`) into
+/// Merges per-thread `(best value, index, saw a non-finite value)` entries (`threads × rows`) into
 /// each row's argmax: the lowest index among equal maxima, `-1` for a row with a non-finite value.
-pub fn reduce_argmax(best: &[(f32, usize, bool)], tasks: usize, rows: usize, out: &mut [i32]) {
+pub fn reduce_argmax(best: &[(f32, usize, bool)], threads: usize, rows: usize, out: &mut [i32]) {
     for (r, o) in out.iter_mut().take(rows).enumerate() {
         let mut b = (f32::NEG_INFINITY, usize::MAX);
         let mut bad = false;
-        for t in 0..tasks {
+        for t in 0..threads {
             let c = best[t * rows + r];
             bad |= c.2;
             if c.1 != usize::MAX && (b.1 == usize::MAX || c.0 > b.0 || (c.0 == b.0 && c.1 < b.1)) {
