@@ -12,11 +12,18 @@
 // With `append` (one new row only), the first query head of each group also appends the row's
 // keys and values to the cache: the slot it writes holds a position no query of this step reads.
 // With `xq`, the output row is also written quantized for the next matrix-vector product.
+// With `wq` (one new row, d a multiple of 64): q and k_new are the projections before their per-head
+// RMS norms (weights wq, wk) and NeoX RoPE at the row's position (base `theta`); the block applies
+// them to its query head (warp 0) and its group's key head (warp 1) first, into shared memory, so
+// the decode step needs no separate q/k norm kernel. Their rotation angles are computed before
+// waiting for the kernels that write q and k.
 extern "C" __global__ void attention(const float* q, const float* k_new, const float* v_new, float* k_cache,
                                      float* v_cache, float* out, const int* step, int q_heads, int kv_heads,
-                                     int d, int window, float scale, int append, u8* xq) {
+                                     int d, int window, float scale, int append, u8* xq, const float* wq,
+                                     const float* wk, float theta, float eps) {
     __shared__ float s_acc[ATT_WARPS][ATT_MAX_DIM];
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
+    __shared__ float s_qk[2][ATT_MAX_DIM];
     int i = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
     int g = h / (q_heads / kv_heads);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -24,6 +31,24 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
     int p = start + i;
     int lo = window > 0 ? max(0, p + 1 - window) : 0;
     int kvw = kv_heads * d, per = d >> 5;
+    // Lane l of warps 0 and 1 holds elements l + 32t of its head; element l + 32t pairs with
+    // l + 32(t + per / 2) in the rotation, whose angle is p / theta^(2(l + 32t) / d).
+    float rw[ATT_MAX_DIM / 32], rc[ATT_MAX_DIM / 64], rs[ATT_MAX_DIM / 64];
+    bool rot = wq && warp < 2;
+    if (rot) {
+        const float* w = warp == 0 ? wq : wk;
+#pragma unroll
+        for (int t = 0; t < ATT_MAX_DIM / 32; t++) rw[t] = t < per ? w[lane + 32 * t] : 0.f;
+#pragma unroll
+        for (int t = 0; t < ATT_MAX_DIM / 64; t++) {
+            if (t < per / 2) {
+                double inv_freq = 1.0 / pow((double)theta, (double)(2 * (lane + 32 * t)) / (double)d);
+                double ang = (double)p * inv_freq;
+                rc[t] = (float)cos(ang);
+                rs[t] = (float)sin(ang);
+            }
+        }
+    }
     // The cached rows were written by earlier steps: brought into L2 before waiting for this step's
     // q, k and v (one 128-byte line per thread and turn; the block's first row does it).
     if (i == 0) {
@@ -36,8 +61,31 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
         }
     }
     pdl_wait();
+    if (wq) {
+        if (rot) {
+            const float* x = warp == 0 ? q + ((u64)i * q_heads + h) * d : k_new + (u64)i * kvw + g * d;
+            float xv[ATT_MAX_DIM / 32], ss = 0.f;
+#pragma unroll
+            for (int t = 0; t < ATT_MAX_DIM / 32; t++) {
+                xv[t] = t < per ? x[lane + 32 * t] : 0.f;
+                ss += xv[t] * xv[t];
+            }
+            float inv = 1.f / sqrtf(warp_sum(ss) / (float)d + eps);
+#pragma unroll
+            for (int t = 0; t < ATT_MAX_DIM / 64; t++) {
+                if (t < per / 2) {
+                    float a = xv[t] * inv * rw[t], b = xv[t + per / 2] * inv * rw[t + per / 2];
+                    s_qk[warp][lane + 32 * t] = a * rc[t] - b * rs[t];
+                    s_qk[warp][lane + 32 * (t + per / 2)] = b * rc[t] + a * rs[t];
+                }
+            }
+        }
+        __syncthreads();
+    }
+    // (With wq the rotated query and key in shared memory replace the step's rows.)
+    const float* kh_new = wq ? s_qk[1] : k_new + (u64)i * kvw + g * d;
     float qv[ATT_MAX_DIM / 32], acc[ATT_MAX_DIM / 32];
-    const float* qh = q + ((u64)i * q_heads + h) * d;
+    const float* qh = wq ? s_qk[0] : q + ((u64)i * q_heads + h) * d;
 #pragma unroll
     for (int t = 0; t < ATT_MAX_DIM / 32; t++) {
         qv[t] = t < per ? qh[lane + 32 * t] : 0.f;
@@ -46,7 +94,7 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
     if (append && h % (q_heads / kv_heads) == 0) {
         u64 slot = window > 0 ? (u64)(p % window) : (u64)p;
         for (int j = threadIdx.x; j < d; j += blockDim.x) {
-            k_cache[slot * kvw + g * d + j] = k_new[(u64)i * kvw + g * d + j];
+            k_cache[slot * kvw + g * d + j] = kh_new[j];
             v_cache[slot * kvw + g * d + j] = v_new[(u64)i * kvw + g * d + j];
         }
     }
@@ -65,7 +113,7 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
                     kr = k_cache + slot * kvw + g * d;
                     vr = v_cache + slot * kvw + g * d;
                 } else {
-                    kr = k_new + (u64)(pos - start) * kvw + g * d;
+                    kr = wq ? s_qk[1] : k_new + (u64)(pos - start) * kvw + g * d;
                     vr = v_new + (u64)(pos - start) * kvw + g * d;
                 }
 #pragma unroll

@@ -462,10 +462,12 @@ __device__ __forceinline__ u64 argmax_key(float v, int i) {
 
 // The norm (pair) of one row x of k <= 4 * EPI_PER * blockDim.x elements by one block, every
 // input loaded before the first reduction: y = x / rms(x) * w1 (res null), or h = res + x /
-// rms(x) * w1 and y = h / rms(h) * w2; y is written to `out` and quantized to xq (when given). x
-// was written by other blocks of this launch (read through L2). Rows are 16-byte aligned.
+// rms(x) * w1 and y = h / rms(h) * w2; h and y are written to `h` and `out` and y quantized to xq
+// (each when given), and h (x without res) to h2 when given. x may have been written by other
+// blocks of this launch (read through L2).
+// Rows are 16-byte aligned.
 __device__ __noinline__ void norm_epilogue(const float* x, const float* w1, const float* res, float* h, const float* w2,
-                                              float* out, u8* xq, int k, float eps, float* scratch) {
+                                              float* out, u8* xq, int k, float eps, float* scratch, float* h2) {
     float4 v[EPI_PER];
     float ss = 0.f;
 #pragma unroll
@@ -505,8 +507,9 @@ __device__ __noinline__ void norm_epilogue(const float* x, const float* w1, cons
         float s = res ? inv2 : inv;
         float4 y = make_float4(v[j].x * s * w.x, v[j].y * s * w.y, v[j].z * s * w.z, v[j].w * s * w.w);
         if (i < k) {
-            if (res) *(float4*)(h + i) = v[j];
-            *(float4*)(out + i) = y;
+            if (res && h) *(float4*)(h + i) = v[j];
+            if (h2) *(float4*)(h2 + i) = v[j];
+            if (out) *(float4*)(out + i) = y;
         }
         if (xq) quantize32x4(y, xq, k, i);
     }
@@ -521,6 +524,12 @@ __device__ __noinline__ void norm_epilogue(const float* x, const float* w1, cons
 //   that completes it, counted in `gcnt`) for the next matrix-vector product.
 // - `ecnt` (one matrix, no glu): the last block to finish (counted in `ecnt`) also computes the
 //   norm (pair) of the products o0 (see norm_epilogue): all of them are written by then.
+// - `px` (one activation row, no `ecnt`): x is not given quantized but as the input px of a norm
+//   (pair) with the epilogue's arguments (ew1, er, eh, ew2, eout, eps): every block computes it
+//   (norm_epilogue) into its dynamic shared memory (after the ring) right after waiting, and reads
+//   it there instead of xq; block 0 also writes h (eh), a copy of h or of x without residual
+//   (eh2), y (eout, when given) and y quantized (exq, when given) for later launches. No norm
+//   kernel, no last-block tail.
 // - STAGES > 0 (formats with staged chunks): each lane keeps its next STAGES - 1 chunks (of all R
 //   rows) in flight as asynchronous copies into dynamic shared memory (mv_stage_bytes per block)
 //   instead of loading one chunk at a time into registers.
@@ -531,7 +540,8 @@ template <int T, int R, int ROWS, int STAGES>
 __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2, u64 rb, int n0, int n1, int n2, float* o0,
                                        float* o1, float* o2, float* glu, const u8* xq, int k, int rows, int split, u8* gq,
                                        u32* gcnt, const float* ew1, const float* er, float* eh, const float* ew2, float* eout,
-                                       u8* exq, u32* ecnt, float eps, u64* aslots, int* aout, u32* acnt) {
+                                       u8* exq, u32* ecnt, float eps, u64* aslots, int* aout, u32* acnt, const float* px, float* eh2) {
+    extern __shared__ uint4 mv_dyn[];
     __shared__ float part[MV_WARPS][ROWS][R];
     __shared__ float scratch[32];
     __shared__ int last_block;
@@ -539,7 +549,7 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
     // its R output rows, each walking every split-th run of 32 chunks.
     int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int warp = blockIdx.x * (MV_WARPS / split) + wi / split, piece = wi % split;
-    if (ecnt) {
+    if (ecnt || px) {
         // Whichever block computes the norm finds its vectors in L2: the blocks prefetch the
         // 128-byte lines of w1, the residual and w2 (L2 is coherent: the residual may be prefetched
         // before its writer is known to be done).
@@ -553,6 +563,18 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
         }
     }
     u64 bpr = rb / Fmt<T>::bytes, xqb = xq_bytes(k);
+    // The norm prologue (px), once the kernels that write its inputs are done.
+    auto prologue = [&]() {
+        if (!px) return;
+        constexpr int ring = STAGES > 0 && Chunk<T>::NP > 0 ? MV_WARPS * STAGES * R * Chunk<T>::NP * 32 : 0;
+        u8* sx = (u8*)(mv_dyn + ring);
+        bool first = blockIdx.x == 0;
+        norm_epilogue(px, ew1, er, first ? eh : nullptr, ew2, first ? eout : nullptr, sx, k, eps, scratch, first ? eh2 : nullptr);
+        __syncthreads();
+        if (first && exq)
+            for (int i = threadIdx.x; i < (int)(xqb >> 4); i += blockDim.x) ((uint4*)exq)[i] = ((const uint4*)sx)[i];
+        xq = sx;
+    };
     // Per output row: its matrix (-1: none), row index, width and output (selects, not arrays
     // indexed at run time, so nothing goes to local memory).
     int mi[R], ri[R], nr[R];
@@ -585,8 +607,7 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
     if constexpr (STAGES > 0 && Chunk<T>::NP > 0) {
         // Stage s of the lane's ring holds turn t = s (mod STAGES): R rows of NP pieces.
         constexpr int NP = Chunk<T>::NP;
-        extern __shared__ uint4 mv_stage[];
-        uint4* ring = mv_stage + wi * (STAGES * R * NP * 32) + lane;
+        uint4* ring = mv_dyn + wi * (STAGES * R * NP * 32) + lane;
         int turns = c < chunks ? (chunks - c + stride - 1) / stride : 0;
         auto issue = [&](int t) {
             if (t < turns) {
@@ -600,6 +621,7 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
 #pragma unroll
         for (int t = 0; t < STAGES - 1; t++) issue(t);
         pdl_wait();
+        prologue();
         for (int t = 0; t < turns; t++, c += stride) {
             issue(t + STAGES - 1);
             cp_async_wait<STAGES - 1>();
@@ -622,6 +644,7 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
         for (int rr = 0; rr < R; rr++)
             if (mi[rr] >= 0 && c < chunks) raw[rr] = Chunk<T>::load(mr[rr], ri[rr], c);
         pdl_wait();
+        prologue();
         for (; c < chunks; c += stride) {
             if (c >= piece * 32 + stride) {
 #pragma unroll
@@ -722,7 +745,7 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
         __threadfence();
         for (int r = 0; r < rows; r++)
             norm_epilogue(o0 + (u64)r * n0, ew1, er ? er + (u64)r * n0 : nullptr, eh ? eh + (u64)r * n0 : nullptr, ew2,
-                          eout + (u64)r * n0, exq ? exq + r * xq_bytes(n0) : nullptr, n0, eps, scratch);
+                          eout + (u64)r * n0, exq ? exq + r * xq_bytes(n0) : nullptr, n0, eps, scratch, nullptr);
         if (threadIdx.x == 0) *ecnt = 0;
         return;
     }
@@ -914,8 +937,8 @@ extern "C" __global__ void quantize_rows(const float* x, u8* xq, int k, int rows
     const u8 *w0, const u8 *w1, const u8 *w2, u64 rb, int n0, int n1, int n2, float *o0, float *o1, float *o2, \
         float *glu, const u8 *xq, int k, int rows, int split, u8 *gq, u32 *gcnt, const float *ew1, \
         const float *er, float *eh, const float *ew2, float *eout, u8 *exq, u32 *ecnt, float eps, u64 *aslots, int *aout, \
-        u32 *acnt
-#define MV_PASS o0, o1, o2, glu, xq, k, rows, split, gq, gcnt, ew1, er, eh, ew2, eout, exq, ecnt, eps, aslots, aout, acnt
+        u32 *acnt, const float *px, float *eh2
+#define MV_PASS o0, o1, o2, glu, xq, k, rows, split, gq, gcnt, ew1, er, eh, ew2, eout, exq, ecnt, eps, aslots, aout, acnt, px, eh2
 #define KILN_FORMAT(NAME, T)                                                                                        \
     extern "C" __global__ void __launch_bounds__(128) matvec_##NAME(MV_ARGS) {                                     \
         matvec<T, 2, MV_ROWS, 0>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                 \

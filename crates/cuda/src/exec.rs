@@ -64,6 +64,36 @@ enum Epilogue {
     Pair(usize, usize),
 }
 
+/// A norm (pair) computed at the start of a matrix-vector launch from its unnormalised input (see
+/// `prologue_for`).
+#[derive(Clone, Copy, Debug)]
+struct Prologue {
+    norm: Epilogue,
+    /// Whether the norm's output is also stored as f32 (a later step reads it).
+    write_y: bool,
+    /// Whether the norm's input is read from the private row (`CudaExecutable::rows`, row 0),
+    /// where the launch before writes its products instead of their slot.
+    x_private: bool,
+    /// The mirror row (1 + index) holding the residual, if it is read from there.
+    res_in: Option<usize>,
+    /// The mirror row (1 + index) that block 0 copies the residual stream after the norm into: h
+    /// of a pair, the input of a single norm.
+    h_out: usize,
+}
+
+/// Rows the norm prologues use besides the arena (the blocks of a launch read their inputs while
+/// other blocks write its outputs, which may reuse the inputs' words): the products of the launch
+/// before, and two mirrors of the residual stream, written alternately.
+const PRIVATE_ROWS: usize = 3;
+
+/// Widest row a matrix-vector launch normalises in every block (`Op::MatVecs::pro`): each block
+/// re-reads the row and its residual, which at wider (12B) shapes costs more than the epilogue's
+/// tail.
+const PROLOGUE_MAX: usize = 1024;
+
+/// Dynamic shared memory a norm prologue adds to a matrix-vector block (the quantized row).
+pub(crate) const PROLOGUE_SHARED: u32 = (PROLOGUE_MAX * 5 / 2) as u32;
+
 /// One launch of an executable: a plan step, or consecutive steps fused into one kernel (decided
 /// once, when the plan is prepared, where the steps' slots allow it).
 #[derive(Debug)]
@@ -73,11 +103,16 @@ enum Op {
     /// Consecutive matmuls of one format sharing their input (q/k/v, gate/up), and with `glu`
     /// the `GeluMul` of the two that follows: one matrix-vector launch for few rows. With `epi`
     /// (one matrix) the norm (pair) of its products that follows is computed by its last block.
-    MatVecs { steps: Vec<usize>, glu: Option<usize>, epi: Option<Epilogue> },
+    /// With `pro` (one activation row), the norm (pair) before the group, whose output is the
+    /// group's input, is computed by every block of the launch first (no norm kernel).
+    MatVecs { steps: Vec<usize>, glu: Option<usize>, epi: Option<Epilogue>, pro: Option<Prologue> },
     /// A post-norm with its residual add, then the next pre-norm of its output.
     NormPair { first: usize, second: usize },
     /// The per-head q and k norms and their RoPE.
     QkNormRope([usize; 4]),
+    /// The per-head q and k norms and their RoPE (as in `QkNormRope`) computed by the attention
+    /// step that follows them, for one new row.
+    QkAttention { qk: [usize; 4], att: usize },
 }
 
 /// A launch and how its matrix-vector input and output are quantized.
@@ -90,6 +125,9 @@ struct Launch {
     /// For a matrix-vector launch: the buffer holding its input already quantized (none: a
     /// quantize kernel runs first, into buffer 0).
     xq_in: Option<usize>,
+    /// For a one-matrix matrix-vector launch: its products go to the private row 0 instead of
+    /// their slot (the next launch's norm prologue is their only reader).
+    private_out: bool,
 }
 
 /// What the lowering needs to know of the weights (their device copies or, in tests, the file).
@@ -140,15 +178,52 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes) -> Result<Vec<Launch>, Runtime
         i += used;
     }
     let small = plan.rows() <= MATVEC_ROWS;
+    // Matrix products as matrix-vector launches; in one-row plans, norms before them computed in
+    // them.
+    if small {
+        let mut out: Vec<Op> = Vec::with_capacity(ops.len());
+        // The slot whose values each residual mirror row holds.
+        let mut mirror: [Option<Slot>; 2] = [None, None];
+        for op in ops {
+            let op = match op {
+                Op::Step(t) if matches!(steps[t].kernel, Kernel::MatMul { .. }) => {
+                    Op::MatVecs { steps: vec![t], glu: None, epi: None, pro: None }
+                }
+                op => op,
+            };
+            let producer = out.len().checked_sub(2).map(|i| &out[i]);
+            if let Some(norm) = out.last() {
+                if let Some(p) = prologue_for(plan, weights, producer, norm, &op, &mirror)? {
+                    out.pop();
+                    for m in &mut mirror {
+                        if m.is_some_and(|s| op_writes(plan, &op).iter().any(|w| overlaps(*w, s))) {
+                            *m = None;
+                        }
+                    }
+                    mirror[p.h_out - 1] = match p.norm {
+                        Epilogue::Pair(a, _) => Some(steps[a].kernel.out()),
+                        Epilogue::Norm(t) => steps[t].kernel.reads().first().copied(),
+                    };
+                    if let Op::MatVecs { steps, glu, epi, .. } = op {
+                        out.push(Op::MatVecs { steps, glu, epi, pro: Some(p) });
+                    }
+                    continue;
+                }
+            }
+            for m in &mut mirror {
+                if m.is_some_and(|s| op_writes(plan, &op).iter().any(|w| overlaps(*w, s))) {
+                    *m = None;
+                }
+            }
+            out.push(op);
+        }
+        ops = out;
+    }
     // Norms reading a matrix-vector launch's products into that launch.
     if small {
         let mut out: Vec<Op> = Vec::with_capacity(ops.len());
         for op in ops {
-            let op = match op {
-                Op::Step(t) if matches!(steps[t].kernel, Kernel::MatMul { .. }) => Op::MatVecs { steps: vec![t], glu: None, epi: None },
-                op => op,
-            };
-            if let Some(Op::MatVecs { steps: group, glu: None, epi: epi @ None }) = out.last_mut() {
+            if let Some(Op::MatVecs { steps: group, glu: None, epi: epi @ None, pro: None }) = out.last_mut() {
                 if let Some(e) = epilogue_for(plan, weights, group, &op)? {
                     *epi = Some(e);
                     continue;
@@ -158,13 +233,38 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes) -> Result<Vec<Launch>, Runtime
         }
         ops = out;
     }
-    let mut launches: Vec<Launch> = ops.into_iter().map(|op| Launch { op, quant_out: None, xq_in: None }).collect();
+    if plan.rows() == 1 {
+        let mut out: Vec<Op> = Vec::with_capacity(ops.len());
+        for op in ops {
+            if let (Op::Step(att), Some(&Op::QkNormRope(qk))) = (&op, out.last()) {
+                if qk_attention_applies(plan, qk, *att) {
+                    out.pop();
+                    out.push(Op::QkAttention { qk, att: *att });
+                    continue;
+                }
+            }
+            out.push(op);
+        }
+        ops = out;
+    }
+    let mut launches: Vec<Launch> = ops.into_iter().map(|op| Launch { op, quant_out: None, xq_in: None, private_out: false }).collect();
+    for i in 1..launches.len() {
+        if let Op::MatVecs { pro: Some(Prologue { x_private: true, .. }), .. } = launches[i].op {
+            launches[i - 1].private_out = true;
+        }
+    }
     if small {
         let max_k = max_matmul_k(plan);
         // Which slot's values each quantized buffer holds, launch by launch.
         let mut held: [Option<Slot>; 2] = [None, None];
         for l in &mut launches {
-            if let Some(x) = matvec_input(plan, &l.op) {
+            let pro = match l.op {
+                Op::MatVecs { pro: Some(p), .. } => Some(p),
+                _ => None,
+            };
+            if pro.is_some() {
+                // (Its input is computed in the launch.)
+            } else if let Some(x) = matvec_input(plan, &l.op) {
                 // A GeluMul launch writes buffer 1 while reading its input: never from buffer 1.
                 let glu = matches!(l.op, Op::MatVecs { glu: Some(_), .. });
                 l.xq_in = (0..2).find(|&b| held[b] == Some(x) && !(glu && b == 1));
@@ -178,9 +278,13 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes) -> Result<Vec<Launch>, Runtime
                     *h = None;
                 }
             }
+            if let Some(Prologue { norm: Epilogue::Norm(t) | Epilogue::Pair(_, t), .. }) = pro {
+                // The launch's block 0 writes the norm's output quantized into buffer 0.
+                held[0] = out_of(&steps[t].kernel);
+            }
             let produced = match l.op {
                 Op::NormPair { second, .. } => Some((out_of(&steps[second].kernel), 0)),
-                Op::Step(t) => match steps[t].kernel {
+                Op::Step(t) | Op::QkAttention { att: t, .. } => match steps[t].kernel {
                     Kernel::RmsNorm { weight, width, out, .. } if weights.vector_len(weight)? == width => Some((Some(out), 0)),
                     Kernel::Attention { out, .. } => Some((Some(out), 0)),
                     _ => None,
@@ -216,7 +320,7 @@ fn max_matmul_k(plan: &Plan) -> usize {
 /// Elements per row of the value a producer launch may quantize.
 fn launch_width(plan: &Plan, op: &Op) -> usize {
     let last = match op {
-        Op::Step(t) => *t,
+        Op::Step(t) | Op::QkAttention { att: t, .. } => *t,
         Op::NormPair { second, .. } => *second,
         Op::MatVecs { glu: Some(g), .. } => *g,
         Op::MatVecs { epi: Some(Epilogue::Norm(t) | Epilogue::Pair(_, t)), .. } => *t,
@@ -234,16 +338,18 @@ fn op_writes(plan: &Plan, op: &Op) -> Vec<Slot> {
     let s = &plan.steps;
     let idx: Vec<usize> = match op {
         Op::Step(t) => vec![*t],
-        Op::MatVecs { steps, glu, epi } => {
-            let p = match epi {
-                Some(Epilogue::Norm(t)) => vec![*t],
-                Some(Epilogue::Pair(a, b)) => vec![*a, *b],
+        Op::MatVecs { steps, glu, epi, pro } => {
+            let norm_steps = |e: &Option<Epilogue>| match *e {
+                Some(Epilogue::Norm(t)) => vec![t],
+                Some(Epilogue::Pair(a, b)) => vec![a, b],
                 None => vec![],
             };
-            steps.iter().chain(glu).chain(&p).copied().collect()
+            let (p, q) = (norm_steps(epi), norm_steps(&pro.map(|p| p.norm)));
+            steps.iter().chain(glu).chain(&p).chain(&q).copied().collect()
         }
         Op::NormPair { first, second } => vec![*first, *second],
         Op::QkNormRope(q) => q.to_vec(),
+        Op::QkAttention { qk, att } => qk.iter().chain([att]).copied().collect(),
     };
     idx.iter().map(|&t| s[t].kernel.out()).collect()
 }
@@ -296,6 +402,117 @@ fn epilogue_for(plan: &Plan, weights: &dyn WeightShapes, group: &[usize], next: 
     Ok(ok.then_some(e))
 }
 
+/// Whether the q/k norms and RoPE `qk` (fused as `Op::QkNormRope`) can run inside the attention
+/// step `att` after them: a one-row plan whose positions are the step's, attention reading the
+/// rotated q and k of heads a multiple of 64 wide, nothing else reading the normed or rotated values
+/// (the fused kernel does not store them), and the attention output disjoint from q, k and v (its
+/// blocks write it while others read them).
+fn qk_attention_applies(plan: &Plan, qk: [usize; 4], att: usize) -> bool {
+    let s = &plan.steps;
+    let (
+        &Kernel::RmsNorm { x: q, out: qn, .. },
+        &Kernel::RmsNorm { x: k, out: kn, .. },
+        &Kernel::Rope { positions, out: qr, head_dim, .. },
+        &Kernel::Rope { out: kr, .. },
+        &Kernel::Attention { q: aq, k: ak, v, out, head_dim: ad, .. },
+    ) = (&s[qk[0]].kernel, &s[qk[1]].kernel, &s[qk[2]].kernel, &s[qk[3]].kernel, &s[att].kernel)
+    else {
+        return false;
+    };
+    let step_positions = plan.inputs.iter().any(|i| i.name == "positions" && i.slot == positions);
+    let except = [qk[0], qk[1], qk[2], qk[3], att];
+    let read_elsewhere = [qn, kn, qr, kr].iter().any(|&w| read_later(plan, w, qk[0], &except));
+    plan.rows() == 1
+        && step_positions
+        && aq == qr
+        && ak == kr
+        && ad == head_dim
+        && head_dim.is_multiple_of(64)
+        && !read_elsewhere
+        && [q, k, v].iter().all(|r| !overlaps(out, *r))
+}
+
+/// Whether a later step (after `from`, not one of `except`, whose writes still count) reads values
+/// of `slot` before they are overwritten, or the plan outputs them. (The arena reuses a slot's words only once its values
+/// are dead, so the first later write to any of its words ends them.)
+fn read_later(plan: &Plan, slot: Slot, from: usize, except: &[usize]) -> bool {
+    for (j, st) in plan.steps.iter().enumerate().skip(from + 1) {
+        if !except.contains(&j) && st.kernel.reads().iter().any(|r| overlaps(*r, slot)) {
+            return true;
+        }
+        if overlaps(st.kernel.out(), slot) {
+            return false;
+        }
+    }
+    plan.outputs.iter().any(|o| overlaps(o.slot, slot))
+}
+
+/// The norm prologue of the matrix-vector group `m` for the launch `norm` before it (a norm of
+/// whole rows without residual, or a norm pair), if it applies: a one-row plan, the group's input
+/// being the norm's output, rows of at most `PROLOGUE_MAX` (a multiple of 128) elements at 16-byte
+/// aligned slots. The launch's blocks run in any order, so nothing it writes may overlap what its
+/// blocks read: an input whose words the launch's products reuse is read from a private row
+/// instead (the products of `producer`, the launch before the norm, written there; the residual
+/// from the mirror `mirror` says holds it). The norm's output is stored as f32 only if a later
+/// step reads it.
+fn prologue_for(
+    plan: &Plan,
+    weights: &dyn WeightShapes,
+    producer: Option<&Op>,
+    norm: &Op,
+    m: &Op,
+    mirror: &[Option<Slot>; 2],
+) -> Result<Option<Prologue>, RuntimeError> {
+    let s = &plan.steps;
+    let Op::MatVecs { steps: group, epi: None, pro: None, .. } = m else { return Ok(None) };
+    let (e, first, last) = match *norm {
+        Op::NormPair { first, second } => (Epilogue::Pair(first, second), first, second),
+        Op::Step(t) => match s[t].kernel {
+            Kernel::RmsNorm { weight, width, residual: None, .. } if weights.vector_len(weight)? == width => (Epilogue::Norm(t), t, t),
+            _ => return Ok(None),
+        },
+        _ => return Ok(None),
+    };
+    let (&Kernel::RmsNorm { x, width, residual, .. }, &Kernel::RmsNorm { out: y, .. }, &Kernel::MatMul { x: mx, k, .. }) =
+        (&s[first].kernel, &s[last].kernel, &s[group[0]].kernel)
+    else {
+        return Ok(None);
+    };
+    if plan.rows() != 1 || mx != y || k != width || !width.is_multiple_of(128) || width > PROLOGUE_MAX || s[first].rows != s[group[0]].rows {
+        return Ok(None);
+    }
+    let (norm_writes, m_writes) = (op_writes(plan, norm), op_writes(plan, m));
+    let clash = |a: Slot| m_writes.iter().any(|w| overlaps(*w, a));
+    // x from the private row: its producer is a plain one-matrix launch and the norm its only reader.
+    let x_private = clash(x)
+        && match producer {
+            Some(Op::MatVecs { steps: p, glu: None, epi: None, .. }) if p.len() == 1 => {
+                matches!(s[p[0]].kernel, Kernel::MatMul { out, .. } if out == x) && !read_later(plan, x, p[0], &[first])
+            }
+            _ => false,
+        };
+    let res_in = match residual {
+        Some(r) if clash(r) => match mirror.iter().position(|h| *h == Some(r)) {
+            Some(i) => Some(i + 1),
+            None => return Ok(None),
+        },
+        _ => None,
+    };
+    if clash(x) && !x_private {
+        return Ok(None);
+    }
+    let arena_reads: Vec<Slot> = [(!x_private).then_some(x), residual.filter(|_| res_in.is_none())].into_iter().flatten().collect();
+    let write_y = read_later(plan, y, last, group);
+    let aligned = [x].iter().chain(&residual).chain(&norm_writes).all(|s| s.offset.is_multiple_of(4));
+    // Block 0 writes h (of a pair) and y (if read later) to their slots.
+    let h = matches!(e, Epilogue::Pair(..)).then(|| s[first].kernel.out());
+    let ok = aligned
+        && h.is_none_or(|h| !clash(h))
+        && (!write_y || (!clash(y) && arena_reads.iter().all(|r| !overlaps(y, *r))));
+    let h_out = if res_in == Some(1) { 2 } else { 1 };
+    Ok(ok.then_some(Prologue { norm: e, write_y, x_private, res_in, h_out }))
+}
+
 /// A fused launch starting at step `i` and how many steps it covers, if one applies.
 fn fuse_at(steps: &[Step], i: usize, weights: &dyn WeightShapes) -> Result<Option<(Op, usize)>, RuntimeError> {
     let at = |j: usize| steps.get(j).filter(|s| s.rows == steps[i].rows).map(|s| &s.kernel);
@@ -315,12 +532,12 @@ fn fuse_at(steps: &[Step], i: usize, weights: &dyn WeightShapes) -> Result<Optio
             if let (2, Some(&Kernel::GeluMul { gate, up, out, .. })) = (group.len(), at(i + 2)) {
                 // The matrix-vector kernel reads x quantized (a copy); cuBLAS runs the steps in order.
                 if gate == outs[0] && up == outs[1] && fusable(&[outs[0], outs[1], out], &[], &[]) {
-                    return Ok(Some((Op::MatVecs { steps: group, glu: Some(i + 2), epi: None }, 3)));
+                    return Ok(Some((Op::MatVecs { steps: group, glu: Some(i + 2), epi: None, pro: None }, 3)));
                 }
             }
             if group.len() > 1 && fusable(&outs, &[x], &[]) {
                 let n = group.len();
-                return Ok(Some((Op::MatVecs { steps: group, glu: None, epi: None }, n)));
+                return Ok(Some((Op::MatVecs { steps: group, glu: None, epi: None, pro: None }, n)));
             }
         }
         Kernel::RmsNorm { x, weight, out: h, width, eps, residual: Some(r) } => {
@@ -384,6 +601,8 @@ pub struct CudaExecutable {
     launches: Vec<Launch>,
     /// Two buffers of quantized matrix-vector inputs (`MATVEC_ROWS` rows of the widest input).
     xq: Vec<DeviceBuffer>,
+    /// The private rows of the norm prologues (`PRIVATE_ROWS` rows of `PROLOGUE_MAX` floats).
+    private: DeviceBuffer,
     /// Zeroed counters and argmax slots of the fused kernels (each kernel leaves them zeroed):
     /// `MATVEC_ROWS * ARGMAX_SLOTS` keys, `MATVEC_ROWS` flags, the epilogue and argmax arrival
     /// counters, then the per-32-row counters of the quantized `GeluMul` outputs.
@@ -407,6 +626,8 @@ struct EpilogueArgs {
     w1: u64,
     residual: u64,
     h: u64,
+    /// A second copy of h (of the input for a single norm): a prologue's residual mirror.
+    h2: u64,
     w2: u64,
     out: u64,
     xq: u64,
@@ -415,8 +636,9 @@ struct EpilogueArgs {
 
 /// One matrix-vector launch: up to three matrices of one format (with their outputs) over `rows`
 /// rows of the quantized input `xq`; `glu`: the `GeluMul` output of two matrices (quantized into
-/// `gq` too when not 0); `epi`: the norm of the products computed by the last block; `argmax` (not 0):
-/// only the argmax of each row is written there.
+/// `gq` too when not 0); `epi`: the norm of the products computed by the last block, or with `px`
+/// (not 0) the norm of px computed first by every block, whose output is the launch's input;
+/// `argmax` (not 0): only the argmax of each row is written there.
 struct MatVecArgs<'a> {
     xq: u64,
     mats: &'a [(WeightId, u64)],
@@ -425,6 +647,7 @@ struct MatVecArgs<'a> {
     rows: usize,
     epi: Option<&'a EpilogueArgs>,
     argmax: u64,
+    px: u64,
 }
 
 /// Input width of a matrix-vector group.
@@ -492,6 +715,7 @@ impl CudaExecutable {
         let xq = (0..2).map(|_| DeviceBuffer::new(&device.ctx, MATVEC_ROWS * xq_bytes(max_k))).collect::<Result<Vec<_>, _>>()?;
         let sync_bytes = SYNC_GLU as usize + 4 * MATVEC_ROWS * max_n.div_ceil(32);
         let sync = DeviceBuffer::new(&device.ctx, sync_bytes)?;
+        let private = DeviceBuffer::new(&device.ctx, PRIVATE_ROWS * PROLOGUE_MAX * 4)?;
         {
             let _guard = device.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
             device.ctx.bind_to_thread().map_err(cuda_err)?;
@@ -499,11 +723,16 @@ impl CudaExecutable {
             unsafe { cudarc::driver::result::memset_d8_async(sync.ptr(), 0, sync_bytes, device.stream.cu_stream()) }.map_err(cuda_err)?;
             device.sync()?;
         }
-        Ok(CudaExecutable { plan, weights, device, arena, step, head, head_values, vocab, graph: None, use_graphs, launches, xq, sync })
+        Ok(CudaExecutable { plan, weights, device, arena, step, head, head_values, vocab, graph: None, use_graphs, launches, xq, private, sync })
     }
 
     fn slot(&self, s: Slot) -> u64 {
         self.arena.ptr() + 4 * s.offset as u64
+    }
+
+    /// Private row `i` of the norm prologues.
+    fn private_row(&self, i: usize) -> u64 {
+        self.private.ptr() + (4 * PROLOGUE_MAX * i) as u64
     }
 
     /// Enqueues every step of the plan for `n` active rows.
@@ -515,10 +744,15 @@ impl CudaExecutable {
             let quant_out = l.quant_out.map_or(0, |b| self.xq[b].ptr());
             match &l.op {
                 Op::Step(i) => self.enqueue_step(*i, n, kv, scratch, quant_out, l.xq_in)?,
-                Op::MatVecs { steps, glu, epi } => {
+                Op::MatVecs { steps, glu, epi, pro } => {
                     let rows = rows_of(self.plan.steps[steps[0]].rows, n);
                     if rows > MATVEC_ROWS {
-                        for &i in steps.iter().chain(glu) {
+                        let norms: Vec<usize> = match pro.map(|p| p.norm) {
+                            Some(Epilogue::Norm(t)) => vec![t],
+                            Some(Epilogue::Pair(a, b)) => vec![a, b],
+                            None => vec![],
+                        };
+                        for &i in norms.iter().chain(steps).chain(glu) {
                             self.enqueue_step(i, n, kv, scratch, 0, None)?;
                         }
                         continue;
@@ -528,23 +762,44 @@ impl CudaExecutable {
                     for &i in steps {
                         if let Kernel::MatMul { x: xs, w, out, .. } = self.plan.steps[i].kernel {
                             x = self.slot(xs);
-                            mats.push((w, self.slot(out)));
+                            mats.push((w, if l.private_out { self.private_row(0) } else { self.slot(out) }));
                         }
                     }
                     let glu = match glu.map(|g| &self.plan.steps[g].kernel) {
                         Some(&Kernel::GeluMul { out, .. }) => self.slot(out),
                         _ => 0,
                     };
-                    let epi = match epi {
-                        Some(e) => Some(self.epilogue_args(*e, quant_out)?),
-                        None => None,
+                    let epi = match (epi, pro) {
+                        (Some(e), _) => Some(self.epilogue_args(*e, quant_out)?),
+                        (None, Some(p)) => {
+                            let mut e = self.epilogue_args(p.norm, self.xq[0].ptr())?;
+                            if !p.write_y {
+                                e.out = 0;
+                            }
+                            if let Some(i) = p.res_in {
+                                e.residual = self.private_row(i);
+                            }
+                            e.h2 = self.private_row(p.h_out);
+                            Some(e)
+                        }
+                        (None, None) => None,
+                    };
+                    // A prologue's input: the first norm's.
+                    let px = match pro {
+                        Some(Prologue { x_private: true, .. }) => self.private_row(0),
+                        Some(Prologue { norm: Epilogue::Norm(t) | Epilogue::Pair(t, _), .. }) => match self.plan.steps[*t].kernel {
+                            Kernel::RmsNorm { x, .. } => self.slot(x),
+                            _ => return Err(cuda_err("a prologue is not a norm")),
+                        },
+                        None => 0,
                     };
                     let xq = match l.xq_in {
+                        _ if px != 0 => self.xq[0].ptr(),
                         Some(b) => self.xq[b].ptr(),
                         None => self.quantize(x, mats_k(&self.weights, &mats)?, rows)?,
                     };
                     let gq = if glu != 0 { quant_out } else { 0 };
-                    self.matvecs(MatVecArgs { xq, mats: &mats, glu, gq, rows, epi: epi.as_ref(), argmax: 0 })?;
+                    self.matvecs(MatVecArgs { xq, mats: &mats, glu, gq, rows, epi: epi.as_ref(), argmax: 0, px })?;
                 }
                 &Op::NormPair { first: a, second: b } => {
                     let (Kernel::RmsNorm { x, weight, out: h, width, eps, residual: Some(r) }, Kernel::RmsNorm { weight: w2, out, .. }) =
@@ -570,6 +825,7 @@ impl CudaExecutable {
                         ],
                     )?;
                 }
+                &Op::QkAttention { qk, att } => self.attention(att, n, kv, quant_out, Some(qk))?,
                 &Op::QkNormRope([a, b, c, e]) => {
                     let s = &self.plan.steps;
                     let (
@@ -623,7 +879,7 @@ impl CudaExecutable {
         Ok(match e {
             Epilogue::Norm(t) => {
                 let Kernel::RmsNorm { weight, out, eps, .. } = s[t].kernel else { return Err(cuda_err("an epilogue is not a norm")) };
-                EpilogueArgs { w1: self.weights.vector(weight)?.ptr(), residual: 0, h: 0, w2: 0, out: self.slot(out), xq, eps }
+                EpilogueArgs { w1: self.weights.vector(weight)?.ptr(), residual: 0, h: 0, h2: 0, w2: 0, out: self.slot(out), xq, eps }
             }
             Epilogue::Pair(a, b) => {
                 let (Kernel::RmsNorm { weight, out: h, eps, residual: Some(r), .. }, Kernel::RmsNorm { weight: w2, out, .. }) =
@@ -635,6 +891,7 @@ impl CudaExecutable {
                     w1: self.weights.vector(*weight)?.ptr(),
                     residual: self.slot(*r),
                     h: self.slot(*h),
+                    h2: 0,
                     w2: self.weights.vector(*w2)?.ptr(),
                     out: self.slot(*out),
                     xq,
@@ -674,7 +931,7 @@ impl CudaExecutable {
             _ => 1,
         };
         let sync = self.sync.ptr();
-        let e = a.epi.copied().unwrap_or(EpilogueArgs { w1: 0, residual: 0, h: 0, w2: 0, out: 0, xq: 0, eps: 0.0 });
+        let e = a.epi.copied().unwrap_or(EpilogueArgs { w1: 0, residual: 0, h: 0, h2: 0, w2: 0, out: 0, xq: 0, eps: 0.0 });
         let mut args = Vec::with_capacity(28);
         args.extend((0..3).map(|i| Arg::U64(ms.get(i).map_or(0, |m| m.buf.ptr()))));
         args.push(Arg::U64(m.row_bytes as u64));
@@ -683,10 +940,11 @@ impl CudaExecutable {
         args.extend([Arg::U64(a.glu), Arg::U64(a.xq), Arg::I32(m.k as i32), Arg::I32(a.rows as i32), Arg::I32(split as i32)]);
         args.extend([Arg::U64(a.gq), Arg::U64(sync + SYNC_GLU)]);
         args.extend([Arg::U64(e.w1), Arg::U64(e.residual), Arg::U64(e.h), Arg::U64(e.w2), Arg::U64(e.out), Arg::U64(e.xq)]);
-        let ecnt = if a.epi.is_some() { sync + SYNC_EPI } else { 0 };
-        args.extend([Arg::U64(ecnt), Arg::F32(e.eps), Arg::U64(sync), Arg::U64(a.argmax), Arg::U64(sync + SYNC_ARGMAX)]);
+        let ecnt = if a.epi.is_some() && a.px == 0 { sync + SYNC_EPI } else { 0 };
+        args.extend([Arg::U64(ecnt), Arg::F32(e.eps), Arg::U64(sync), Arg::U64(a.argmax), Arg::U64(sync + SYNC_ARGMAX), Arg::U64(a.px), Arg::U64(e.h2)]);
         let blocks = groups.div_ceil(MATVEC_WARPS / split);
-        let shared = if kernel == "matvec4" { matvec4_shared_bytes(fmt) } else { 0 };
+        let ring = if kernel == "matvec4" { matvec4_shared_bytes(fmt) } else { 0 };
+        let shared = if a.px != 0 { ring + (xq_bytes(m.k) as u32).next_multiple_of(16) } else { ring };
         self.device.launch_shared(&format!("{kernel}_{fmt}"), (blocks as u32, 1), 32 * MATVEC_WARPS as u32, shared, &args)
     }
 
@@ -699,7 +957,7 @@ impl CudaExecutable {
                 Some(b) => self.xq[b].ptr(),
                 None => self.quantize(x, self.weights.matrix(w)?.k, rows)?,
             };
-            return self.matvecs(MatVecArgs { xq, mats: &[(w, out)], glu: 0, gq: 0, rows, epi: None, argmax: 0 });
+            return self.matvecs(MatVecArgs { xq, mats: &[(w, out)], glu: 0, gq: 0, rows, epi: None, argmax: 0, px: 0 });
         }
         let d = &*self.device;
         let m = self.weights.matrix(w)?;
@@ -849,7 +1107,7 @@ impl CudaExecutable {
                             ],
                         )?;
                     } else {
-                        self.matvecs(MatVecArgs { xq, mats: &[(wid, 0)], glu: 0, gq: 0, rows, epi: None, argmax })?;
+                        self.matvecs(MatVecArgs { xq, mats: &[(wid, 0)], glu: 0, gq: 0, rows, epi: None, argmax, px: 0 })?;
                     }
                 } else {
                     self.matmul(self.slot(x), wid, self.head.ptr(), rows, scratch, None)?;
@@ -872,7 +1130,7 @@ impl CudaExecutable {
                     ],
                 )?;
             }
-            Kernel::Attention { .. } => self.attention(i, active, kv, quant_out)?,
+            Kernel::Attention { .. } => self.attention(i, active, kv, quant_out, None)?,
             Kernel::Add { a, b, out, width } => self.elementwise(self.slot(a), self.slot(b), self.slot(out), rows * width, 0)?,
             Kernel::Mul { a, b, out, width } => self.elementwise(self.slot(a), self.slot(b), self.slot(out), rows * width, 1)?,
             Kernel::Gelu { x, out, width } => self.elementwise(self.slot(x), 0, self.slot(out), rows * width, 2)?,
@@ -892,11 +1150,23 @@ impl CudaExecutable {
     }
 
     /// Attention step `i` over `active` new rows, its output also quantized into `quant_out` (0:
-    /// not), and the KV append.
-    fn attention(&self, i: usize, active: usize, kv: &CudaKvCache, quant_out: u64) -> Result<(), RuntimeError> {
-        let Kernel::Attention { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale } = self.plan.steps[i].kernel else {
+    /// not), and the KV append; with `qk` (see `Op::QkAttention`), the q/k norm and RoPE steps
+    /// before it too.
+    fn attention(&self, i: usize, active: usize, kv: &CudaKvCache, quant_out: u64, qk: Option<[usize; 4]>) -> Result<(), RuntimeError> {
+        let Kernel::Attention { mut q, mut k, v, out, layer, q_heads, kv_heads, head_dim, window, scale } = self.plan.steps[i].kernel else {
             return Err(cuda_err("not an attention step"));
         };
+        // The norm weights, RoPE base and epsilon of a fused q/k norm (null weights: none).
+        let (mut wq, mut wk, mut theta, mut eps) = (0, 0, 0f32, 0f32);
+        if let Some([a, b, c, _]) = qk {
+            let s = &self.plan.steps;
+            let (&Kernel::RmsNorm { x: xq, weight: w1, eps: e, .. }, &Kernel::RmsNorm { x: xk, weight: w2, .. }, &Kernel::Rope { theta: t, .. }) =
+                (&s[a].kernel, &s[b].kernel, &s[c].kernel)
+            else {
+                return Err(cuda_err("a fused q/k norm and RoPE is not two norms and two RoPEs"));
+            };
+            (q, k, wq, wk, theta, eps) = (xq, xk, self.weights.vector(w1)?.ptr(), self.weights.vector(w2)?.ptr(), t, e);
+        }
         let d = &*self.device;
         let l = kv.layers.get(layer).ok_or_else(|| RuntimeError::StepShape(format!("the KV cache has no layer {layer}")))?;
         if l.spec.k_width() != kv_heads * head_dim || l.spec.v_width() != kv_heads * head_dim || l.spec.window != window {
@@ -925,6 +1195,10 @@ impl CudaExecutable {
                 Arg::F32(scale),
                 Arg::I32(append as i32),
                 Arg::U64(quant_out),
+                Arg::U64(wq),
+                Arg::U64(wk),
+                Arg::F32(theta),
+                Arg::F32(eps),
             ],
         )?;
         if append {
@@ -1075,18 +1349,41 @@ mod tests {
     }
 
     #[test]
-    fn a_gemma3_decode_step_is_six_launches_per_layer() {
+    fn a_gemma3_decode_step_is_five_launches_per_layer() {
         let (_, l) = launches(Bucket::Decode { past: 16, seqs: 1 }, FormatMix::All(GgmlType::Q4_K));
         let names: Vec<String> = l.iter().map(|l| format!("{:?}", l.op).split([' ', '(']).next().unwrap_or("").to_string()).collect();
         println!("{names:?}");
-        // embed, the first norm, then per layer: q/k/v, q/k norms and RoPE, attention, the output
-        // projection with the norm pair after it, gate/up/GELU, down with its norm pair; then the
-        // head with its argmax.
-        assert_eq!(l.iter().filter(|l| matches!(l.op, Op::MatVecs { epi: Some(_), .. })).count(), 6, "{l:#?}");
-        assert_eq!(l.len(), 2 + 3 * 6 + 1, "{l:#?}");
-        // Every matrix-vector input but the first layer's q/k/v is already quantized.
+        // embed, then per layer: q/k/v with the norm (pair) before them, attention with the q/k
+        // norms and RoPE, the output projection, gate/up/GELU with the norm pair before them, down
+        // (the last with the final norm pair after it); then the head with its argmax.
+        assert_eq!(l.iter().filter(|l| matches!(l.op, Op::MatVecs { pro: Some(_), .. })).count(), 6, "{l:#?}");
+        assert_eq!(l.iter().filter(|l| matches!(l.op, Op::MatVecs { epi: Some(_), .. })).count(), 1, "{l:#?}");
+        assert_eq!(l.iter().filter(|l| matches!(l.op, Op::QkAttention { .. })).count(), 3, "{l:#?}");
+        assert_eq!(l.len(), 1 + 3 * 5 + 1, "{l:#?}");
+        // The output and down projections and the head read their inputs already quantized.
         let quantized = l.iter().filter(|l| l.xq_in.is_some()).count();
-        assert_eq!(quantized, 3 * 4 + 1, "{l:#?}");
+        assert_eq!(quantized, 3 * 2 + 1, "{l:#?}");
+    }
+
+    #[test]
+    fn the_default_models_decode_step_fuses_every_norm_into_a_launch() {
+        let path = kiln_hub::ensure_default_model().unwrap();
+        let file = Arc::new(kiln_gguf::GgufFile::open(&path).unwrap());
+        let arch = kiln_models::architecture_from_gguf(&file).unwrap();
+        let store = WeightStore::new(file).unwrap();
+        let bucket = Bucket::Decode { past: 512, seqs: 1 };
+        let plan = kiln_runtime::compile(&arch.build_graph(bucket, OutputMode::NextToken).unwrap(), &store).unwrap();
+        let l = lower(&plan, &store).unwrap();
+        let layers = 18;
+        // Per layer q/k/v (two launches where v's format differs), attention, the output
+        // projection, gate/up/GELU, down; the embedding and the head.
+        let split_qkv = l.iter().filter(|l| matches!(&l.op, Op::MatVecs { steps, .. } if steps.len() == 1 && matches!(plan.steps[steps[0]].kernel, Kernel::MatMul { n, .. } if n == 256))).count();
+        println!("{} launches, {split_qkv} separate v projections", l.len());
+        for x in &l {
+            println!("{:?} xq_in {:?} quant_out {:?}", x.op, x.xq_in, x.quant_out);
+        }
+        assert_eq!(l.iter().filter(|l| matches!(l.op, Op::NormPair { .. } | Op::QkNormRope(_))).count(), 0);
+        assert_eq!(l.len(), 2 + 5 * layers + split_qkv);
     }
 
     #[test]
