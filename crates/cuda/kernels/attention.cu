@@ -13,14 +13,14 @@
 // keys and values to the cache: the slot it writes holds a position no query of this step reads.
 // With `xq`, the output row is also written quantized for the next matrix-vector product.
 // With `wq` (one new row, d a multiple of 64): q and k_new are the projections before their per-head
-// RMS norms (weights wq, wk) and NeoX RoPE at the row's position (base `theta`); the block applies
-// them to its query head (warp 0) and its group's key head (warp 1) first, into shared memory, so
-// the decode step needs no separate q/k norm kernel. Their rotation angles are computed before
-// waiting for the kernels that write q and k.
+// RMS norms (weights wq, wk) and NeoX RoPE at the row's position, whose cosines and sines
+// `rope` holds (d / 2 pairs, written by set_inputs, several launches back: read before waiting);
+// the block applies them to its query head (warp 0) and its group's key head (warp 1) first, into
+// shared memory, so the decode step needs no separate q/k norm kernel.
 extern "C" __global__ void attention(const float* q, const float* k_new, const float* v_new, float* k_cache,
                                      float* v_cache, float* out, const int* step, int q_heads, int kv_heads,
                                      int d, int window, float scale, int append, u8* xq, const float* wq,
-                                     const float* wk, float theta, float eps) {
+                                     const float* wk, const float2* rope, float eps) {
     __shared__ float s_acc[ATT_WARPS][ATT_MAX_DIM];
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
     __shared__ float s_qk[2][ATT_MAX_DIM];
@@ -32,7 +32,7 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
     int lo = window > 0 ? max(0, p + 1 - window) : 0;
     int kvw = kv_heads * d, per = d >> 5;
     // Lane l of warps 0 and 1 holds elements l + 32t of its head; element l + 32t pairs with
-    // l + 32(t + per / 2) in the rotation, whose angle is p / theta^(2(l + 32t) / d).
+    // l + 32(t + per / 2) in the rotation, by angle l + 32t of the table.
     float rw[ATT_MAX_DIM / 32], rc[ATT_MAX_DIM / 64], rs[ATT_MAX_DIM / 64];
     bool rot = wq && warp < 2;
     if (rot) {
@@ -41,12 +41,9 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
         for (int t = 0; t < ATT_MAX_DIM / 32; t++) rw[t] = t < per ? w[lane + 32 * t] : 0.f;
 #pragma unroll
         for (int t = 0; t < ATT_MAX_DIM / 64; t++) {
-            if (t < per / 2) {
-                double inv_freq = 1.0 / pow((double)theta, (double)(2 * (lane + 32 * t)) / (double)d);
-                double ang = (double)p * inv_freq;
-                rc[t] = (float)cos(ang);
-                rs[t] = (float)sin(ang);
-            }
+            float2 cs = t < per / 2 ? rope[lane + 32 * t] : make_float2(1.f, 0.f);
+            rc[t] = cs.x;
+            rs[t] = cs.y;
         }
     }
     // The cached rows were written by earlier steps: brought into L2 before waiting for this step's

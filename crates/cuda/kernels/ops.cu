@@ -2,9 +2,19 @@
 
 // Writes the step's token ids and positions into the arena: `step` = [start, rows, token...].
 // The past length lives in device memory, so a captured graph serves every step of its bucket.
-extern "C" __global__ void set_inputs(const int* step, int* tokens, int* positions) {
+// For one-row steps also the RoPE cosines and sines of position `start` for `n_rope` (<= 2) bases
+// (theta0, theta1), `half` pairs each, into rope[c * half + i] (angles in double, as the CPU and
+// the rope kernel compute them).
+extern "C" __global__ void set_inputs(const int* step, int* tokens, int* positions, float2* rope, int n_rope, int half,
+                                      float theta0, float theta1) {
     pdl_wait();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n_rope * half) {
+        int j = i % half;
+        double inv_freq = 1.0 / pow((double)(i < half ? theta0 : theta1), (double)(2 * j) / (double)(2 * half));
+        double ang = (double)step[0] * inv_freq;
+        rope[i] = make_float2((float)cos(ang), (float)sin(ang));
+    }
     if (i >= step[1]) return;
     if (tokens) tokens[i] = step[2 + i];
     if (positions) positions[i] = step[0] + i;

@@ -459,15 +459,16 @@ __device__ __forceinline__ u64 argmax_key(float v, int i) {
 
 // Widest row the norm epilogue takes (EPI_PER float4 per thread of a MV_WARPS-warp block).
 #define EPI_PER 8
+// Widest row the norm prologue takes (PRO_PER float4 per thread of a MV_WARPS-warp block:
+// PROLOGUE_MAX in exec.rs).
+#define PRO_PER 2
 
 // The norm (pair) of one row x of k <= 4 * EPI_PER * blockDim.x elements by one block, every
 // input loaded before the first reduction: y = x / rms(x) * w1 (res null), or h = res + x /
-// rms(x) * w1 and y = h / rms(h) * w2; h and y are written to `h` and `out` and y quantized to xq
-// (each when given), and h (x without res) to h2 when given. x may have been written by other
-// blocks of this launch (read through L2).
-// Rows are 16-byte aligned.
+// rms(x) * w1 and y = h / rms(h) * w2; y is written to `out` and quantized to xq (when given). x
+// was written by other blocks of this launch (read through L2). Rows are 16-byte aligned.
 __device__ __noinline__ void norm_epilogue(const float* x, const float* w1, const float* res, float* h, const float* w2,
-                                              float* out, u8* xq, int k, float eps, float* scratch, float* h2) {
+                                              float* out, u8* xq, int k, float eps, float* scratch) {
     float4 v[EPI_PER];
     float ss = 0.f;
 #pragma unroll
@@ -507,9 +508,8 @@ __device__ __noinline__ void norm_epilogue(const float* x, const float* w1, cons
         float s = res ? inv2 : inv;
         float4 y = make_float4(v[j].x * s * w.x, v[j].y * s * w.y, v[j].z * s * w.z, v[j].w * s * w.w);
         if (i < k) {
-            if (res && h) *(float4*)(h + i) = v[j];
-            if (h2) *(float4*)(h2 + i) = v[j];
-            if (out) *(float4*)(out + i) = y;
+            if (res) *(float4*)(h + i) = v[j];
+            *(float4*)(out + i) = y;
         }
         if (xq) quantize32x4(y, xq, k, i);
     }
@@ -526,10 +526,10 @@ __device__ __noinline__ void norm_epilogue(const float* x, const float* w1, cons
 //   norm (pair) of the products o0 (see norm_epilogue): all of them are written by then.
 // - `px` (one activation row, no `ecnt`): x is not given quantized but as the input px of a norm
 //   (pair) with the epilogue's arguments (ew1, er, eh, ew2, eout, eps): every block computes it
-//   (norm_epilogue) into its dynamic shared memory (after the ring) right after waiting, and reads
-//   it there instead of xq; block 0 also writes h (eh), a copy of h or of x without residual
-//   (eh2), y (eout, when given) and y quantized (exq, when given) for later launches. No norm
-//   kernel, no last-block tail.
+//   into its dynamic shared memory (after the ring) right after waiting, and reads it there
+//   instead of xq; block 0 also writes h (eh), a copy of h or of x without residual (eh2), y
+//   (eout, when given) and y quantized (exq, when given) for later launches. No norm kernel, no
+//   last-block tail.
 // - STAGES > 0 (formats with staged chunks): each lane keeps its next STAGES - 1 chunks (of all R
 //   rows) in flight as asynchronous copies into dynamic shared memory (mv_stage_bytes per block)
 //   instead of loading one chunk at a time into registers.
@@ -549,7 +549,7 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
     // its R output rows, each walking every split-th run of 32 chunks.
     int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int warp = blockIdx.x * (MV_WARPS / split) + wi / split, piece = wi % split;
-    if (ecnt || px) {
+    if (ecnt) {
         // Whichever block computes the norm finds its vectors in L2: the blocks prefetch the
         // 128-byte lines of w1, the residual and w2 (L2 is coherent: the residual may be prefetched
         // before its writer is known to be done).
@@ -563,13 +563,57 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
         }
     }
     u64 bpr = rb / Fmt<T>::bytes, xqb = xq_bytes(k);
-    // The norm prologue (px), once the kernels that write its inputs are done.
+    // The norm prologue (px): the residual and the norm weights (written by no kernel of the step
+    // or by one at least two launches back, complete once this block runs) are loaded before
+    // waiting; x, the products of the launch before, after it.
+    float4 pres[PRO_PER], pw1[PRO_PER], pw2[PRO_PER];
+    if (px) {
+#pragma unroll
+        for (int j = 0; j < PRO_PER; j++) {
+            int i = 4 * (threadIdx.x + j * blockDim.x);
+            float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+            pw1[j] = i < k ? *(const float4*)(ew1 + i) : z;
+            pres[j] = i < k && er ? *(const float4*)(er + i) : z;
+            pw2[j] = i < k && er ? *(const float4*)(ew2 + i) : z;
+        }
+    }
     auto prologue = [&]() {
         if (!px) return;
         constexpr int ring = STAGES > 0 && Chunk<T>::NP > 0 ? MV_WARPS * STAGES * R * Chunk<T>::NP * 32 : 0;
         u8* sx = (u8*)(mv_dyn + ring);
         bool first = blockIdx.x == 0;
-        norm_epilogue(px, ew1, er, first ? eh : nullptr, ew2, first ? eout : nullptr, sx, k, eps, scratch, first ? eh2 : nullptr);
+        float4 v[PRO_PER];
+        float ss = 0.f;
+#pragma unroll
+        for (int j = 0; j < PRO_PER; j++) {
+            int i = 4 * (threadIdx.x + j * blockDim.x);
+            v[j] = i < k ? __ldcg((const float4*)(px + i)) : make_float4(0.f, 0.f, 0.f, 0.f);
+            ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+        }
+        float inv = 1.f / sqrtf(block_sum(ss, scratch) / (float)k + eps);
+        if (er) {
+            float ss2 = 0.f;
+#pragma unroll
+            for (int j = 0; j < PRO_PER; j++) {
+                float4 a = pres[j], w = pw1[j];
+                v[j] = make_float4(a.x + v[j].x * inv * w.x, a.y + v[j].y * inv * w.y, a.z + v[j].z * inv * w.z, a.w + v[j].w * inv * w.w);
+                ss2 += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+            }
+            inv = 1.f / sqrtf(block_sum(ss2, scratch) / (float)k + eps);
+        }
+#pragma unroll
+        for (int j = 0; j < PRO_PER; j++) {
+            int i = 4 * (threadIdx.x + j * blockDim.x);
+            if (4 * (j * blockDim.x + (threadIdx.x & ~31)) >= k) break;
+            float4 w = er ? pw2[j] : pw1[j];
+            float4 y = make_float4(v[j].x * inv * w.x, v[j].y * inv * w.y, v[j].z * inv * w.z, v[j].w * inv * w.w);
+            if (first && i < k) {
+                if (er) *(float4*)(eh + i) = v[j];
+                *(float4*)(eh2 + i) = v[j];
+                if (eout) *(float4*)(eout + i) = y;
+            }
+            quantize32x4(y, sx, k, i);
+        }
         __syncthreads();
         if (first && exq)
             for (int i = threadIdx.x; i < (int)(xqb >> 4); i += blockDim.x) ((uint4*)exq)[i] = ((const uint4*)sx)[i];
@@ -745,7 +789,7 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
         __threadfence();
         for (int r = 0; r < rows; r++)
             norm_epilogue(o0 + (u64)r * n0, ew1, er ? er + (u64)r * n0 : nullptr, eh ? eh + (u64)r * n0 : nullptr, ew2,
-                          eout + (u64)r * n0, exq ? exq + r * xq_bytes(n0) : nullptr, n0, eps, scratch, nullptr);
+                          eout + (u64)r * n0, exq ? exq + r * xq_bytes(n0) : nullptr, n0, eps, scratch);
         if (threadIdx.x == 0) *ecnt = 0;
         return;
     }

@@ -130,8 +130,11 @@ impl Device {
                 let func = module.load_function(&f).map_err(|e| cuda_err(format!("kernel '{f}': {e}")))?;
                 // Kernels whose blocks take more than the default 48 KiB of shared memory opt in.
                 // (The ring of matvec4 and a norm prologue's row.)
-                if let Some(bytes) =
-                    f.strip_prefix("matvec4_").map(crate::exec::matvec4_shared_bytes).filter(|&b| b > 0).map(|b| b + crate::exec::PROLOGUE_SHARED)
+                if let Some(bytes) = f
+                    .strip_prefix("matvec4_")
+                    .map(crate::exec::matvec4_shared_bytes)
+                    .filter(|&b| b > 0)
+                    .map(|b| b + crate::exec::PROLOGUE_SHARED)
                 {
                     func.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
                         .map_err(|e| cuda_err(format!("kernel '{f}': {bytes} bytes of shared memory: {e}")))?;

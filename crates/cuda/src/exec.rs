@@ -235,9 +235,16 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes) -> Result<Vec<Launch>, Runtime
     }
     if plan.rows() == 1 {
         let mut out: Vec<Op> = Vec::with_capacity(ops.len());
+        // The RoPE bases (at most ROPE_TABLES, one head size) of the fused attentions.
+        let mut ropes: Vec<(f32, usize)> = Vec::new();
         for op in ops {
             if let (Op::Step(att), Some(&Op::QkNormRope(qk))) = (&op, out.last()) {
-                if qk_attention_applies(plan, qk, *att) {
+                let rope = rope_of(plan, qk);
+                let fits = ropes.contains(&rope) || (ropes.len() < ROPE_TABLES && ropes.iter().all(|r| r.1 == rope.1));
+                if fits && qk_attention_applies(plan, qk, *att) {
+                    if !ropes.contains(&rope) {
+                        ropes.push(rope);
+                    }
                     out.pop();
                     out.push(Op::QkAttention { qk, att: *att });
                     continue;
@@ -402,11 +409,28 @@ fn epilogue_for(plan: &Plan, weights: &dyn WeightShapes, group: &[usize], next: 
     Ok(ok.then_some(e))
 }
 
+/// Widest key row (key heads x head size) whose attention takes the q/k norms and RoPE in: at wider
+/// rows the separate norm kernel is where the cached keys and values stream into L2 (measured on
+/// an H200: a synthetic 12B decode step, key rows of 2048, 3% slower fused; the 270M, 256, 17%
+/// faster together with the norm prologues).
+const FUSED_QK_MAX_KV: usize = 1024;
+
+/// RoPE tables the step's `set_inputs` computes (`n_rope` in ops.cu).
+const ROPE_TABLES: usize = 2;
+
+/// The RoPE base and head size of fused q/k norms and RoPE.
+fn rope_of(plan: &Plan, qk: [usize; 4]) -> (f32, usize) {
+    match plan.steps[qk[2]].kernel {
+        Kernel::Rope { theta, head_dim, .. } => (theta, head_dim),
+        _ => (0.0, 0),
+    }
+}
+
 /// Whether the q/k norms and RoPE `qk` (fused as `Op::QkNormRope`) can run inside the attention
 /// step `att` after them: a one-row plan whose positions are the step's, attention reading the
-/// rotated q and k of heads a multiple of 64 wide, nothing else reading the normed or rotated values
-/// (the fused kernel does not store them), and the attention output disjoint from q, k and v (its
-/// blocks write it while others read them).
+/// rotated q and k of heads a multiple of 64 wide, key rows of at most `FUSED_QK_MAX_KV`, nothing
+/// else reading the normed or rotated values (the fused kernel does not store them), and the
+/// attention output disjoint from q, k and v (its blocks write it while others read them).
 fn qk_attention_applies(plan: &Plan, qk: [usize; 4], att: usize) -> bool {
     let s = &plan.steps;
     let (
@@ -414,7 +438,7 @@ fn qk_attention_applies(plan: &Plan, qk: [usize; 4], att: usize) -> bool {
         &Kernel::RmsNorm { x: k, out: kn, .. },
         &Kernel::Rope { positions, out: qr, head_dim, .. },
         &Kernel::Rope { out: kr, .. },
-        &Kernel::Attention { q: aq, k: ak, v, out, head_dim: ad, .. },
+        &Kernel::Attention { q: aq, k: ak, v, out, head_dim: ad, kv_heads, .. },
     ) = (&s[qk[0]].kernel, &s[qk[1]].kernel, &s[qk[2]].kernel, &s[qk[3]].kernel, &s[att].kernel)
     else {
         return false;
@@ -428,6 +452,7 @@ fn qk_attention_applies(plan: &Plan, qk: [usize; 4], att: usize) -> bool {
         && ak == kr
         && ad == head_dim
         && head_dim.is_multiple_of(64)
+        && kv_heads * head_dim <= FUSED_QK_MAX_KV
         && !read_elsewhere
         && [q, k, v].iter().all(|r| !overlaps(out, *r))
 }
@@ -478,7 +503,8 @@ fn prologue_for(
     else {
         return Ok(None);
     };
-    if plan.rows() != 1 || mx != y || k != width || !width.is_multiple_of(128) || width > PROLOGUE_MAX || s[first].rows != s[group[0]].rows {
+    if plan.rows() != 1 || mx != y || k != width || !width.is_multiple_of(128) || width > PROLOGUE_MAX || s[first].rows != s[group[0]].rows
+    {
         return Ok(None);
     }
     let (norm_writes, m_writes) = (op_writes(plan, norm), op_writes(plan, m));
@@ -491,6 +517,10 @@ fn prologue_for(
             }
             _ => false,
         };
+    // (The residual is loaded before waiting for the launch before: it must not write it.)
+    if residual.is_some_and(|r| producer.is_some_and(|p| op_writes(plan, p).iter().any(|w| overlaps(*w, r)))) {
+        return Ok(None);
+    }
     let res_in = match residual {
         Some(r) if clash(r) => match mirror.iter().position(|h| *h == Some(r)) {
             Some(i) => Some(i + 1),
@@ -506,9 +536,7 @@ fn prologue_for(
     let aligned = [x].iter().chain(&residual).chain(&norm_writes).all(|s| s.offset.is_multiple_of(4));
     // Block 0 writes h (of a pair) and y (if read later) to their slots.
     let h = matches!(e, Epilogue::Pair(..)).then(|| s[first].kernel.out());
-    let ok = aligned
-        && h.is_none_or(|h| !clash(h))
-        && (!write_y || (!clash(y) && arena_reads.iter().all(|r| !overlaps(y, *r))));
+    let ok = aligned && h.is_none_or(|h| !clash(h)) && (!write_y || (!clash(y) && arena_reads.iter().all(|r| !overlaps(y, *r))));
     let h_out = if res_in == Some(1) { 2 } else { 1 };
     Ok(ok.then_some(Prologue { norm: e, write_y, x_private, res_in, h_out }))
 }
@@ -603,6 +631,10 @@ pub struct CudaExecutable {
     xq: Vec<DeviceBuffer>,
     /// The private rows of the norm prologues (`PRIVATE_ROWS` rows of `PROLOGUE_MAX` floats).
     private: DeviceBuffer,
+    /// The RoPE bases and head size of the fused attentions, and their tables of cosines and sines
+    /// at the step's position (written by `set_inputs`).
+    ropes: Vec<(f32, usize)>,
+    rope: DeviceBuffer,
     /// Zeroed counters and argmax slots of the fused kernels (each kernel leaves them zeroed):
     /// `MATVEC_ROWS * ARGMAX_SLOTS` keys, `MATVEC_ROWS` flags, the epilogue and argmax arrival
     /// counters, then the per-32-row counters of the quantized `GeluMul` outputs.
@@ -716,6 +748,15 @@ impl CudaExecutable {
         let sync_bytes = SYNC_GLU as usize + 4 * MATVEC_ROWS * max_n.div_ceil(32);
         let sync = DeviceBuffer::new(&device.ctx, sync_bytes)?;
         let private = DeviceBuffer::new(&device.ctx, PRIVATE_ROWS * PROLOGUE_MAX * 4)?;
+        let mut ropes = Vec::new();
+        for l in &launches {
+            if let Op::QkAttention { qk, .. } = l.op {
+                if !ropes.contains(&rope_of(&plan, qk)) {
+                    ropes.push(rope_of(&plan, qk));
+                }
+            }
+        }
+        let rope = DeviceBuffer::new(&device.ctx, ROPE_TABLES * ropes.first().map_or(1, |r| r.1 / 2) * 8)?;
         {
             let _guard = device.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
             device.ctx.bind_to_thread().map_err(cuda_err)?;
@@ -723,7 +764,24 @@ impl CudaExecutable {
             unsafe { cudarc::driver::result::memset_d8_async(sync.ptr(), 0, sync_bytes, device.stream.cu_stream()) }.map_err(cuda_err)?;
             device.sync()?;
         }
-        Ok(CudaExecutable { plan, weights, device, arena, step, head, head_values, vocab, graph: None, use_graphs, launches, xq, private, sync })
+        Ok(CudaExecutable {
+            plan,
+            weights,
+            device,
+            arena,
+            step,
+            head,
+            head_values,
+            vocab,
+            graph: None,
+            use_graphs,
+            launches,
+            xq,
+            private,
+            ropes,
+            rope,
+            sync,
+        })
     }
 
     fn slot(&self, s: Slot) -> u64 {
@@ -739,7 +797,23 @@ impl CudaExecutable {
     fn enqueue(&self, n: usize, kv: &CudaKvCache, scratch: &mut Scratch) -> Result<(), RuntimeError> {
         let d = &*self.device;
         let (tokens, positions_in) = (self.input("tokens"), self.input("positions"));
-        d.launch("set_inputs", (n.div_ceil(256) as u32, 1), 256, &[Arg::U64(self.step.ptr()), Arg::U64(tokens), Arg::U64(positions_in)])?;
+        let half = self.ropes.first().map_or(0, |r| r.1 / 2);
+        let theta = |i: usize| self.ropes.get(i).map_or(0.0, |r| r.0);
+        d.launch(
+            "set_inputs",
+            (n.max(self.ropes.len() * half).div_ceil(256) as u32, 1),
+            256,
+            &[
+                Arg::U64(self.step.ptr()),
+                Arg::U64(tokens),
+                Arg::U64(positions_in),
+                Arg::U64(self.rope.ptr()),
+                Arg::I32(self.ropes.len() as i32),
+                Arg::I32(half as i32),
+                Arg::F32(theta(0)),
+                Arg::F32(theta(1)),
+            ],
+        )?;
         for l in &self.launches {
             let quant_out = l.quant_out.map_or(0, |b| self.xq[b].ptr());
             match &l.op {
@@ -941,7 +1015,15 @@ impl CudaExecutable {
         args.extend([Arg::U64(a.gq), Arg::U64(sync + SYNC_GLU)]);
         args.extend([Arg::U64(e.w1), Arg::U64(e.residual), Arg::U64(e.h), Arg::U64(e.w2), Arg::U64(e.out), Arg::U64(e.xq)]);
         let ecnt = if a.epi.is_some() && a.px == 0 { sync + SYNC_EPI } else { 0 };
-        args.extend([Arg::U64(ecnt), Arg::F32(e.eps), Arg::U64(sync), Arg::U64(a.argmax), Arg::U64(sync + SYNC_ARGMAX), Arg::U64(a.px), Arg::U64(e.h2)]);
+        args.extend([
+            Arg::U64(ecnt),
+            Arg::F32(e.eps),
+            Arg::U64(sync),
+            Arg::U64(a.argmax),
+            Arg::U64(sync + SYNC_ARGMAX),
+            Arg::U64(a.px),
+            Arg::U64(e.h2),
+        ]);
         let blocks = groups.div_ceil(MATVEC_WARPS / split);
         let ring = if kernel == "matvec4" { matvec4_shared_bytes(fmt) } else { 0 };
         let shared = if a.px != 0 { ring + (xq_bytes(m.k) as u32).next_multiple_of(16) } else { ring };
@@ -1153,19 +1235,23 @@ impl CudaExecutable {
     /// not), and the KV append; with `qk` (see `Op::QkAttention`), the q/k norm and RoPE steps
     /// before it too.
     fn attention(&self, i: usize, active: usize, kv: &CudaKvCache, quant_out: u64, qk: Option<[usize; 4]>) -> Result<(), RuntimeError> {
-        let Kernel::Attention { mut q, mut k, v, out, layer, q_heads, kv_heads, head_dim, window, scale } = self.plan.steps[i].kernel else {
+        let Kernel::Attention { mut q, mut k, v, out, layer, q_heads, kv_heads, head_dim, window, scale } = self.plan.steps[i].kernel
+        else {
             return Err(cuda_err("not an attention step"));
         };
-        // The norm weights, RoPE base and epsilon of a fused q/k norm (null weights: none).
-        let (mut wq, mut wk, mut theta, mut eps) = (0, 0, 0f32, 0f32);
-        if let Some([a, b, c, _]) = qk {
+        // The norm weights, RoPE table and epsilon of a fused q/k norm (null weights: none).
+        let (mut wq, mut wk, mut rope, mut eps) = (0, 0, 0, 0f32);
+        if let Some(qk @ [a, b, ..]) = qk {
             let s = &self.plan.steps;
-            let (&Kernel::RmsNorm { x: xq, weight: w1, eps: e, .. }, &Kernel::RmsNorm { x: xk, weight: w2, .. }, &Kernel::Rope { theta: t, .. }) =
-                (&s[a].kernel, &s[b].kernel, &s[c].kernel)
+            let (&Kernel::RmsNorm { x: xq, weight: w1, eps: e, .. }, &Kernel::RmsNorm { x: xk, weight: w2, .. }) =
+                (&s[a].kernel, &s[b].kernel)
             else {
                 return Err(cuda_err("a fused q/k norm and RoPE is not two norms and two RoPEs"));
             };
-            (q, k, wq, wk, theta, eps) = (xq, xk, self.weights.vector(w1)?.ptr(), self.weights.vector(w2)?.ptr(), t, e);
+            let r = rope_of(&self.plan, qk);
+            let table = self.ropes.iter().position(|&x| x == r).ok_or_else(|| cuda_err("no RoPE table for a fused attention"))?;
+            rope = self.rope.ptr() + (table * r.1 / 2 * 8) as u64;
+            (q, k, wq, wk, eps) = (xq, xk, self.weights.vector(w1)?.ptr(), self.weights.vector(w2)?.ptr(), e);
         }
         let d = &*self.device;
         let l = kv.layers.get(layer).ok_or_else(|| RuntimeError::StepShape(format!("the KV cache has no layer {layer}")))?;
@@ -1197,7 +1283,7 @@ impl CudaExecutable {
                 Arg::U64(quant_out),
                 Arg::U64(wq),
                 Arg::U64(wk),
-                Arg::F32(theta),
+                Arg::U64(rope),
                 Arg::F32(eps),
             ],
         )?;
@@ -1336,10 +1422,15 @@ mod tests {
     fn launches(bucket: Bucket, mix: FormatMix) -> (Plan, Vec<Launch>) {
         let shape =
             Gemma3Shape { hidden: 512, layers: 3, q_heads: 4, kv_heads: 1, head_dim: 128, ffn: 1024, vocab: 1000, window: 8, context: 64 };
+        launches_of(&shape, bucket, mix)
+    }
+
+    /// The launches of a Gemma 3 plan of `shape` and `bucket`.
+    fn launches_of(shape: &Gemma3Shape, bucket: Bucket, mix: FormatMix) -> (Plan, Vec<Launch>) {
         let dir = std::env::temp_dir().join(format!("kiln-cuda-lower-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(format!("{mix:?}.gguf").replace(['(', ')'], ""));
-        gemma3(&shape, mix, 7).write(&path).unwrap();
+        let path = dir.join(format!("{mix:?}-{}-{}.gguf", shape.hidden, shape.kv_heads).replace(['(', ')'], ""));
+        gemma3(shape, mix, 7).write(&path).unwrap();
         let file = Arc::new(kiln_gguf::GgufFile::open(&path).unwrap());
         let arch = kiln_models::architecture_from_gguf(&file).unwrap();
         let store = WeightStore::new(file).unwrap();
@@ -1384,6 +1475,17 @@ mod tests {
         }
         assert_eq!(l.iter().filter(|l| matches!(l.op, Op::NormPair { .. } | Op::QkNormRope(_))).count(), 0);
         assert_eq!(l.len(), 2 + 5 * layers + split_qkv);
+    }
+
+    #[test]
+    fn wide_rows_keep_the_norm_kernels() {
+        // Rows wider than PROLOGUE_MAX keep the norm epilogues, key rows wider than
+        // FUSED_QK_MAX_KV the separate q/k norm steps.
+        let shape =
+            Gemma3Shape { hidden: 2048, layers: 2, q_heads: 8, kv_heads: 8, head_dim: 256, ffn: 1024, vocab: 1000, window: 8, context: 64 };
+        let (_, l) = launches_of(&shape, Bucket::Decode { past: 16, seqs: 1 }, FormatMix::All(GgmlType::Q8_0));
+        assert!(l.iter().all(|l| !matches!(l.op, Op::MatVecs { pro: Some(_), .. } | Op::QkAttention { .. })), "{l:#?}");
+        assert_eq!(l.iter().filter(|l| matches!(l.op, Op::MatVecs { epi: Some(_), .. })).count(), 4, "{l:#?}");
     }
 
     #[test]
