@@ -62,6 +62,10 @@ impl Backend for CpuBackend {
     fn new_kv_cache(&self, layout: &KvLayout) -> Result<Box<dyn KvCache>, RuntimeError> {
         Ok(Box::new(CpuKvCache::new(layout)))
     }
+
+    fn runs_batches(&self) -> bool {
+        true
+    }
 }
 
 /// Recovers the CPU weights behind a `dyn DeviceWeights`.

@@ -108,6 +108,11 @@ unsafe impl Send for Device {}
 impl Device {
     /// Opens device `ordinal`, compiles (or loads from the disk cache) every kernel family.
     pub fn open(ordinal: usize) -> Result<Self, RuntimeError> {
+        if let Some(missing) = missing_library() {
+            return Err(cuda_err(format!(
+                "the CUDA {missing} library was not found (install the NVIDIA driver and CUDA 12.8+ runtime libraries, or run with --device cpu)"
+            )));
+        }
         let count = CudaContext::device_count().map_err(|e| cuda_err(format!("no usable CUDA driver: {e}")))?;
         if ordinal >= count.max(0) as usize {
             return Err(cuda_err(format!("device cuda:{ordinal} does not exist ({count} CUDA devices)")));
@@ -254,6 +259,21 @@ fn kernel_names(src: &str) -> Vec<String> {
 }
 
 /// NVRTC's version (major, minor).
+/// The first CUDA library this backend loads at run time that cannot be found ("driver", "NVRTC"
+/// or "cuBLAS"), if any: cudarc panics on a missing library, so it is checked before any call.
+pub(crate) fn missing_library() -> Option<&'static str> {
+    // SAFETY: these only try to open the shared libraries by name.
+    unsafe {
+        [
+            ("driver", cudarc::driver::sys::is_culib_present()),
+            ("NVRTC", cudarc::nvrtc::sys::is_culib_present()),
+            ("cuBLAS", cudarc::cublas::sys::is_culib_present()),
+        ]
+    }
+    .into_iter()
+    .find_map(|(name, present)| (!present).then_some(name))
+}
+
 fn nvrtc_version() -> Result<(i32, i32), RuntimeError> {
     let (mut major, mut minor) = (0, 0);
     // SAFETY: plain out-parameters.

@@ -40,7 +40,7 @@ impl CudaBackend {
 
     /// Whether a CUDA driver and at least one device are present.
     pub fn available() -> bool {
-        std::panic::catch_unwind(|| cudarc::driver::CudaContext::device_count().is_ok_and(|n| n > 0)).unwrap_or(false)
+        device::missing_library().is_none() && cudarc::driver::CudaContext::device_count().is_ok_and(|n| n > 0)
     }
 
     /// The device's name ("NVIDIA H200").
@@ -80,5 +80,24 @@ impl Backend for CudaBackend {
 
     fn new_kv_cache(&self, layout: &KvLayout) -> Result<Box<dyn KvCache>, RuntimeError> {
         Ok(Box::new(CudaKvCache::new(self.device.clone(), layout)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{device, CudaBackend};
+
+    #[test]
+    fn opening_a_device_without_cuda_is_an_error_that_names_what_is_missing() {
+        match CudaBackend::new(0) {
+            Ok(_) => assert!(CudaBackend::available()),
+            Err(e) => {
+                let msg = e.to_string();
+                assert!(msg.contains("CUDA"), "{msg}");
+                if device::missing_library().is_some() {
+                    assert!(!CudaBackend::available() && msg.contains("library was not found"), "{msg}");
+                }
+            }
+        }
     }
 }

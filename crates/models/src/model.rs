@@ -160,6 +160,9 @@ impl Model {
                 self.config.max_prefill_rows
             )));
         }
+        if !self.backend.runs_batches() {
+            return Ok(sessions.iter_mut().zip(chunks).map(|(s, c)| s.forward(c, mode)).collect());
+        }
         // Position of each session's last new token.
         let positions: Vec<usize> = sessions.iter().zip(&rows).map(|(s, r)| s.position() + r - 1).collect();
         let max_past = sessions.iter().map(|s| s.position()).max().unwrap_or(0);
@@ -167,13 +170,7 @@ impl Model {
             if decode { self.policy.decode_batch(max_past, sessions.len()) } else { self.policy.prefill_batch(total, sessions.len()) };
         let tokens: Vec<u32> = chunks.concat();
         let mut kvs: Vec<&mut dyn KvCache> = sessions.iter_mut().map(|s| s.kv.as_mut() as &mut dyn KvCache).collect();
-        let out = match self.with_plan(PlanKey { mode, bucket }, |exec| Ok(exec.run_batch(&tokens, &rows, &mut kvs)?)) {
-            // A backend that cannot run several sequences in one step runs them one by one.
-            Err(ModelError::Runtime(kiln_runtime::RuntimeError::Unsupported(_))) => {
-                return Ok(sessions.iter_mut().zip(chunks).map(|(s, c)| s.forward(c, mode)).collect());
-            }
-            out => out?,
-        };
+        let out = self.with_plan(PlanKey { mode, bucket }, |exec| Ok(exec.run_batch(&tokens, &rows, &mut kvs)?))?;
         let t = out.into_iter().next().ok_or_else(|| ModelError::Metadata("plan produced no output".into()))?;
         let width = t.shape[1];
         let row_result = |i: usize| -> Result<StepOutput, ModelError> {

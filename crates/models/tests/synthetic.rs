@@ -1084,4 +1084,18 @@ fn batched_decode_on_a_backend_without_it_decodes_one_by_one() {
     for (i, (w, g)) in want.into_iter().zip(got).enumerate() {
         assert_eq!(w.unwrap(), g.unwrap(), "prompt chunks, sequence {i}");
     }
+    // No plan for several sequences was compiled there: as many plans as running every step one
+    // sequence at a time by hand.
+    let by_hand = load(config());
+    let mut c = prefilled(&by_hand, &prompts);
+    for (step, mode) in [OutputMode::Logits, OutputMode::NextToken, OutputMode::Logits].into_iter().enumerate() {
+        let tokens = prompt(3, 600 + step as u64);
+        for (s, t) in c.iter_mut().zip(&tokens) {
+            s.forward(std::slice::from_ref(t), mode).unwrap();
+        }
+    }
+    for (s, chunk) in c.iter_mut().zip(&chunks) {
+        s.forward(chunk, OutputMode::Logits).unwrap();
+    }
+    assert_eq!(single.plans_compiled(), by_hand.plans_compiled());
 }

@@ -5,7 +5,7 @@ use std::arch::x86_64::*;
 
 use kiln_quant::GgmlType;
 
-use super::screen::GROUP_BLOCK_BYTES;
+use super::screen::{group_len, header_len, GROUP, GROUP_BLOCK_BYTES, WINDOW_BLOCKS};
 use super::{ActRow, KBlock};
 
 #[inline]
@@ -304,49 +304,53 @@ unsafe fn k_rows_of<const T: u8, const R: usize>(ty: GgmlType, src: &[u8], a: &[
 }
 
 /// The 8 scores of each of `out.len()` consecutive groups of the screening copy (`nb` blocks
-/// each; see `screen`) for `R` activation rows (8-bit levels, block scales, block offset terms), in
-/// the copy's lane order.
+/// each; see `screen`) for `R` activation rows (offset 8-bit levels and their scale), in row order.
+/// One 32-bit lane per row: `maddubs` of the offset activations (4 elements broadcast) with the
+/// signed levels, seven 16-bit additions (at most 8 · 4080 = 32640 per lane) and one `madd` with
+/// the block's multipliers give each row's block sum times its multiplier, accumulated in 32 bits
+/// per window (exact modulo 2³², and the window's true sum fits); the offset term `K` is
+/// subtracted before the conversion to f32.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn screen_groups<const R: usize>(groups: &[u8], nb: usize, a: [(&[i8], &[f32], &[f32]); R], out: &mut [[[f32; 8]; R]]) {
-    assert!(
-        groups.len() == out.len() * nb * GROUP_BLOCK_BYTES
-            && a.iter().all(|(q, d, o)| q.len() == 32 * nb && d.len() == nb && o.len() == nb)
-    );
-    let (m4, ones) = (_mm256_set1_epi8(15), _mm256_set1_epi16(1));
-    let (qs, ds, offs) = (a.map(|r| r.0.as_ptr()), a.map(|r| r.1.as_ptr()), a.map(|r| r.2.as_ptr()));
+pub unsafe fn screen_groups<const R: usize>(groups: &[u8], nb: usize, a: [(&[u8], f32); R], out: &mut [[[f32; 8]; R]]) {
+    let (head, glen) = (header_len(nb), group_len(nb));
+    assert!(groups.len() == out.len() * glen && a.iter().all(|(q, _)| q.len() == 32 * nb));
+    let (m4, eight, low16) = (_mm256_set1_epi8(15), _mm256_set1_epi8(8), _mm256_set1_epi32(0xffff));
+    let qs = a.map(|r| r.0.as_ptr());
     for (g, o) in out.iter_mut().enumerate() {
-        let grp = groups.as_ptr().add(g * nb * GROUP_BLOCK_BYTES);
-        let mut acc = [_mm256_setzero_ps(); R];
-        for b in 0..nb {
-            let p = grp.add(b * GROUP_BLOCK_BYTES);
-            let dw = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-            // Two rows per register: row 2i in the low 128 bits, row 2i + 1 in the high ones.
-            let (mut lo, mut hi) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
-            for i in 0..4 {
-                let v = _mm256_loadu_si256(p.add(16 + 32 * i) as *const __m256i);
-                lo[i] = _mm256_and_si256(v, m4);
-                hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        let grp = groups.as_ptr().add(g * glen);
+        let mut total = [_mm256_setzero_ps(); R];
+        for (win, w0) in (0..nb).step_by(WINDOW_BLOCKS).enumerate() {
+            let mut acc = [_mm256_setzero_si256(); R];
+            for b in w0..(w0 + WINDOW_BLOCKS).min(nb) {
+                let p = grp.add(head + b * GROUP_BLOCK_BYTES);
+                // Each row's multiplier in both 16-bit halves of its lane.
+                let m = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i));
+                let mv = _mm256_or_si256(_mm256_and_si256(m, low16), _mm256_slli_epi32(m, 16));
+                let mut w = [_mm256_setzero_si256(); 8];
+                for i in 0..4 {
+                    let v = _mm256_loadu_si256(p.add(GROUP + 32 * i) as *const __m256i);
+                    w[i] = _mm256_sub_epi8(_mm256_and_si256(v, m4), eight);
+                    w[i + 4] = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), eight);
+                }
+                for r in 0..R {
+                    let ap = qs[r].add(32 * b) as *const i32;
+                    let p: [__m256i; 8] =
+                        std::array::from_fn(|i| _mm256_maddubs_epi16(_mm256_set1_epi32(ap.add(i).read_unaligned()), w[i]));
+                    let s = _mm256_add_epi16(
+                        _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])),
+                        _mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])),
+                    );
+                    acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(s, mv));
+                }
             }
+            let k = _mm256_loadu_si256(grp.add(4 * GROUP * (1 + win)) as *const __m256i);
             for r in 0..R {
-                let ap = qs[r].add(32 * b);
-                let lo_act = _mm256_broadcastsi128_si256(_mm_loadu_si128(ap as *const __m128i));
-                let hi_act = _mm256_broadcastsi128_si256(_mm_loadu_si128(ap.add(16) as *const __m128i));
-                // At most 2 · 2 · 15 · 127 = 7620 per 16-bit lane; two rounds of additions keep every
-                // lane below 4 · 7620 = 30480, and the widening one leaves each row's sum in its lane
-                // (rows 0, 2, 4, 6, 1, 3, 5, 7: LANE_ROW).
-                let pair = |i: usize| _mm256_add_epi16(_mm256_maddubs_epi16(lo[i], lo_act), _mm256_maddubs_epi16(hi[i], hi_act));
-                // Interleave-and-add (`hadd` has a quarter of the throughput on Zen 3): 16-bit pairs,
-                // then 64-bit halves, leave each row's two partial sums side by side.
-                let dwords = |x: __m256i, y: __m256i| _mm256_add_epi16(_mm256_unpacklo_epi32(x, y), _mm256_unpackhi_epi32(x, y));
-                let (u01, u23) = (dwords(pair(0), pair(1)), dwords(pair(2), pair(3)));
-                let x = _mm256_add_epi16(_mm256_unpacklo_epi64(u01, u23), _mm256_unpackhi_epi64(u01, u23));
-                let h = _mm256_cvtepi32_ps(_mm256_madd_epi16(x, ones));
-                let (da, off) = (_mm256_broadcast_ss(&*ds[r].add(b)), _mm256_broadcast_ss(&*offs[r].add(b)));
-                acc[r] = _mm256_fmadd_ps(dw, _mm256_fmadd_ps(h, da, off), acc[r]);
+                total[r] = _mm256_add_ps(total[r], _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r], k)));
             }
         }
+        let base = _mm256_loadu_ps(grp as *const f32);
         for r in 0..R {
-            _mm256_storeu_ps(o[r].as_mut_ptr(), acc[r]);
+            _mm256_storeu_ps(o[r].as_mut_ptr(), _mm256_mul_ps(_mm256_mul_ps(base, _mm256_set1_ps(a[r].1)), total[r]));
         }
     }
 }

@@ -7,7 +7,7 @@ use std::arch::asm;
 
 use kiln_quant::GgmlType;
 
-use super::screen::GROUP_BLOCK_BYTES;
+use super::screen::{group_len, header_len, GROUP, GROUP_BLOCK_BYTES, WINDOW_BLOCKS};
 use super::{ActRow, KBlock};
 
 /// The four f16 lanes of `h` as f32 (`fcvtl`, base aarch64; the f16 intrinsics need a newer Rust
@@ -287,57 +287,61 @@ unsafe fn k_rows_of<const T: u8, const R: usize>(ty: GgmlType, src: &[u8], a: &[
 }
 
 /// The 8 scores of each of `out.len()` consecutive groups of the screening copy (`nb` blocks
-/// each; see `screen`) for `R` activation rows (8-bit levels, block scales, block offset terms), in
-/// the copy's lane order (`LANE_ROW`: rows 0, 2, 4, 6 in the first four lanes, rows 1, 3, 5, 7 in
-/// the last four).
-pub unsafe fn screen_groups<const R: usize>(groups: &[u8], nb: usize, a: [(&[i8], &[f32], &[f32]); R], out: &mut [[[f32; 8]; R]]) {
-    assert!(
-        groups.len() == out.len() * nb * GROUP_BLOCK_BYTES
-            && a.iter().all(|(q, d, o)| q.len() == 32 * nb && d.len() == nb && o.len() == nb)
-    );
-    let m4 = vdupq_n_u8(15);
-    let (qs, ds, offs) = (a.map(|r| r.0.as_ptr()), a.map(|r| r.1.as_ptr()), a.map(|r| r.2.as_ptr()));
+/// each; see `screen`) for `R` activation rows (offset 8-bit levels and their scale), in row order.
+/// The activations are made signed again and multiplied with the levels by widening
+/// multiply-accumulates (8 products, at most 8128, per 16-bit lane); two pairwise additions give
+/// the rows' block sums (at most 32512) in row order, multiplied by the block's multipliers into
+/// 32-bit sums per window: the same integers as the other instruction sets.
+pub unsafe fn screen_groups<const R: usize>(groups: &[u8], nb: usize, a: [(&[u8], f32); R], out: &mut [[[f32; 8]; R]]) {
+    let (head, glen) = (header_len(nb), group_len(nb));
+    assert!(groups.len() == out.len() * glen && a.iter().all(|(q, _)| q.len() == 32 * nb));
+    let (m4, eight, flip) = (vdupq_n_u8(15), vdupq_n_s8(8), vdup_n_u8(0x80));
+    let qs = a.map(|r| r.0.as_ptr());
     for (g, o) in out.iter_mut().enumerate() {
-        let grp = groups.as_ptr().add(g * nb * GROUP_BLOCK_BYTES);
-        let mut acc = [[vdupq_n_f32(0.0); 2]; R];
-        for b in 0..nb {
-            let p = grp.add(b * GROUP_BLOCK_BYTES);
-            let h = vreinterpretq_u16_u8(vld1q_u8(p));
-            let dw = [f16x4_to_f32(vget_low_u16(h)), f16x4_to_f32(vget_high_u16(h))];
-            // Row s's levels of elements 0..16 (low nibbles) and 16..32 (high nibbles).
-            let (mut lo, mut hi) = ([vdupq_n_s8(0); 8], [vdupq_n_s8(0); 8]);
-            for s in 0..8 {
-                let v = vld1q_u8(p.add(16 + 16 * s));
-                lo[s] = vreinterpretq_s8_u8(vandq_u8(v, m4));
-                hi[s] = vreinterpretq_s8_u8(vshrq_n_u8::<4>(v));
+        let grp = groups.as_ptr().add(g * glen);
+        let mut total = [[vdupq_n_f32(0.0); 2]; R];
+        for w0 in (0..nb).step_by(WINDOW_BLOCKS) {
+            let mut acc = [[vdupq_n_s32(0); 2]; R];
+            for b in w0..(w0 + WINDOW_BLOCKS).min(nb) {
+                let p = grp.add(head + b * GROUP_BLOCK_BYTES);
+                let m = vmovl_s8(vld1_s8(p as *const i8));
+                // w[i][h]: rows 4h..4h + 4 (4 bytes each) of elements 4i.. (low nibbles, i < 4) or
+                // 16 + 4(i - 4).. (high nibbles).
+                let mut w = [[vdupq_n_s8(0); 2]; 8];
+                for i in 0..4 {
+                    for h in 0..2 {
+                        let v = vld1q_u8(p.add(GROUP + 32 * i + 16 * h));
+                        w[i][h] = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(v, m4)), eight);
+                        w[i + 4][h] = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8::<4>(v)), eight);
+                    }
+                }
+                for r in 0..R {
+                    let ap = qs[r].add(32 * b);
+                    // sums[c]: rows 2c and 2c + 1, four lanes each.
+                    let mut sums = [vdupq_n_s16(0); 4];
+                    for (i, wi) in w.iter().enumerate() {
+                        let a4 = vreinterpret_s8_u8(veor_u8(vreinterpret_u8_u32(vld1_dup_u32(ap.add(4 * i) as *const u32)), flip));
+                        for (h, wh) in wi.iter().enumerate() {
+                            sums[2 * h] = vmlal_s8(sums[2 * h], vget_low_s8(*wh), a4);
+                            sums[2 * h + 1] = vmlal_s8(sums[2 * h + 1], vget_high_s8(*wh), a4);
+                        }
+                    }
+                    let rows = vpaddq_s16(vpaddq_s16(sums[0], sums[1]), vpaddq_s16(sums[2], sums[3]));
+                    acc[r][0] = vmlal_s16(acc[r][0], vget_low_s16(rows), vget_low_s16(m));
+                    acc[r][1] = vmlal_high_s16(acc[r][1], rows, m);
+                }
             }
-            for r in 0..R {
-                let ap = qs[r].add(32 * b);
-                let (al, ah) = (vld1q_s8(ap), vld1q_s8(ap.add(16)));
-                // Per row, 4 products of at most 15 · 127 per 16-bit lane.
-                let sums: [int16x8_t; 8] = std::array::from_fn(|s| {
-                    let t = vmull_s8(vget_low_s8(lo[s]), vget_low_s8(al));
-                    let t = vmlal_high_s8(t, lo[s], al);
-                    let t = vmlal_s8(t, vget_low_s8(hi[s]), vget_low_s8(ah));
-                    vmlal_high_s8(t, hi[s], ah)
-                });
-                // Two pairwise additions leave 16 products (at most 30480) per 16-bit lane, two lanes
-                // per row; the widening one gives the rows' sums in lane order.
-                let reduce = |r: [usize; 4]| {
-                    let x = vpaddq_s16(vpaddq_s16(sums[r[0]], sums[r[1]]), vpaddq_s16(sums[r[2]], sums[r[3]]));
-                    vcvtq_f32_s32(vpaddlq_s16(x))
-                };
-                let halves = [reduce([0, 2, 4, 6]), reduce([1, 3, 5, 7])];
-                let (da, off) = (*ds[r].add(b), *offs[r].add(b));
-                for ((acc, &h), &dwv) in acc[r].iter_mut().zip(&halves).zip(&dw) {
-                    *acc = vfmaq_f32(*acc, h, vmulq_n_f32(dwv, da));
-                    *acc = vfmaq_n_f32(*acc, dwv, off);
+            for (t, a) in total.iter_mut().zip(&acc) {
+                for h in 0..2 {
+                    t[h] = vaddq_f32(t[h], vcvtq_f32_s32(a[h]));
                 }
             }
         }
         for r in 0..R {
-            vst1q_f32(o[r].as_mut_ptr(), acc[r][0]);
-            vst1q_f32(o[r].as_mut_ptr().add(4), acc[r][1]);
+            for h in 0..2 {
+                let base = vld1q_f32(grp.add(16 * h) as *const f32);
+                vst1q_f32(o[r].as_mut_ptr().add(4 * h), vmulq_f32(vmulq_n_f32(base, a[r].1), total[r][h]));
+            }
         }
     }
 }

@@ -5,13 +5,20 @@
 //! full fast argmax unless the true best row is not among the 4-bit scores' top [`CANDIDATES`],
 //! which quantization noise of the copy (a few hundredths of a logit) cannot cause in practice.
 //!
-//! The copy is Q4_0 (levels 0..=15 standing for -8..=7, an f16 scale per 32 elements) laid out
-//! for the kernel: rows in groups of [`GROUP`], and per group and 32-element block the group's 8
-//! scales followed by its 8 rows' 16 bytes of nibbles (byte `j`: element `j` low, `j + 16` high).
-//! Two rows' nibbles fill one 256-bit register, each activation row is multiplied with the
-//! unsigned levels by `maddubs` (the -8 offset is applied once per block through the activations'
-//! block sums), and three pairwise additions leave the group's 8 sums in one register, in the lane
-//! order [`LANE_ROW`], which is also the order the scales are stored in.
+//! Each row of the copy is the row's Q4_0 form (levels `w` in -8..=7 per 32-element block) with
+//! its block scales written as `base · m`: one f32 `base` per row and a 7-bit integer multiplier
+//! `m` per block. Activation rows are quantized to 8 bits with one scale per row. A score is then
+//! an integer sum `T = Σ_b m_b Σ_e w_e q_e`, exact in 32 bits over windows of [`WINDOW_BLOCKS`]
+//! blocks, times `base · d`: no per-block floating-point work, and every instruction set computes
+//! the same integers, so the same scores bit for bit.
+//!
+//! Layout, for the kernels: rows in groups of [`GROUP`]; a group starts with its header (the 8
+//! rows' `base`, then per window the 8 rows' offset terms `K`, below), then per 32-element block
+//! the 8 rows' multipliers (one byte each) and 4 × 32 bytes of nibbles: in the `i`-th 32 bytes,
+//! bytes `4s..4s + 4` are bytes `4i..4i + 4` of row `s`'s Q4_0 nibbles (byte `j`: element `j` low,
+//! `j + 16` high, stored as `w + 8`), so one 32-bit lane holds one row. The AVX2 kernel multiplies
+//! the signed levels with activations offset by 128 (`maddubs` wants one unsigned operand) and
+//! subtracts `K = 128 Σ_b m_b Σ_e w_e` per row and window.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -36,12 +43,16 @@ pub const MAX_ACT_ROWS: usize = 16;
 /// Rows per interleaved group of the copy.
 pub const GROUP: usize = 8;
 
-/// Bytes per group and 32-element block: 8 f16 scales, then 8 rows of 16 bytes of nibbles.
-pub const GROUP_BLOCK_BYTES: usize = 2 * GROUP + 16 * GROUP;
+/// Bytes per group and 32-element block: 8 multipliers, then 8 rows of 16 bytes of nibbles.
+pub const GROUP_BLOCK_BYTES: usize = GROUP + 16 * GROUP;
 
-/// The row (within its group) whose sum every result lane holds, and whose scale every scale
-/// slot holds.
-pub const LANE_ROW: [usize; GROUP] = [0, 2, 4, 6, 1, 3, 5, 7];
+/// Blocks summed in 32-bit integers before conversion: a window's sum `T` is at most
+/// 256 · 32 · 8 · 127 · 127 < 2³¹ in magnitude, and kernels that add offset terms on the way
+/// (wrapping) still end on it exactly.
+pub const WINDOW_BLOCKS: usize = 256;
+
+/// Largest block-scale multiplier.
+const MAX_MULTIPLIER: f32 = 127.0;
 
 /// Groups scored per kernel call (their scores fill an L1-sized buffer).
 const SCORE_RUN: usize = 32;
@@ -49,9 +60,19 @@ const SCORE_RUN: usize = 32;
 /// Rows handled between two calls of `release` while making a copy.
 const RELEASE_ROWS: usize = 1024;
 
+/// Bytes of a group's header for rows of `nb` blocks: 8 f32 `base`, then 8 i32 `K` per window.
+pub fn header_len(nb: usize) -> usize {
+    4 * GROUP * (1 + nb.div_ceil(WINDOW_BLOCKS))
+}
+
+/// Bytes of one group of the copy for rows of `nb` blocks.
+pub fn group_len(nb: usize) -> usize {
+    header_len(nb) + nb * GROUP_BLOCK_BYTES
+}
+
 /// Bytes of the copy of an `n`-row matrix with rows of `k` elements.
 pub fn copy_len(n: usize, k: usize) -> usize {
-    n.div_ceil(GROUP) * (k / 32) * GROUP_BLOCK_BYTES
+    n.div_ceil(GROUP) * group_len(k / 32)
 }
 
 /// Makes the screening copy of `w` (rows of a multiple of 32 elements; see the module doc), in
@@ -61,7 +82,7 @@ pub fn copy_len(n: usize, k: usize) -> usize {
 pub fn make_copy(pool: &ThreadPool, w: &PackedMatrix<'_>, release: &(dyn Fn(&[u8]) + Sync)) -> Vec<u8> {
     let (k, n) = (w.k, w.n);
     let nb = k / 32;
-    let group_bytes = nb * GROUP_BLOCK_BYTES;
+    let (head, glen) = (header_len(nb), group_len(nb));
     let mut out = vec![0u8; copy_len(n, k)];
     let op = SharedMut(out.as_mut_ptr());
     let q4 = GgmlType::Q4_0.type_size();
@@ -77,15 +98,31 @@ pub fn make_copy(pool: &ThreadPool, w: &PackedMatrix<'_>, release: &(dyn Fn(&[u8
             dequantize(w.ty, w.row(r), &mut row).expect("weight layout validated at load");
             // Weights are finite and small, so Q4_0 cannot overflow its f16 scale.
             let q = quantize(GgmlType::Q4_0, &row).expect("finite weights quantize");
+            let blocks = q.chunks_exact(q4);
+            let d: Vec<f32> = blocks.clone().map(|blk| kiln_quant::f16_to_f32(u16::from_le_bytes([blk[0], blk[1]]))).collect();
+            let top = d.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let base = top / MAX_MULTIPLIER;
             let (g, s) = (r / GROUP, r % GROUP);
-            let lane = LANE_ROW.iter().position(|&l| l == s).expect("every row has a lane");
-            for b in 0..nb {
-                let blk = &q[b * q4..(b + 1) * q4];
-                let at = g * group_bytes + b * GROUP_BLOCK_BYTES;
-                // SAFETY: row r's scale slot and nibbles in group g are written by this task only.
+            let group = g * glen;
+            let mut offsets = vec![0i32; nb.div_ceil(WINDOW_BLOCKS)];
+            for (b, blk) in blocks.enumerate() {
+                let m = if base > 0.0 { (d[b] / base).round().clamp(-MAX_MULTIPLIER, MAX_MULTIPLIER) as i8 } else { 0 };
+                let levels: i32 = blk[2..].iter().map(|&v| i32::from(v & 15) + i32::from(v >> 4) - 16).sum();
+                offsets[b / WINDOW_BLOCKS] += 128 * i32::from(m) * levels;
+                let at = group + head + b * GROUP_BLOCK_BYTES;
+                // SAFETY: row r's bytes in group g are written by this task only.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(blk.as_ptr(), op.ptr().add(at + 2 * lane), 2);
-                    std::ptr::copy_nonoverlapping(blk[2..].as_ptr(), op.ptr().add(at + 2 * GROUP + 16 * s), 16);
+                    *op.ptr().add(at + s) = m as u8;
+                    for i in 0..4 {
+                        std::ptr::copy_nonoverlapping(blk[2 + 4 * i..].as_ptr(), op.ptr().add(at + GROUP + 32 * i + 4 * s), 4);
+                    }
+                }
+            }
+            // SAFETY: as above.
+            unsafe {
+                std::ptr::copy_nonoverlapping(base.to_le_bytes().as_ptr(), op.ptr().add(group + 4 * s), 4);
+                for (win, o) in offsets.iter().enumerate() {
+                    std::ptr::copy_nonoverlapping(o.to_le_bytes().as_ptr(), op.ptr().add(group + 4 * GROUP * (1 + win) + 4 * s), 4);
                 }
             }
         }
@@ -94,72 +131,79 @@ pub fn make_copy(pool: &ThreadPool, w: &PackedMatrix<'_>, release: &(dyn Fn(&[u8
     out
 }
 
-/// Activation rows quantized for the copy: 8-bit levels per 32 elements (as ggml's Q8_0), their
-/// scales, and each block's offset term `-8 · d · Σq`.
+/// Activation rows quantized for the copy: 8-bit levels with one scale per row, stored offset by
+/// 128 (`q + 128`, in 1..=255).
 pub struct ScreenActs {
     k: usize,
-    qs: Vec<i8>,
+    qs: Vec<u8>,
     d: Vec<f32>,
-    offset: Vec<f32>,
 }
 
 impl ScreenActs {
-    /// Quantizes `rows` rows of `x` (`k` a multiple of 32).
+    /// Quantizes `rows` rows of `x` (`k` a multiple of 32). A row with a non-finite value gets a
+    /// NaN scale, so all its scores are NaN.
     pub fn new(x: &[f32], rows: usize, k: usize) -> Self {
-        let nb = k / 32;
-        let mut a = ScreenActs { k, qs: vec![0; rows * k], d: vec![0.0; rows * nb], offset: vec![0.0; rows * nb] };
-        for (i, xb) in x[..rows * k].chunks_exact(32).enumerate() {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = if xb.iter().all(|v| v.is_finite()) { amax / 127.0 } else { f32::NAN };
+        let mut a = ScreenActs { k, qs: vec![0; rows * k], d: vec![0.0; rows] };
+        for ((xr, qr), d) in x[..rows * k].chunks_exact(k).zip(a.qs.chunks_exact_mut(k)).zip(&mut a.d) {
+            let amax = xr.iter().fold(0f32, |m, v| m.max(v.abs()));
+            *d = if xr.iter().all(|v| v.is_finite()) { amax / 127.0 } else { f32::NAN };
             let id = if amax > 0.0 && d.is_finite() { 127.0 / amax } else { 0.0 };
-            let qb = &mut a.qs[32 * i..32 * i + 32];
-            for (q, &v) in qb.iter_mut().zip(xb) {
-                *q = (v * id).round() as i8;
+            for (q, &v) in qr.iter_mut().zip(xr) {
+                *q = ((v * id).round().clamp(-127.0, 127.0) as i32 + 128) as u8;
             }
-            a.d[i] = d;
-            a.offset[i] = -8.0 * d * qb.iter().map(|&q| f32::from(q)).sum::<f32>();
         }
         a
     }
 
-    /// Row `r`: levels, block scales and block offset terms.
-    pub fn row(&self, r: usize) -> (&[i8], &[f32], &[f32]) {
-        let nb = self.k / 32;
-        (&self.qs[r * self.k..(r + 1) * self.k], &self.d[r * nb..(r + 1) * nb], &self.offset[r * nb..(r + 1) * nb])
+    /// Row `r`: offset levels and scale.
+    pub fn row(&self, r: usize) -> (&[u8], f32) {
+        (&self.qs[r * self.k..(r + 1) * self.k], self.d[r])
     }
 }
 
 /// The 8 scores of each of `out.len()` consecutive groups (`groups`: their bytes of the copy, `nb`
-/// blocks each) for `R` activation rows, in lane order ([`LANE_ROW`]).
-pub fn group_scores<const R: usize>(isa: Isa, groups: &[u8], nb: usize, a: [(&[i8], &[f32], &[f32]); R], out: &mut [[[f32; GROUP]; R]]) {
+/// blocks each) for `R` activation rows, in row order.
+pub fn group_scores<const R: usize>(isa: Isa, groups: &[u8], nb: usize, a: [(&[u8], f32); R], out: &mut [[[f32; GROUP]; R]]) {
+    assert!(groups.len() == out.len() * group_len(nb) && a.iter().all(|(q, _)| q.len() == 32 * nb));
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: Avx2Fma is only chosen on CPUs that have it; lengths are checked inside.
+        // SAFETY: Avx2Fma is only chosen on CPUs that have it; lengths are checked above.
         Isa::Avx2Fma => unsafe { super::avx2::screen_groups(groups, nb, a, out) },
         #[cfg(target_arch = "aarch64")]
-        // SAFETY: NEON is part of every aarch64 CPU; lengths are checked inside.
+        // SAFETY: NEON is part of every aarch64 CPU; lengths are checked above.
         Isa::Neon => unsafe { super::neon::screen_groups(groups, nb, a, out) },
         _ => {
-            assert!(groups.len() == out.len() * nb * GROUP_BLOCK_BYTES);
-            for (grp, o) in groups.chunks_exact(nb * GROUP_BLOCK_BYTES).zip(out.iter_mut()) {
-                *o = [[0f32; GROUP]; R];
-                for (o, (qs, d, offset)) in o.iter_mut().zip(a) {
-                    for (lane, &s) in LANE_ROW.iter().enumerate() {
-                        for b in 0..nb {
-                            let blk = &grp[b * GROUP_BLOCK_BYTES..(b + 1) * GROUP_BLOCK_BYTES];
-                            let dw = kiln_quant::f16_to_f32(u16::from_le_bytes([blk[2 * lane], blk[2 * lane + 1]]));
-                            let nib = &blk[2 * GROUP + 16 * s..2 * GROUP + 16 * s + 16];
-                            let aq = &qs[32 * b..32 * b + 32];
-                            let sum: i32 = (0..16)
-                                .map(|j| i32::from(nib[j] & 15) * i32::from(aq[j]) + i32::from(nib[j] >> 4) * i32::from(aq[j + 16]))
-                                .sum();
-                            o[lane] += dw * (d[b] * sum as f32 + offset[b]);
+            for (grp, o) in groups.chunks_exact(group_len(nb)).zip(out.iter_mut()) {
+                let blocks = &grp[header_len(nb)..];
+                for (o, &(qs, d)) in o.iter_mut().zip(&a) {
+                    for (s, o) in o.iter_mut().enumerate() {
+                        let mut total = 0f32;
+                        for w0 in (0..nb).step_by(WINDOW_BLOCKS) {
+                            let mut t = 0i32;
+                            for b in w0..(w0 + WINDOW_BLOCKS).min(nb) {
+                                let blk = &blocks[b * GROUP_BLOCK_BYTES..(b + 1) * GROUP_BLOCK_BYTES];
+                                let aq = |e: usize| i32::from(qs[32 * b + e]) - 128;
+                                let dot: i32 = (0..16)
+                                    .map(|j| {
+                                        let v = blk[GROUP + 32 * (j / 4) + 4 * s + j % 4];
+                                        (i32::from(v & 15) - 8) * aq(j) + (i32::from(v >> 4) - 8) * aq(j + 16)
+                                    })
+                                    .sum();
+                                t += i32::from(blk[s] as i8) * dot;
+                            }
+                            total += t as f32;
                         }
+                        *o = group_base(grp, s) * d * total;
                     }
                 }
             }
         }
     }
+}
+
+/// Row `s`'s `base` in the group starting at `grp`.
+pub fn group_base(grp: &[u8], s: usize) -> f32 {
+    f32::from_le_bytes(grp[4 * s..4 * s + 4].try_into().expect("4 bytes"))
 }
 
 /// A screening candidate `(value, index)`, ordered from worse to better: by value, then the lower
@@ -218,7 +262,7 @@ impl TopK {
 pub fn argmax(pool: &ThreadPool, isa: Isa, x: &[f32], acts: &QuantizedRows, w: &PackedMatrix<'_>, copy: &[u8], out: &mut [i32]) {
     let (rows, n, k) = (acts.rows(), w.n, w.k);
     let nb = k / 32;
-    let group_bytes = nb * GROUP_BLOCK_BYTES;
+    let group_bytes = group_len(nb);
     assert!(copy.len() == copy_len(n, k) && rows <= MAX_ACT_ROWS && out.len() >= rows);
     let sa = ScreenActs::new(x, rows, k);
     let groups = n.div_ceil(GROUP);
@@ -254,7 +298,7 @@ pub fn argmax(pool: &ThreadPool, isa: Isa, x: &[f32], acts: &QuantizedRows, w: &
                                     continue;
                                 }
                                 for (lane, &v) in lanes.iter().enumerate() {
-                                    let j = g * GROUP + LANE_ROW[lane];
+                                    let j = g * GROUP + lane;
                                     if j >= n {
                                         continue;
                                     }

@@ -267,40 +267,83 @@ fn extreme_levels_and_scales_do_not_overflow() {
     }
 }
 
-#[test]
-fn simd_screen_scores_equal_the_scalar_ones() {
-    let mut rng = Rng(0x005e_ed0f_5c12);
-    let (k, n) = (96, 13);
-    let packed = quantize(GgmlType::Q8_0, &rng.vec(k * n)).unwrap();
-    let m = PackedMatrix::from_bytes(&packed, GgmlType::Q8_0, k, n);
-    let copy = make_screening_copy(&ThreadPool::new(1), &m, &|_| {});
-    let x = rng.vec(3 * k);
-    let acts = screen::ScreenActs::new(&x, 3, k);
-    let group = &copy[..k / 32 * screen::GROUP_BLOCK_BYTES];
-    let scores: Vec<[[f32; 8]; 3]> = Isa::supported()
-        .into_iter()
-        .map(|isa| {
-            let mut out = [[[0f32; 8]; 3]];
-            screen::group_scores(isa, group, k / 32, std::array::from_fn(|r| acts.row(r)), &mut out);
-            out[0]
-        })
-        .collect();
-    // The scalar scores, lane by lane, are the products of the rows' Q4_0 forms with the 8-bit activations.
-    for (r, lanes) in scores[0].iter().enumerate() {
-        let (qs, d, _) = acts.row(r);
-        for (lane, &v) in lanes.iter().enumerate() {
-            let row = screen::LANE_ROW[lane];
-            let mut w = vec![0f32; k];
-            dequantize(GgmlType::Q8_0, m.row(row), &mut w).unwrap();
-            dequantize(GgmlType::Q4_0, &quantize(GgmlType::Q4_0, &w).unwrap(), &mut w).unwrap();
-            let terms: Vec<f64> = (0..k).map(|i| f64::from(w[i]) * f64::from(d[i / 32] * f32::from(qs[i]))).collect();
-            let (want, mag) = (terms.iter().sum::<f64>(), terms.iter().map(|t| t.abs()).sum::<f64>());
-            assert!((f64::from(v) - want).abs() <= 1e-5 * mag, "row {row} act {r}: {v} vs {want}");
+/// The score the screening copy defines for weight row `w` (real values) and activation row `x`:
+/// the Q4_0 form of `w` with its block scales rounded to multiples of `max |d| / 127`, times the
+/// 8-bit activation levels and their scale, in f64; and the sum of the terms' magnitudes.
+fn screen_definition(w: &[f32], x: &[f32]) -> (f64, f64) {
+    let q = quantize(GgmlType::Q4_0, w).unwrap();
+    let d: Vec<f64> = q.chunks_exact(18).map(|b| f64::from(kiln_quant::f16_to_f32(u16::from_le_bytes([b[0], b[1]])))).collect();
+    let base = d.iter().fold(0f64, |m, v| m.max(v.abs())) as f32 / 127.0;
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let (da, ia) = (amax / 127.0, if amax > 0.0 { 127.0 / amax } else { 0.0 });
+    let mut terms = Vec::new();
+    for (b, blk) in q.chunks_exact(18).enumerate() {
+        let m = if base > 0.0 { (d[b] as f32 / base).round() } else { 0.0 };
+        for e in 0..32 {
+            let level = if e < 16 { blk[2 + e] & 15 } else { blk[2 + e - 16] >> 4 };
+            let a = (x[32 * b + e] * ia).round().clamp(-127.0, 127.0);
+            terms.push(f64::from(base) * f64::from(m) * f64::from(i32::from(level) - 8) * f64::from(da) * f64::from(a));
         }
     }
-    for s in &scores[1..] {
-        for (a, b) in s.iter().flatten().zip(scores[0].iter().flatten()) {
-            assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{a} vs scalar {b}");
+    (terms.iter().sum(), terms.iter().map(|t| t.abs()).sum())
+}
+
+#[test]
+fn simd_screen_scores_equal_the_scalar_ones_and_the_definition() {
+    let mut rng = Rng(0x005e_ed0f_5c12);
+    // One window of blocks, and three (the integer sums are converted per window).
+    for k in [96, 32 * (2 * screen::WINDOW_BLOCKS + 3)] {
+        let n = 13;
+        let packed = quantize(GgmlType::Q8_0, &rng.vec(k * n)).unwrap();
+        let m = PackedMatrix::from_bytes(&packed, GgmlType::Q8_0, k, n);
+        let copy = make_screening_copy(&ThreadPool::new(1), &m, &|_| {});
+        let x = rng.vec(3 * k);
+        let acts = screen::ScreenActs::new(&x, 3, k);
+        let group = &copy[..screen::group_len(k / 32)];
+        let scores: Vec<[[f32; 8]; 3]> = Isa::supported()
+            .into_iter()
+            .map(|isa| {
+                let mut out = [[[0f32; 8]; 3]];
+                screen::group_scores(isa, group, k / 32, std::array::from_fn(|r| acts.row(r)), &mut out);
+                out[0]
+            })
+            .collect();
+        for (r, rows) in scores[0].iter().enumerate() {
+            for (row, &v) in rows.iter().enumerate() {
+                let mut w = vec![0f32; k];
+                dequantize(GgmlType::Q8_0, m.row(row), &mut w).unwrap();
+                let (want, mag) = screen_definition(&w, &x[r * k..(r + 1) * k]);
+                assert!((f64::from(v) - want).abs() <= 1e-5 * mag, "k={k} row {row} act {r}: {v} vs {want}");
+            }
+        }
+        for (isa, s) in Isa::supported().into_iter().zip(&scores).skip(1) {
+            assert_eq!(s, &scores[0], "k={k} {isa:?} vs scalar");
+        }
+    }
+}
+
+/// Levels, multipliers and activations at their extremes over several windows do not overflow
+/// the kernels' 16- and 32-bit sums.
+#[test]
+fn extreme_screen_sums_do_not_overflow() {
+    let k = 32 * (screen::WINDOW_BLOCKS + 5);
+    // Row 0 all -1 (levels -8, every multiplier 127), row 1 alternating ±1.
+    let mut w = vec![-1f32; k];
+    w.extend((0..k).map(|i| if i % 2 == 0 { 1.0 } else { -1.0 }));
+    let packed = quantize(GgmlType::Q8_0, &w).unwrap();
+    let m = PackedMatrix::from_bytes(&packed, GgmlType::Q8_0, k, 2);
+    let copy = make_screening_copy(&ThreadPool::new(1), &m, &|_| {});
+    for sign in [1f32, -1.0] {
+        let x = vec![sign; k];
+        let acts = screen::ScreenActs::new(&x, 1, k);
+        for isa in Isa::supported() {
+            let mut out = [[[0f32; 8]; 1]];
+            screen::group_scores(isa, &copy, k / 32, [acts.row(0)], &mut out);
+            for row in 0..2 {
+                let (want, mag) = screen_definition(&w[row * k..(row + 1) * k], &x);
+                let v = out[0][0][row];
+                assert!((f64::from(v) - want).abs() <= 1e-5 * mag, "{isa:?} row {row} sign {sign}: {v} vs {want}");
+            }
         }
     }
 }
