@@ -17,10 +17,13 @@
 // `rope` holds (d / 2 pairs, written by set_inputs, several launches back: read before waiting);
 // the block applies them to its query head (warp 0) and its group's key head (warp 1) first, into
 // shared memory, so the decode step needs no separate q/k norm kernel.
-extern "C" __global__ void attention(const float* q, const float* k_new, const float* v_new, float* k_cache,
-                                     float* v_cache, float* out, const int* step, int q_heads, int kv_heads,
-                                     int d, int window, float scale, int append, u8* xq, const float* wq,
-                                     const float* wk, const float2* rope, float eps) {
+// (attention_qk: the kernel with the q/k norms; `attention` has no code for them, whose registers
+// slowed 12B decode.)
+template <bool QK>
+__device__ __forceinline__ void attention_impl(const float* q, const float* k_new, const float* v_new, float* k_cache,
+                                               float* v_cache, float* out, const int* step, int q_heads, int kv_heads,
+                                               int d, int window, float scale, int append, u8* xq, const float* wq,
+                                               const float* wk, const float2* rope, float eps) {
     __shared__ float s_acc[ATT_WARPS][ATT_MAX_DIM];
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
     __shared__ float s_qk[2][ATT_MAX_DIM];
@@ -34,6 +37,7 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
     // Lane l of warps 0 and 1 holds elements l + 32t of its head; element l + 32t pairs with
     // l + 32(t + per / 2) in the rotation, by angle l + 32t of the table.
     float rw[ATT_MAX_DIM / 32], rc[ATT_MAX_DIM / 64], rs[ATT_MAX_DIM / 64];
+    if (!QK) wq = nullptr;
     bool rot = wq && warp < 2;
     if (rot) {
         const float* w = warp == 0 ? wq : wk;
@@ -158,6 +162,14 @@ extern "C" __global__ void attention(const float* q, const float* k_new, const f
         if (xq) quantize32(a / sum, xq + (u64)i * xq_bytes(q_heads * d), q_heads * d, h * d + j);
     }
 }
+
+#define ATT_ARGS                                                                                                   \
+    const float *q, const float *k_new, const float *v_new, float *k_cache, float *v_cache, float *out, const int *step, \
+        int q_heads, int kv_heads, int d, int window, float scale, int append, u8 *xq, const float *wq, const float *wk,  \
+        const float2 *rope, float eps
+#define ATT_PASS q, k_new, v_new, k_cache, v_cache, out, step, q_heads, kv_heads, d, window, scale, append, xq, wq, wk, rope, eps
+extern "C" __global__ void attention(ATT_ARGS) { attention_impl<false>(ATT_PASS); }
+extern "C" __global__ void attention_qk(ATT_ARGS) { attention_impl<true>(ATT_PASS); }
 
 // Appends the step's new rows to one layer's cache (only the last `window` of them on a sliding
 // layer, so no two blocks write one slot). One block per new row.

@@ -524,7 +524,7 @@ __device__ __noinline__ void norm_epilogue(const float* x, const float* w1, cons
 //   that completes it, counted in `gcnt`) for the next matrix-vector product.
 // - `ecnt` (one matrix, no glu): the last block to finish (counted in `ecnt`) also computes the
 //   norm (pair) of the products o0 (see norm_epilogue): all of them are written by then.
-// - `px` (one activation row, no `ecnt`): x is not given quantized but as the input px of a norm
+// - `px` (PRO kernels, one activation row, no `ecnt`): x is not given quantized but as the input px of a norm
 //   (pair) with the epilogue's arguments (ew1, er, eh, ew2, eout, eps): every block computes it
 //   into its dynamic shared memory (after the ring) right after waiting, and reads it there
 //   instead of xq; block 0 also writes h (eh), a copy of h or of x without residual (eh2), y
@@ -536,7 +536,7 @@ __device__ __noinline__ void norm_epilogue(const float* x, const float* w1, cons
 // - `aout` (one matrix, no glu): instead of the products, aout[r] = argmax of row r (lowest
 //   index among equal maxima, -1 if any value is not finite), through `aslots` (ARGMAX_SLOTS keys
 //   per row, then a flag per row) and the arrival counter `acnt`; the last warp resets them.
-template <int T, int R, int ROWS, int STAGES>
+template <int T, int R, int ROWS, int STAGES, bool PRO>
 __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2, u64 rb, int n0, int n1, int n2, float* o0,
                                        float* o1, float* o2, float* glu, const u8* xq, int k, int rows, int split, u8* gq,
                                        u32* gcnt, const float* ew1, const float* er, float* eh, const float* ew2, float* eout,
@@ -567,7 +567,7 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
     // or by one at least two launches back, complete once this block runs) are loaded before
     // waiting; x, the products of the launch before, after it.
     float4 pres[PRO_PER], pw1[PRO_PER], pw2[PRO_PER];
-    if (px) {
+    if (PRO && px) {
 #pragma unroll
         for (int j = 0; j < PRO_PER; j++) {
             int i = 4 * (threadIdx.x + j * blockDim.x);
@@ -578,7 +578,7 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
         }
     }
     auto prologue = [&]() {
-        if (!px) return;
+        if (!PRO || !px) return;
         constexpr int ring = STAGES > 0 && Chunk<T>::NP > 0 ? MV_WARPS * STAGES * R * Chunk<T>::NP * 32 : 0;
         u8* sx = (u8*)(mv_dyn + ring);
         bool first = blockIdx.x == 0;
@@ -974,8 +974,10 @@ extern "C" __global__ void quantize_rows(const float* x, u8* xq, int k, int rows
 }
 
 // Per format: matvec (2 output rows per warp, up to MV_ROWS activation rows), matvec1 (the same for
-// one activation row), matvec4 (4 output rows per warp, one activation row: large matrices; chunks
-// staged through MV_STAGES shared-memory stages where the format can), embed, dequant. `nb`:
+// one activation row, with the norm prologue), matvec4 (4 output rows per warp, one activation row:
+// large matrices; chunks staged through MV_STAGES shared-memory stages where the format can),
+// matvec4p (the same with the norm prologue: its registers, unused, slowed 12B decode by 4% in
+// matvec4), embed, dequant. `nb`:
 // blocks of the matrix.
 #define MV_ARGS                                                                                                     \
     const u8 *w0, const u8 *w1, const u8 *w2, u64 rb, int n0, int n1, int n2, float *o0, float *o1, float *o2, \
@@ -985,13 +987,16 @@ extern "C" __global__ void quantize_rows(const float* x, u8* xq, int k, int rows
 #define MV_PASS o0, o1, o2, glu, xq, k, rows, split, gq, gcnt, ew1, er, eh, ew2, eout, exq, ecnt, eps, aslots, aout, acnt, px, eh2
 #define KILN_FORMAT(NAME, T)                                                                                        \
     extern "C" __global__ void __launch_bounds__(128) matvec_##NAME(MV_ARGS) {                                     \
-        matvec<T, 2, MV_ROWS, 0>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                 \
+        matvec<T, 2, MV_ROWS, 0, false>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                               \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(128) matvec1_##NAME(MV_ARGS) {                                    \
-        matvec<T, 2, 1, 0>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                       \
+        matvec<T, 2, 1, 0, true>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                     \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(128, 4) matvec4_##NAME(MV_ARGS) {                                    \
-        matvec<T, 4, 1, MV_STAGES>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                       \
+        matvec<T, 4, 1, MV_STAGES, false>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                       \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128, 4) matvec4p_##NAME(MV_ARGS) {                                   \
+        matvec<T, 4, 1, MV_STAGES, true>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                        \
     }                                                                                                               \
     extern "C" __global__ void embed_##NAME(const u8* w, u64 rb, u64 nb, const int* ids, float* out, int k,        \
                                             float scale) {                                                          \

@@ -134,9 +134,10 @@ impl Device {
             for f in kernel_names(src) {
                 let func = module.load_function(&f).map_err(|e| cuda_err(format!("kernel '{f}': {e}")))?;
                 // Kernels whose blocks take more than the default 48 KiB of shared memory opt in.
-                // (The ring of matvec4 and a norm prologue's row.)
+                // (The ring of matvec4 and matvec4p, and the latter's norm prologue row.)
                 if let Some(bytes) = f
                     .strip_prefix("matvec4_")
+                    .or_else(|| f.strip_prefix("matvec4p_"))
                     .map(crate::exec::matvec4_shared_bytes)
                     .filter(|&b| b > 0)
                     .map(|b| b + crate::exec::PROLOGUE_SHARED)
@@ -250,7 +251,7 @@ fn kernel_names(src: &str) -> Vec<String> {
             }
         } else if let Some(rest) = line.strip_prefix("KILN_FORMAT(") {
             let fmt = rest.split(',').next().unwrap_or_default().trim();
-            for k in ["matvec", "matvec1", "matvec4", "embed", "dequant"] {
+            for k in ["matvec", "matvec1", "matvec4", "matvec4p", "embed", "dequant"] {
                 names.push(format!("{k}_{fmt}"));
             }
         }
@@ -258,7 +259,6 @@ fn kernel_names(src: &str) -> Vec<String> {
     names
 }
 
-/// NVRTC's version (major, minor).
 /// The first CUDA library this backend loads at run time that cannot be found ("driver", "NVRTC"
 /// or "cuBLAS"), if any: cudarc panics on a missing library, so it is checked before any call.
 pub(crate) fn missing_library() -> Option<&'static str> {
@@ -274,6 +274,7 @@ pub(crate) fn missing_library() -> Option<&'static str> {
     .find_map(|(name, present)| (!present).then_some(name))
 }
 
+/// NVRTC's version (major, minor).
 fn nvrtc_version() -> Result<(i32, i32), RuntimeError> {
     let (mut major, mut minor) = (0, 0);
     // SAFETY: plain out-parameters.
@@ -358,7 +359,7 @@ mod tests {
     fn kernel_names_are_found_in_every_family() {
         let quant = kernel_names(FAMILIES[0].1);
         assert!(quant.contains(&"matvec_q4_k".to_string()) && quant.contains(&"dequant_q8_0".to_string()));
-        assert_eq!(quant.len(), 13 * 5 + 2);
+        assert_eq!(quant.len(), 13 * 6 + 2);
         assert!(quant.contains(&"quantize_rows".to_string()));
         let ops = kernel_names(FAMILIES[1].1);
         for k in
@@ -366,6 +367,6 @@ mod tests {
         {
             assert!(ops.contains(&k.to_string()), "{k}");
         }
-        assert_eq!(kernel_names(FAMILIES[2].1), vec!["attention".to_string(), "kv_append".to_string()]);
+        assert_eq!(kernel_names(FAMILIES[2].1), vec!["attention".to_string(), "attention_qk".to_string(), "kv_append".to_string()]);
     }
 }

@@ -990,6 +990,7 @@ impl CudaExecutable {
         let fmt = format_name(m.ty).ok_or_else(|| cuda_err(format!("no kernels for {:?}", m.ty)))?;
         let total: usize = ms.iter().map(|m| m.n).sum();
         let (kernel, per_warp) = match a.rows {
+            1 if total >= MATVEC4_MIN_ROWS && a.px != 0 => ("matvec4p", 4),
             1 if total >= MATVEC4_MIN_ROWS => ("matvec4", 4),
             1 => ("matvec1", 2),
             _ => ("matvec", 2),
@@ -1025,7 +1026,7 @@ impl CudaExecutable {
             Arg::U64(e.h2),
         ]);
         let blocks = groups.div_ceil(MATVEC_WARPS / split);
-        let ring = if kernel == "matvec4" { matvec4_shared_bytes(fmt) } else { 0 };
+        let ring = if per_warp == 4 { matvec4_shared_bytes(fmt) } else { 0 };
         let shared = if a.px != 0 { ring + (xq_bytes(m.k) as u32).next_multiple_of(16) } else { ring };
         self.device.launch_shared(&format!("{kernel}_{fmt}"), (blocks as u32, 1), 32 * MATVEC_WARPS as u32, shared, &args)
     }
@@ -1263,7 +1264,7 @@ impl CudaExecutable {
         let append = self.plan.rows() == 1;
         let (q, k) = (self.slot(q), self.slot(k));
         d.launch(
-            "attention",
+            if qk.is_some() { "attention_qk" } else { "attention" },
             ((active * q_heads) as u32, 1),
             ATTENTION_THREADS,
             &[
