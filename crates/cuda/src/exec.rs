@@ -53,9 +53,9 @@ fn norm_threads(width: usize) -> u32 {
     width.next_multiple_of(32).min(512) as u32
 }
 
-/// A norm of a matrix-vector launch's products computed by its last block: a plan `RmsNorm`
-/// step over whole rows without residual, or a post-norm with its residual add and the next
-/// pre-norm (two steps).
+/// A norm of a matrix-vector launch's products computed by its last block (or, in a `Prologue`, of
+/// its input by every block): a plan `RmsNorm` step over whole rows without residual, or a
+/// post-norm with its residual add and the next pre-norm (two steps).
 #[derive(Clone, Copy, Debug)]
 enum Epilogue {
     /// One norm step.
@@ -68,6 +68,7 @@ enum Epilogue {
 /// `prologue_for`).
 #[derive(Clone, Copy, Debug)]
 struct Prologue {
+    /// The norm step or pair.
     norm: Epilogue,
     /// Whether the norm's output is also stored as f32 (a later step reads it).
     write_y: bool,
