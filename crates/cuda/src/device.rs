@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream};
-use cudarc::nvrtc::{CompileOptions, Ptx};
+use cudarc::nvrtc::Ptx;
 use kiln_runtime::RuntimeError;
 use sha2::{Digest, Sha256};
 
@@ -129,8 +129,8 @@ impl Device {
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(cuda_err)? as u32;
         let mut functions = HashMap::new();
         for (family, src) in FAMILIES {
-            let ptx = compile_family(family, src, arch)?;
-            let module = ctx.load_module(ptx).map_err(|e| cuda_err(format!("loading kernel family '{family}': {e}")))?;
+            let cubin = compile_family(family, src, arch)?;
+            let module = ctx.load_module(cubin).map_err(|e| cuda_err(format!("loading kernel family '{family}': {e}")))?;
             for f in kernel_names(src) {
                 let func = module.load_function(&f).map_err(|e| cuda_err(format!("kernel '{f}': {e}")))?;
                 // Kernels whose blocks take more than the default 48 KiB of shared memory opt in.
@@ -284,8 +284,10 @@ fn nvrtc_version() -> Result<(i32, i32), RuntimeError> {
     Ok((major, minor))
 }
 
-/// The PTX of one kernel family for `arch`: from the disk cache (keyed by a hash of the source,
-/// the architecture and the NVRTC version) or compiled by NVRTC and stored there.
+/// The native code (CUBIN) of one kernel family for `arch`: from the disk cache (keyed by a hash
+/// of the source, the architecture and the NVRTC version) or compiled by NVRTC and stored there.
+/// NVRTC compiles for the device's real architecture, so the driver loads machine code and never
+/// compiles PTX itself (that took over a minute for the quantized kernels on a fresh machine).
 fn compile_family(family: &str, src: &str, arch: (i32, i32)) -> Result<Ptx, RuntimeError> {
     let nvrtc = nvrtc_version()?;
     let full = format!("{COMMON}\n{src}");
@@ -295,34 +297,60 @@ fn compile_family(family: &str, src: &str, arch: (i32, i32)) -> Result<Ptx, Runt
     let key: String = h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect();
     let path = cache_path(family, &key);
     if let Some(p) = &path {
-        if let Ok(text) = std::fs::read_to_string(p) {
+        if let Ok(cubin) = std::fs::read(p) {
             tracing::debug!("kernel family '{family}' from {}", p.display());
-            return Ok(Ptx::from_src(text));
+            return Ok(Ptx::from_binary(cubin));
         }
     }
-    let opts = CompileOptions {
-        options: vec![format!("--gpu-architecture=compute_{}{}", arch.0, arch.1), "--std=c++17".into()],
-        name: Some(format!("{family}.cu")),
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&full, opts)
-        .map_err(|e| cuda_err(format!("NVRTC failed on kernel family '{family}': {e:?}")))?;
+    // Worth a line by default: the quantized family takes about a minute (once per GPU architecture).
+    tracing::warn!("compiling CUDA kernel family '{family}' for sm_{}{} (first use on this GPU architecture, can take a minute; cached for later runs)", arch.0, arch.1);
+    let cubin = nvrtc_cubin(family, &full, arch)?;
     if let Some(p) = &path {
         let stored = p.parent().map(std::fs::create_dir_all).transpose().and_then(|_| {
             let tmp = p.with_extension("tmp");
-            std::fs::write(&tmp, ptx.to_src())?;
+            std::fs::write(&tmp, &cubin)?;
             std::fs::rename(&tmp, p)
         });
         if let Err(e) = stored {
             tracing::warn!("could not cache kernel family '{family}' at {}: {e}", p.display());
         }
     }
-    Ok(ptx)
+    Ok(Ptx::from_binary(cubin))
 }
 
-/// Where a compiled family is cached (`<kiln cache>/cuda/<family>-<key>.ptx`).
+/// Compiles `src` (kernel family `family`) with NVRTC to a CUBIN for `arch`.
+fn nvrtc_cubin(family: &str, src: &str, arch: (i32, i32)) -> Result<Vec<u8>, RuntimeError> {
+    use cudarc::nvrtc::result;
+    let fail = |what: String| cuda_err(format!("NVRTC failed on kernel family '{family}': {what}"));
+    let code = std::ffi::CString::new(src).map_err(|_| fail("the source holds a NUL byte".into()))?;
+    let name = std::ffi::CString::new(format!("{family}.cu")).map_err(|_| fail("bad family name".into()))?;
+    let prog = result::create_program(&code, Some(&name)).map_err(|e| fail(format!("{e:?}")))?;
+    let options = [format!("--gpu-architecture=sm_{}{}", arch.0, arch.1), "--std=c++17".to_string()];
+    // SAFETY: `prog` is a live program until `destroy_program` below; the buffers are sized by
+    // NVRTC's own size queries.
+    unsafe {
+        let cubin = match result::compile_program(prog, &options) {
+            Err(e) => {
+                let log = result::get_program_log(prog).map(|l| l.iter().map(|&c| c as u8 as char).collect::<String>()).unwrap_or_default();
+                Err(fail(format!("{e:?}\n{}", log.trim_end_matches('\0'))))
+            }
+            Ok(()) => {
+                let mut size = 0usize;
+                cudarc::nvrtc::sys::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| fail(format!("{e:?}"))).and_then(|()| {
+                    let mut buf = vec![0u8; size];
+                    cudarc::nvrtc::sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr().cast()).result().map_err(|e| fail(format!("{e:?}")))?;
+                    Ok(buf)
+                })
+            }
+        };
+        let _ = result::destroy_program(prog);
+        cubin
+    }
+}
+
+/// Where a compiled family is cached (`<kiln cache>/cuda/<family>-<key>.cubin`).
 fn cache_path(family: &str, key: &str) -> Option<PathBuf> {
-    kiln_hub::cache_dir().ok().map(|d| d.join("cuda").join(format!("{family}-{key}.ptx")))
+    kiln_hub::cache_dir().ok().map(|d| d.join("cuda").join(format!("{family}-{key}.cubin")))
 }
 
 /// Median read bandwidth (bytes/s) over `reps` reads of a `bytes` buffer, timed with events.
