@@ -193,30 +193,28 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes) -> Result<Vec<Launch>, Runtime
                 op => op,
             };
             let producer = out.len().checked_sub(2).map(|i| &out[i]);
-            if let Some(norm) = out.last() {
-                if let Some(p) = prologue_for(plan, weights, producer, norm, &op, &mirror)? {
+            let pro = match out.last() {
+                Some(norm) => prologue_for(plan, weights, producer, norm, &op, &mirror)?,
+                None => None,
+            };
+            let writes = op_writes(plan, &op);
+            for m in &mut mirror {
+                if m.is_some_and(|s| writes.iter().any(|w| overlaps(*w, s))) {
+                    *m = None;
+                }
+            }
+            match (pro, op) {
+                (Some(p), Op::MatVecs { steps: group, glu, epi, .. }) => {
+                    // The norm launch is replaced by the prologue.
                     out.pop();
-                    for m in &mut mirror {
-                        if m.is_some_and(|s| op_writes(plan, &op).iter().any(|w| overlaps(*w, s))) {
-                            *m = None;
-                        }
-                    }
                     mirror[p.h_out - 1] = match p.norm {
                         Epilogue::Pair(a, _) => Some(steps[a].kernel.out()),
                         Epilogue::Norm(t) => steps[t].kernel.reads().first().copied(),
                     };
-                    if let Op::MatVecs { steps, glu, epi, .. } = op {
-                        out.push(Op::MatVecs { steps, glu, epi, pro: Some(p) });
-                    }
-                    continue;
+                    out.push(Op::MatVecs { steps: group, glu, epi, pro: Some(p) });
                 }
+                (_, op) => out.push(op),
             }
-            for m in &mut mirror {
-                if m.is_some_and(|s| op_writes(plan, &op).iter().any(|w| overlaps(*w, s))) {
-                    *m = None;
-                }
-            }
-            out.push(op);
         }
         ops = out;
     }

@@ -202,7 +202,7 @@ pub fn group_scores<const R: usize>(isa: Isa, groups: &[u8], nb: usize, a: [(&[u
 }
 
 /// Row `s`'s `base` in the group starting at `grp`.
-pub fn group_base(grp: &[u8], s: usize) -> f32 {
+fn group_base(grp: &[u8], s: usize) -> f32 {
     f32::from_le_bytes(grp[4 * s..4 * s + 4].try_into().expect("4 bytes"))
 }
 
