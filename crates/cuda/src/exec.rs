@@ -64,6 +64,16 @@ enum Epilogue {
     Pair(usize, usize),
 }
 
+impl Epilogue {
+    /// The plan steps of the norm (pair), in order.
+    fn steps(self) -> Vec<usize> {
+        match self {
+            Epilogue::Norm(t) => vec![t],
+            Epilogue::Pair(a, b) => vec![a, b],
+        }
+    }
+}
+
 /// A norm (pair) computed at the start of a matrix-vector launch from its unnormalised input (see
 /// `prologue_for`).
 #[derive(Clone, Copy, Debug)]
@@ -345,13 +355,8 @@ fn op_writes(plan: &Plan, op: &Op) -> Vec<Slot> {
     let idx: Vec<usize> = match op {
         Op::Step(t) => vec![*t],
         Op::MatVecs { steps, glu, epi, pro } => {
-            let norm_steps = |e: &Option<Epilogue>| match *e {
-                Some(Epilogue::Norm(t)) => vec![t],
-                Some(Epilogue::Pair(a, b)) => vec![a, b],
-                None => vec![],
-            };
-            let (p, q) = (norm_steps(epi), norm_steps(&pro.map(|p| p.norm)));
-            steps.iter().chain(glu).chain(&p).chain(&q).copied().collect()
+            let norms = (*epi).into_iter().chain(pro.map(|p| p.norm)).flat_map(Epilogue::steps);
+            steps.iter().chain(glu).copied().chain(norms).collect()
         }
         Op::NormPair { first, second } => vec![*first, *second],
         Op::QkNormRope(q) => q.to_vec(),
@@ -820,11 +825,7 @@ impl CudaExecutable {
                 Op::MatVecs { steps, glu, epi, pro } => {
                     let rows = rows_of(self.plan.steps[steps[0]].rows, n);
                     if rows > MATVEC_ROWS {
-                        let norms: Vec<usize> = match pro.map(|p| p.norm) {
-                            Some(Epilogue::Norm(t)) => vec![t],
-                            Some(Epilogue::Pair(a, b)) => vec![a, b],
-                            None => vec![],
-                        };
+                        let norms = pro.map_or(Vec::new(), |p| p.norm.steps());
                         for &i in norms.iter().chain(steps).chain(glu) {
                             self.enqueue_step(i, n, kv, scratch, 0, None)?;
                         }
