@@ -63,16 +63,61 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm(const float*
 
 // Two norms in one pass over a row (a post-norm and its residual add, then the next pre-norm):
 // h = residual + x / rms(x) * w1, out = h / rms(h) * w2. One block per row of
-// `width` <= NORM_PER * blockDim.x; every input is read before the first barrier. `out` is also
-// written quantized to `xq` when given (the next matrix-vector product's input).
+// `width` <= NORM_PER * blockDim.x. `out` is also written quantized to `xq` when given (the next
+// matrix-vector product's input). Rows of a multiple of 128 elements at 16-byte aligned addresses
+// (every Gemma width) go through float4 loads, the norm weights loaded before waiting for the
+// kernels before and all of x and the residual in one round trip after (measured on an H200:
+// 10.3 µs per 12B row of 3840 in the scalar form, whose weights came in two more round trips
+// after the reductions).
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm2(const float* x, const float* w1, const float* residual,
                                                                      float* h, const float* w2, float* out, u8* xq,
                                                                      int width, float eps) {
     __shared__ float scratch[32];
-    pdl_wait();
     u64 base = (u64)blockIdx.x * width;
-    norm_row<NORM_PER>(x + base, w1, residual + base, w2, eps, width, xq ? xq + blockIdx.x * xq_bytes(width) : nullptr, h + base,
-                       out + base, scratch);
+    u8* q = xq ? xq + blockIdx.x * xq_bytes(width) : nullptr;
+    if (((width & 127) | (((u64)x | (u64)w1 | (u64)residual | (u64)h | (u64)w2 | (u64)out) & 15)) != 0) {
+        pdl_wait();
+        norm_row<NORM_PER>(x + base, w1, residual + base, w2, eps, width, q, h + base, out + base, scratch);
+        return;
+    }
+    constexpr int PER4 = NORM_PER / 4;
+    const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 a[PER4], b[PER4], v[PER4], r[PER4];
+#pragma unroll
+    for (int j = 0; j < PER4; j++) {
+        int i = 4 * (threadIdx.x + j * blockDim.x);
+        a[j] = i < width ? *(const float4*)(w1 + i) : z;
+        b[j] = i < width ? *(const float4*)(w2 + i) : z;
+    }
+    pdl_wait();
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < PER4; j++) {
+        int i = 4 * (threadIdx.x + j * blockDim.x);
+        v[j] = i < width ? *(const float4*)(x + base + i) : z;
+        r[j] = i < width ? *(const float4*)(residual + base + i) : z;
+        ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+    }
+    float inv = 1.f / sqrtf(block_sum(ss, scratch) / (float)width + eps), ss2 = 0.f;
+#pragma unroll
+    for (int j = 0; j < PER4; j++) {
+        v[j] = make_float4(r[j].x + v[j].x * inv * a[j].x, r[j].y + v[j].y * inv * a[j].y, r[j].z + v[j].z * inv * a[j].z,
+                           r[j].w + v[j].w * inv * a[j].w);
+        ss2 += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
+    }
+    float inv2 = 1.f / sqrtf(block_sum(ss2, scratch) / (float)width + eps);
+#pragma unroll
+    for (int j = 0; j < PER4; j++) {
+        int i = 4 * (threadIdx.x + j * blockDim.x);
+        // (Whole warps: quantize32x4 takes the 8 lanes of each 32-element block together.)
+        if (4 * (j * blockDim.x + (threadIdx.x & ~31)) >= width) break;
+        float4 y = make_float4(v[j].x * inv2 * b[j].x, v[j].y * inv2 * b[j].y, v[j].z * inv2 * b[j].z, v[j].w * inv2 * b[j].w);
+        if (i < width) {
+            *(float4*)(h + base + i) = v[j];
+            *(float4*)(out + base + i) = y;
+        }
+        if (q) quantize32x4(y, q, width, i);
+    }
 }
 
 // Per-head RMS norms of q and k followed by NeoX RoPE, one block per (row, head) of q's heads

@@ -457,8 +457,9 @@ __device__ __forceinline__ u64 argmax_key(float v, int i) {
     return ((u64)f << 32) | (u64)(0xffffffffu - (u32)i);
 }
 
-// Widest row the norm epilogue takes (EPI_PER float4 per thread of a MV_WARPS-warp block).
-#define EPI_PER 8
+// Widest row the norm epilogue takes (EPI_PER float4 per thread of a MV_WARPS-warp block; wider
+// rows go through the norm kernel, see EPILOGUE_MAX in exec.rs).
+#define EPI_PER 2
 // Widest row the norm prologue takes (PRO_PER float4 per thread of a MV_WARPS-warp block:
 // PROLOGUE_MAX in exec.rs).
 #define PRO_PER 2
@@ -515,6 +516,100 @@ __device__ __noinline__ void norm_epilogue(const float* x, const float* w1, cons
     }
 }
 
+// A warp's finished group of output rows (acc: the products, in every lane): the stores, the glu
+// and its quantization, or the argmax partials (see `matvec`); the warp that finishes the last
+// group of an argmax launch reduces the partials and resets them.
+template <int R, int ROWS>
+__device__ __forceinline__ void group_out(const float (&acc)[ROWS][R], const int (&mi)[R], const int (&ri)[R], const int (&nr)[R],
+                                          float* const (&orr)[R], int warp, int groups, int n0, float* o0, float* o1, float* glu, u8* gq,
+                                          u32* gcnt, int rows, u64* aslots, int* aout, u32* acnt, int lane) {
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        if (r >= rows) break;
+        if (aout) {
+            if (lane == 0) {
+                float best = -INFINITY;
+                int idx = 0x7fffffff, bad = 0;
+#pragma unroll
+                for (int rr = 0; rr < R; rr++)
+                    if (mi[rr] >= 0) {
+                        float v = acc[r][rr];
+                        if (!(fabsf(v) <= 3.402823466e38f)) bad = 1;
+                        if (v > best || (v == best && ri[rr] < idx)) {
+                            best = v;
+                            idx = ri[rr];
+                        }
+                    }
+                if (idx != 0x7fffffff) atomicMax((unsigned long long*)&aslots[r * ARGMAX_SLOTS + warp % ARGMAX_SLOTS], argmax_key(best, idx));
+                if (bad) atomicOr((u32*)(aslots + MV_ROWS * ARGMAX_SLOTS) + r, 1u);
+            }
+            continue;
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int rr = 0; rr < R; rr++)
+                if (mi[rr] >= 0 && !glu) orr[rr][(u64)r * nr[rr] + ri[rr]] = acc[r][rr];
+            if (glu) {
+#pragma unroll
+                for (int rr = 0; rr < R / 2; rr++)
+                    if (mi[rr] >= 0) {
+                        o0[(u64)r * n0 + ri[rr]] = acc[r][rr];
+                        o1[(u64)r * n0 + ri[rr]] = acc[r][rr + R / 2];
+                        glu[(u64)r * n0 + ri[rr]] = gelu_tanh(acc[r][rr]) * acc[r][rr + R / 2];
+                    }
+            }
+        }
+        if (glu && gq) {
+            // The warp whose rows complete a 32-row block of glu quantizes it.
+            int count = 0;
+#pragma unroll
+            for (int rr = 0; rr < R / 2; rr++) count += mi[rr] >= 0;
+            u32* cnt = gcnt + r * (n0 >> 5) + (ri[0] >> 5);
+            int done = 0;
+            if (lane == 0) {
+                __threadfence();
+                done = atomicAdd(cnt, (u32)count) + count == 32;
+            }
+            if (__shfl_sync(0xffffffffu, done, 0)) {
+                __threadfence();
+                int e = (ri[0] & ~31) + lane;
+                quantize32(__ldcg(glu + (u64)r * n0 + e), gq + r * xq_bytes(n0), n0, e);
+                if (lane == 0) *cnt = 0;
+            }
+        }
+    }
+    if (aout) {
+        // The last group to finish reduces the slots of every row and resets them.
+        int done = 0;
+        if (lane == 0) {
+            __threadfence();
+            done = atomicAdd(acnt, 1u) == (u32)groups - 1;
+        }
+        if (!__shfl_sync(0xffffffffu, done, 0)) return;
+        __threadfence();
+        for (int r = 0; r < rows; r++) {
+            u64 best = 0;
+            for (int s = lane; s < ARGMAX_SLOTS; s += 32) {
+                u64* p = &aslots[r * ARGMAX_SLOTS + s];
+                u64 v = __ldcg(p);
+                best = v > best ? v : best;
+                *p = 0;
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                u64 v = __shfl_xor_sync(0xffffffffu, best, o);
+                best = v > best ? v : best;
+            }
+            if (lane == 0) {
+                u32* flag = (u32*)(aslots + MV_ROWS * ARGMAX_SLOTS) + r;
+                aout[r] = __ldcg(flag) ? -1 : (int)(0xffffffffu - (u32)(best & 0xffffffffu));
+                *flag = 0;
+            }
+        }
+        if (lane == 0) *acnt = 0;
+    }
+}
+
 // out_i[r, o] = x[r, :] . W_i[o, :] for up to three matrices W_0..W_2 of one format sharing x
 // (n_i rows each; n_i = 0: absent) and r < rows <= ROWS, x given quantized (xq). Each group of
 // `split` warps computes R consecutive output rows of the concatenation; lanes walk the row in
@@ -536,7 +631,7 @@ __device__ __noinline__ void norm_epilogue(const float* x, const float* w1, cons
 // - `aout` (one matrix, no glu): instead of the products, aout[r] = argmax of row r (lowest
 //   index among equal maxima, -1 if any value is not finite), through `aslots` (ARGMAX_SLOTS keys
 //   per row, then a flag per row) and the arrival counter `acnt`; the last warp resets them.
-template <int T, int R, int ROWS, int STAGES, bool PRO>
+template <int T, int R, int ROWS, int STAGES, bool PRO, bool LOOP>
 __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2, u64 rb, int n0, int n1, int n2, float* o0,
                                        float* o1, float* o2, float* glu, const u8* xq, int k, int rows, int split, u8* gq,
                                        u32* gcnt, const float* ew1, const float* er, float* eh, const float* ew2, float* eout,
@@ -619,165 +714,133 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
             for (int i = threadIdx.x; i < (int)(xqb >> 4); i += blockDim.x) ((uint4*)exq)[i] = ((const uint4*)sx)[i];
         xq = sx;
     };
-    // Per output row: its matrix (-1: none), row index, width and output (selects, not arrays
-    // indexed at run time, so nothing goes to local memory).
-    int mi[R], ri[R], nr[R];
-    Mat mr[R];
-    float* orr[R];
-    bool any = false;
-#pragma unroll
-    for (int rr = 0; rr < R; rr++) {
-        if (glu) {
-            mi[rr] = rr < R / 2 ? 0 : 1;
-            ri[rr] = warp * (R / 2) + rr % (R / 2);
-            if (ri[rr] >= n0) mi[rr] = -1;
-        } else {
-            int g = warp * R + rr;
-            mi[rr] = g < n0 ? 0 : g < n0 + n1 ? 1 : g < n0 + n1 + n2 ? 2 : -1;
-            ri[rr] = mi[rr] == 0 ? g : mi[rr] == 1 ? g - n0 : g - n0 - n1;
+    // Groups of R output rows: the block's teams (of `split` warps) take groups team, team +
+    // teams, ... (split 1 launches are persistent: fewer blocks than groups; with split > 1 every
+    // team has at most one group, as the shared-memory reduction below needs).
+    const int groups = glu ? (n0 + R / 2 - 1) / (R / 2) : (n0 + n1 + n2 + R - 1) / R;
+    const int teams = gridDim.x * (MV_WARPS / split);
+    bool waited = false;
+    auto wait_once = [&]() {
+        if (!waited) {
+            pdl_wait();
+            prologue();
+            waited = true;
         }
-        any |= mi[rr] >= 0;
-        nr[rr] = mi[rr] == 0 ? n0 : mi[rr] == 1 ? n1 : n2;
-        mr[rr] = Mat{mi[rr] == 0 ? w0 : mi[rr] == 1 ? w1 : w2, rb, (u64)nr[rr] * bpr};
-        orr[rr] = mi[rr] == 0 ? o0 : mi[rr] == 1 ? o1 : o2;
-    }
-    float acc[ROWS][R];
-#pragma unroll
-    for (int r = 0; r < ROWS; r++)
-#pragma unroll
-        for (int rr = 0; rr < R; rr++) acc[r][rr] = 0.f;
-    int chunks = any ? k >> 5 : 0;
-    int c = piece * 32 + lane, stride = 32 * split;
-    if constexpr (STAGES > 0 && Chunk<T>::NP > 0) {
-        // Stage s of the lane's ring holds turn t = s (mod STAGES): R rows of NP pieces.
-        constexpr int NP = Chunk<T>::NP;
-        uint4* ring = mv_dyn + wi * (STAGES * R * NP * 32) + lane;
-        int turns = c < chunks ? (chunks - c + stride - 1) / stride : 0;
-        auto issue = [&](int t) {
-            if (t < turns) {
-#pragma unroll
-                for (int rr = 0; rr < R; rr++)
-                    if (mi[rr] >= 0) Chunk<T>::stage(mr[rr], ri[rr], c + t * stride, ring + ((t % STAGES) * R + rr) * NP * 32);
-            }
-            cp_async_commit();
-        };
-        // The first turns' weights are requested before waiting for the kernels that write x.
-#pragma unroll
-        for (int t = 0; t < STAGES - 1; t++) issue(t);
-        pdl_wait();
-        prologue();
-        for (int t = 0; t < turns; t++, c += stride) {
-            issue(t + STAGES - 1);
-            cp_async_wait<STAGES - 1>();
-            const uint4* st = ring + (t % STAGES) * R * NP * 32;
-#pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                if (r < rows) {
-                    const u8* xr = xq + r * xqb;
-                    XGroup xg[2] = {xgroup(xr, k, Chunk<T>::xoff(c, 0)), xgroup(xr, k, Chunk<T>::xoff(c, 1))};
-#pragma unroll
-                    for (int rr = 0; rr < R; rr++)
-                        if (mi[rr] >= 0) acc[r][rr] += Chunk<T>::dot(mr[rr], Chunk<T>::unstage(mr[rr], ri[rr], c, st + rr * NP * 32), xg);
-                }
-            }
-        }
-    } else {
-        // The lane's first chunk of weights is loaded before waiting for the kernels that write x.
-        typename Chunk<T>::Raw raw[R];
-#pragma unroll
-        for (int rr = 0; rr < R; rr++)
-            if (mi[rr] >= 0 && c < chunks) raw[rr] = Chunk<T>::load(mr[rr], ri[rr], c);
-        pdl_wait();
-        prologue();
-        for (; c < chunks; c += stride) {
-            if (c >= piece * 32 + stride) {
-#pragma unroll
-                for (int rr = 0; rr < R; rr++)
-                    if (mi[rr] >= 0) raw[rr] = Chunk<T>::load(mr[rr], ri[rr], c);
-            }
-#pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                if (r < rows) {
-                    const u8* xr = xq + r * xqb;
-                    XGroup xg[2] = {xgroup(xr, k, Chunk<T>::xoff(c, 0)), xgroup(xr, k, Chunk<T>::xoff(c, 1))};
-#pragma unroll
-                    for (int rr = 0; rr < R; rr++)
-                        if (mi[rr] >= 0) acc[r][rr] += Chunk<T>::dot(mr[rr], raw[rr], xg);
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < ROWS; r++)
+    };
+    for (;; warp += teams) {
+        // Per output row: its matrix (-1: none), row index, width and output (selects, not arrays
+        // indexed at run time, so nothing goes to local memory).
+        int mi[R], ri[R], nr[R];
+        Mat mr[R];
+        float* orr[R];
+        bool any = false;
 #pragma unroll
         for (int rr = 0; rr < R; rr++) {
-            float s = r < rows ? warp_sum(acc[r][rr]) : 0.f;
-            if (lane == 0) part[wi][r][rr] = s;
-        }
-    __syncthreads();
-    bool active = piece == 0 && any;
-    if (!active && !ecnt) return;
-#pragma unroll
-    for (int r = 0; r < ROWS; r++) {
-        if (r < rows && active) {
-#pragma unroll
-            for (int rr = 0; rr < R; rr++) {
-                float s = 0.f;
-                for (int p = 0; p < split; p++) s += part[wi + p][r][rr];
-                acc[r][rr] = s;
+            if (glu) {
+                mi[rr] = rr < R / 2 ? 0 : 1;
+                ri[rr] = warp * (R / 2) + rr % (R / 2);
+                if (ri[rr] >= n0) mi[rr] = -1;
+            } else {
+                int g = warp * R + rr;
+                mi[rr] = g < n0 ? 0 : g < n0 + n1 ? 1 : g < n0 + n1 + n2 ? 2 : -1;
+                ri[rr] = mi[rr] == 0 ? g : mi[rr] == 1 ? g - n0 : g - n0 - n1;
             }
-            if (aout) {
-                if (lane == 0) {
-                    float best = -INFINITY;
-                    int idx = 0x7fffffff, bad = 0;
+            any |= mi[rr] >= 0;
+            nr[rr] = mi[rr] == 0 ? n0 : mi[rr] == 1 ? n1 : n2;
+            mr[rr] = Mat{mi[rr] == 0 ? w0 : mi[rr] == 1 ? w1 : w2, rb, (u64)nr[rr] * bpr};
+            orr[rr] = mi[rr] == 0 ? o0 : mi[rr] == 1 ? o1 : o2;
+        }
+        float acc[ROWS][R];
+#pragma unroll
+        for (int r = 0; r < ROWS; r++)
+#pragma unroll
+            for (int rr = 0; rr < R; rr++) acc[r][rr] = 0.f;
+        int chunks = any ? k >> 5 : 0;
+        int c = piece * 32 + lane, stride = 32 * split;
+        if constexpr (STAGES > 0 && Chunk<T>::NP > 0) {
+            // Stage s of the lane's ring holds turn t = s (mod STAGES): R rows of NP pieces.
+            constexpr int NP = Chunk<T>::NP;
+            uint4* ring = mv_dyn + wi * (STAGES * R * NP * 32) + lane;
+            int turns = c < chunks ? (chunks - c + stride - 1) / stride : 0;
+            auto issue = [&](int t) {
+                if (t < turns) {
 #pragma unroll
                     for (int rr = 0; rr < R; rr++)
-                        if (mi[rr] >= 0) {
-                            float v = acc[r][rr];
-                            if (!(fabsf(v) <= 3.402823466e38f)) bad = 1;
-                            if (v > best || (v == best && ri[rr] < idx)) {
-                                best = v;
-                                idx = ri[rr];
-                            }
-                        }
-                    if (idx != 0x7fffffff) atomicMax((unsigned long long*)&aslots[r * ARGMAX_SLOTS + warp % ARGMAX_SLOTS], argmax_key(best, idx));
-                    if (bad) atomicOr((u32*)(aslots + MV_ROWS * ARGMAX_SLOTS) + r, 1u);
+                        if (mi[rr] >= 0) Chunk<T>::stage(mr[rr], ri[rr], c + t * stride, ring + ((t % STAGES) * R + rr) * NP * 32);
                 }
-                continue;
-            }
-            if (lane == 0) {
+                cp_async_commit();
+            };
+            // The first turns' weights are requested before waiting for the kernels that write x.
 #pragma unroll
-                for (int rr = 0; rr < R; rr++)
-                    if (mi[rr] >= 0 && !glu) orr[rr][(u64)r * nr[rr] + ri[rr]] = acc[r][rr];
-                if (glu) {
+            for (int t = 0; t < STAGES - 1; t++) issue(t);
+            wait_once();
+            for (int t = 0; t < turns; t++, c += stride) {
+                issue(t + STAGES - 1);
+                cp_async_wait<STAGES - 1>();
+                const uint4* st = ring + (t % STAGES) * R * NP * 32;
 #pragma unroll
-                    for (int rr = 0; rr < R / 2; rr++)
-                        if (mi[rr] >= 0) {
-                            o0[(u64)r * n0 + ri[rr]] = acc[r][rr];
-                            o1[(u64)r * n0 + ri[rr]] = acc[r][rr + R / 2];
-                            glu[(u64)r * n0 + ri[rr]] = gelu_tanh(acc[r][rr]) * acc[r][rr + R / 2];
-                        }
+                for (int r = 0; r < ROWS; r++) {
+                    if (r < rows) {
+                        const u8* xr = xq + r * xqb;
+                        XGroup xg[2] = {xgroup(xr, k, Chunk<T>::xoff(c, 0)), xgroup(xr, k, Chunk<T>::xoff(c, 1))};
+#pragma unroll
+                        for (int rr = 0; rr < R; rr++)
+                            if (mi[rr] >= 0) acc[r][rr] += Chunk<T>::dot(mr[rr], Chunk<T>::unstage(mr[rr], ri[rr], c, st + rr * NP * 32), xg);
+                    }
                 }
             }
-            if (glu && gq) {
-                // The warp whose rows complete a 32-row block of glu quantizes it.
-                int count = 0;
+            cp_async_wait<0>();
+        } else {
+            // The lane's first chunk of weights is loaded before waiting for the kernels that write x.
+            typename Chunk<T>::Raw raw[R];
 #pragma unroll
-                for (int rr = 0; rr < R / 2; rr++) count += mi[rr] >= 0;
-                u32* cnt = gcnt + r * (n0 >> 5) + (ri[0] >> 5);
-                int done = 0;
-                if (lane == 0) {
-                    __threadfence();
-                    done = atomicAdd(cnt, (u32)count) + count == 32;
+            for (int rr = 0; rr < R; rr++)
+                if (mi[rr] >= 0 && c < chunks) raw[rr] = Chunk<T>::load(mr[rr], ri[rr], c);
+            wait_once();
+            for (; c < chunks; c += stride) {
+                if (c >= piece * 32 + stride) {
+#pragma unroll
+                    for (int rr = 0; rr < R; rr++)
+                        if (mi[rr] >= 0) raw[rr] = Chunk<T>::load(mr[rr], ri[rr], c);
                 }
-                if (__shfl_sync(0xffffffffu, done, 0)) {
-                    __threadfence();
-                    int e = (ri[0] & ~31) + lane;
-                    quantize32(__ldcg(glu + (u64)r * n0 + e), gq + r * xq_bytes(n0), n0, e);
-                    if (lane == 0) *cnt = 0;
+#pragma unroll
+                for (int r = 0; r < ROWS; r++) {
+                    if (r < rows) {
+                        const u8* xr = xq + r * xqb;
+                        XGroup xg[2] = {xgroup(xr, k, Chunk<T>::xoff(c, 0)), xgroup(xr, k, Chunk<T>::xoff(c, 1))};
+#pragma unroll
+                        for (int rr = 0; rr < R; rr++)
+                            if (mi[rr] >= 0) acc[r][rr] += Chunk<T>::dot(mr[rr], raw[rr], xg);
+                    }
                 }
             }
         }
+        if (LOOP && split == 1) {
+#pragma unroll
+            for (int r = 0; r < ROWS; r++)
+#pragma unroll
+                for (int rr = 0; rr < R; rr++) acc[r][rr] = r < rows ? warp_sum(acc[r][rr]) : 0.f;
+        } else {
+#pragma unroll
+            for (int r = 0; r < ROWS; r++)
+#pragma unroll
+                for (int rr = 0; rr < R; rr++) {
+                    float s = r < rows ? warp_sum(acc[r][rr]) : 0.f;
+                    if (lane == 0) part[wi][r][rr] = s;
+                }
+            __syncthreads();
+            if (piece == 0 && any)
+#pragma unroll
+                for (int r = 0; r < ROWS; r++)
+#pragma unroll
+                    for (int rr = 0; rr < R; rr++) {
+                        float s = 0.f;
+                        for (int p = 0; p < split; p++) s += part[wi + p][r][rr];
+                        acc[r][rr] = s;
+                    }
+        }
+        if (piece == 0 && any) group_out<R, ROWS>(acc, mi, ri, nr, orr, warp, groups, n0, o0, o1, glu, gq, gcnt, rows, aslots, aout, acnt, lane);
+        if (!LOOP || warp + teams >= groups) break;
     }
     if (ecnt) {
         // The last block to finish computes the norm (pair) of the products (see norm_epilogue).
@@ -791,37 +854,6 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
             norm_epilogue(o0 + (u64)r * n0, ew1, er ? er + (u64)r * n0 : nullptr, eh ? eh + (u64)r * n0 : nullptr, ew2,
                           eout + (u64)r * n0, exq ? exq + r * xq_bytes(n0) : nullptr, n0, eps, scratch);
         if (threadIdx.x == 0) *ecnt = 0;
-        return;
-    }
-    if (aout) {
-        // The last warp to finish reduces the slots of every row and resets them.
-        int total = (n0 + R - 1) / R, done = 0;
-        if (lane == 0) {
-            __threadfence();
-            done = atomicAdd(acnt, 1u) == (u32)total - 1;
-        }
-        if (!__shfl_sync(0xffffffffu, done, 0)) return;
-        __threadfence();
-        for (int r = 0; r < rows; r++) {
-            u64 best = 0;
-            for (int s = lane; s < ARGMAX_SLOTS; s += 32) {
-                u64* p = &aslots[r * ARGMAX_SLOTS + s];
-                u64 v = __ldcg(p);
-                best = v > best ? v : best;
-                *p = 0;
-            }
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                u64 v = __shfl_xor_sync(0xffffffffu, best, o);
-                best = v > best ? v : best;
-            }
-            if (lane == 0) {
-                u32* flag = (u32*)(aslots + MV_ROWS * ARGMAX_SLOTS) + r;
-                aout[r] = __ldcg(flag) ? -1 : (int)(0xffffffffu - (u32)(best & 0xffffffffu));
-                *flag = 0;
-            }
-        }
-        if (lane == 0) *acnt = 0;
     }
 }
 
@@ -987,16 +1019,16 @@ extern "C" __global__ void quantize_rows(const float* x, u8* xq, int k, int rows
 #define MV_PASS o0, o1, o2, glu, xq, k, rows, split, gq, gcnt, ew1, er, eh, ew2, eout, exq, ecnt, eps, aslots, aout, acnt, px, eh2
 #define KILN_FORMAT(NAME, T)                                                                                        \
     extern "C" __global__ void __launch_bounds__(128) matvec_##NAME(MV_ARGS) {                                     \
-        matvec<T, 2, MV_ROWS, 0, false>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                               \
+        matvec<T, 2, MV_ROWS, 0, false, false>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                               \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(128) matvec1_##NAME(MV_ARGS) {                                    \
-        matvec<T, 2, 1, 0, true>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                     \
+        matvec<T, 2, 1, 0, true, false>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                     \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(128, 4) matvec4_##NAME(MV_ARGS) {                                    \
-        matvec<T, 4, 1, MV_STAGES, false>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                       \
+        matvec<T, 4, 1, MV_STAGES, false, true>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                       \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(128, 4) matvec4p_##NAME(MV_ARGS) {                                   \
-        matvec<T, 4, 1, MV_STAGES, true>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                        \
+        matvec<T, 4, 1, MV_STAGES, true, false>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                        \
     }                                                                                                               \
     extern "C" __global__ void embed_##NAME(const u8* w, u64 rb, u64 nb, const int* ids, float* out, int k,        \
                                             float scale) {                                                          \
