@@ -1,0 +1,369 @@
+// kiln's own matrix-vector kernels (crates/cuda/kernels/quant.cu, Q4_K/Q6_K only) at 12B shapes,
+// launched as exec.rs does, alone and as a graph of 8 layers and the greedy head, under a few
+// overrides of exec.rs's rules (see README.md).
+// nvcc -O3 -arch=sm_90 -std=c++17 -I<dir from prep.sh> kiln_matvec.cu
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <algorithm>
+#include <cuda_runtime.h>
+#include "common.cuh"
+#include "quant_f.cu"
+
+#define CK(x)                                                                                 \
+    do {                                                                                      \
+        cudaError_t e = (x);                                                                  \
+        if (e != cudaSuccess) {                                                               \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
+            exit(1);                                                                          \
+        }                                                                                     \
+    } while (0)
+
+__global__ void fill_rand(u32* p, u64 words, u32 seed) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x) {
+        u32 x = (u32)i * 2654435761u ^ seed;
+        x ^= x >> 15;
+        x *= 2246822519u;
+        x ^= x >> 13;
+        x *= 3266489917u;
+        x ^= x >> 16;
+        p[i] = x;
+    }
+}
+__global__ void fix_q4k(u8* w, u64 nblk) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nblk; i += (u64)gridDim.x * blockDim.x) {
+        u32 r = *(u32*)(w + 144 * i);
+        *(u32*)(w + 144 * i) = (0x2000u | (r & 0x3ffu)) | ((0x1c00u | ((r >> 16) & 0x3ffu)) << 16);
+    }
+}
+__global__ void fix_q6k(u8* w, u64 nblk) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nblk; i += (u64)gridDim.x * blockDim.x) {
+        u16* d = (u16*)(w + 208 * nblk) + i;
+        *d = 0x1c00u | (*d & 0x3ffu);
+    }
+}
+__global__ void fill_f(float* p, int n, u32 seed, float base, float amp) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        u32 x = (u32)i * 2654435761u ^ seed;
+        x ^= x >> 13;
+        x *= 3266489917u;
+        x ^= x >> 16;
+        p[i] = base + amp * ((float)(x & 0xffff) / 65536.f - 0.5f);
+    }
+}
+__global__ void quant_x(const float* x, u8* xq, int k) {
+    int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e < k) quantize32(x[e], xq, k, e);
+}
+// Reference: one warp per row with kiln's chunk decoders.
+template <int T>
+__global__ void ref_mv(const u8* w, u64 rb, int n, const u8* xq, int k, float* out) {
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= n) return;
+    Mat m{w, rb, (u64)n * (rb / Fmt<T>::bytes)};
+    float acc = 0.f;
+    for (int c = lane; c < (k >> 5); c += 32) {
+        XGroup xg[2] = {xgroup(xq, k, Chunk<T>::xoff(c, 0)), xgroup(xq, k, Chunk<T>::xoff(c, 1))};
+        acc += Chunk<T>::dot(m, Chunk<T>::load(m, row, c), xg);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) out[row] = acc;
+}
+
+typedef void (*Fn)(const u8*, const u8*, const u8*, u64, int, int, int, float*, float*, float*, float*, const u8*, int, int, int, u8*, u32*,
+                   const float*, const float*, float*, const float*, float*, u8*, u32*, float, u64*, int*, u32*, const float*, float*);
+static int sms;
+// Overrides of exec.rs's rules: split (0: the rule), blocks per multiprocessor cap (0: the rule), the
+// norm epilogue on the o and down launches (as kiln did before 2026-11-30 evening; now the norm kernel).
+static int o_split = 0, o_cap = 0, o_epi = 0;
+static size_t hxq(int k) { return (size_t)k * 5 / 2; }
+
+struct Matrix {
+    u8* w;
+    u64 rb, nblk, bytes;
+    int n, k, fmt;
+};
+static Matrix make_matrix(int n, int k, int fmt) {
+    Matrix m;
+    m.n = n;
+    m.k = k;
+    m.fmt = fmt;
+    int bs = fmt == F_Q6_K ? 210 : 144;
+    m.rb = (u64)(k / 256) * bs;
+    m.nblk = (u64)n * (k / 256);
+    m.bytes = m.rb * n;
+    CK(cudaMalloc(&m.w, m.bytes + 256));
+    static u32 seed = 1;
+    fill_rand<<<1024, 256>>>((u32*)m.w, (m.bytes + 255) / 4, seed++ * 0x9e3779b9u);
+    if (fmt == F_Q6_K)
+        fix_q6k<<<1024, 256>>>(m.w, m.nblk);
+    else
+        fix_q4k<<<1024, 256>>>(m.w, m.nblk);
+    CK(cudaGetLastError());
+    return m;
+}
+
+// Scratch shared by the launches (as exec.rs's sync buffer and step buffers).
+struct Bufs {
+    u8 *xq3840, *xq4096, *xq15360, *gq, *exq;
+    float *o0, *o1, *o2, *glu, *ew1, *er, *eh, *ew2, *eout;
+    u32 *gcnt, *ecnt, *acnt;
+    u64* aslots;
+    int* aout;
+} B;
+
+struct Launch {
+    const Matrix* m[3];
+    int nm;
+    bool glu, epi, argmax;
+};
+
+static void launch(const Launch& L, cudaStream_t st) {
+    const Matrix& m = *L.m[0];
+    int total = 0;
+    for (int i = 0; i < L.nm; i++) total += L.m[i]->n;
+    Fn fn = m.fmt == F_Q6_K ? matvec4_q6_k : matvec4_q4_k;
+    int groups = L.glu ? (m.n + 1) / 2 : (total + 3) / 4;
+    int c = m.k / 32;
+    int split = groups >= 2 * 16 * sms || (c <= 128 && groups >= 7 * sms) ? 1 : c >= 128 ? 4 : c >= 64 ? 2 : 1;
+    if (o_split) split = o_split;
+    int blocks = (groups + 4 / split - 1) / (4 / split);
+    if (split == 1 && (o_cap || groups >= 16 * 16 * sms)) blocks = std::min(blocks, (o_cap ? o_cap : 4) * sms);
+    bool epi = L.epi && o_epi;
+    const u8* xq = m.k == 3840 ? B.xq3840 : m.k == 4096 ? B.xq4096 : B.xq15360;
+    const u8* w1 = L.nm > 1 ? L.m[1]->w : nullptr;
+    const u8* w2 = L.nm > 2 ? L.m[2]->w : nullptr;
+    int n1 = L.nm > 1 ? L.m[1]->n : 0, n2 = L.nm > 2 ? L.m[2]->n : 0;
+    float* o1 = L.glu ? B.o1 : B.o1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(128);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = st;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&cfg, fn, (const u8*)m.w, w1, w2, m.rb, L.glu ? m.n : m.n, n1, n2, B.o0, o1, B.o2, L.glu ? B.glu : (float*)nullptr, xq,
+                          m.k, 1, split, L.glu ? B.gq : (u8*)nullptr, B.gcnt, epi ? (const float*)B.ew1 : nullptr,
+                          epi ? (const float*)B.er : nullptr, epi ? B.eh : nullptr, epi ? (const float*)B.ew2 : nullptr,
+                          epi ? B.eout : nullptr, epi ? B.exq : nullptr, epi ? B.ecnt : nullptr, 1e-6f, B.aslots,
+                          L.argmax ? B.aout : nullptr, B.acnt, (const float*)nullptr, (float*)nullptr));
+}
+
+static double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+int main() {
+    cudaDeviceProp p;
+    CK(cudaGetDeviceProperties(&p, 0));
+    sms = p.multiProcessorCount;
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    // Inputs: x (quantized with kiln's quantizer), norm weights, residual.
+    auto xq_of = [&](int k) {
+        float* x;
+        u8* q;
+        CK(cudaMalloc(&x, 4 * k));
+        CK(cudaMalloc(&q, hxq(k)));
+        fill_f<<<(k + 255) / 256, 256>>>(x, k, k, 0.f, 2.f);
+        quant_x<<<(k + 255) / 256, 256>>>(x, q, k);
+        return q;
+    };
+    B.xq3840 = xq_of(3840);
+    B.xq4096 = xq_of(4096);
+    B.xq15360 = xq_of(15360);
+    const int N = 262144;
+    for (float** f : {&B.o0, &B.o1, &B.o2, &B.glu}) CK(cudaMalloc(f, 4 * N));
+    for (float** f : {&B.ew1, &B.er, &B.eh, &B.ew2, &B.eout}) CK(cudaMalloc(f, 4 * 15360));
+    fill_f<<<60, 256>>>(B.ew1, 15360, 3, 1.f, 0.5f);
+    fill_f<<<60, 256>>>(B.ew2, 15360, 4, 1.f, 0.5f);
+    fill_f<<<60, 256>>>(B.er, 15360, 5, 0.f, 4.f);
+    CK(cudaMalloc(&B.gq, hxq(15360)));
+    CK(cudaMalloc(&B.exq, hxq(15360)));
+    CK(cudaMalloc(&B.gcnt, 4 * 8 * 15360 / 32));
+    CK(cudaMalloc(&B.ecnt, 4));
+    CK(cudaMalloc(&B.acnt, 4));
+    CK(cudaMalloc(&B.aslots, 8 * (8 * 256 + 8)));
+    CK(cudaMalloc(&B.aout, 4 * 8));
+    CK(cudaMemset(B.gcnt, 0, 4 * 8 * 15360 / 32));
+    CK(cudaMemset(B.ecnt, 0, 4));
+    CK(cudaMemset(B.acnt, 0, 4));
+    CK(cudaMemset(B.aslots, 0, 8 * (8 * 256 + 8)));
+    CK(cudaDeviceSynchronize());
+
+    // Correctness against the reference (plain, glu, argmax).
+    {
+        Matrix g = make_matrix(15360, 3840, F_Q4_K), u = make_matrix(15360, 3840, F_Q4_K), h = make_matrix(65536, 3840, F_Q6_K);
+        float* ref;
+        CK(cudaMalloc(&ref, 4 * 65536 * 2));
+        ref_mv<F_Q4_K><<<15360 / 4, 128>>>(g.w, g.rb, 15360, B.xq3840, 3840, ref);
+        ref_mv<F_Q4_K><<<15360 / 4, 128>>>(u.w, u.rb, 15360, B.xq3840, 3840, ref + 15360);
+        Launch lg{{&g, &u}, 2, true, false, false};
+        launch(lg, st);
+        CK(cudaStreamSynchronize(st));
+        CK(cudaGetLastError());
+        std::vector<float> r(2 * 15360), a(15360), b(15360), gl(15360);
+        CK(cudaMemcpy(r.data(), ref, 4 * 2 * 15360, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(a.data(), B.o0, 4 * 15360, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(b.data(), B.o1, 4 * 15360, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(gl.data(), B.glu, 4 * 15360, cudaMemcpyDeviceToHost));
+        double e = 0, mx = 0;
+        for (int i = 0; i < 15360; i++) {
+            e = std::max(e, (double)fabs(a[i] - r[i]) + fabs(b[i] - r[15360 + i]));
+            mx = std::max(mx, (double)fabs(r[i]));
+            double gv = 0.5 * r[i] * (1 + tanh(0.7978846 * (r[i] + 0.044715 * r[i] * r[i] * r[i]))) * r[15360 + i];
+            e = std::max(e, fabs(gl[i] - gv) / std::max(1.0, fabs(gv)));
+        }
+        printf("glu gate/up 15360x3840: max err %.3e (max |ref| %.3e)\n", e, mx);
+        // Plain over two matrices (q, k).
+        Launch lp{{&g, &u}, 2, false, false, false};
+        launch(lp, st);
+        CK(cudaStreamSynchronize(st));
+        std::vector<float> o(2 * 15360);
+        CK(cudaMemcpy(o.data(), B.o0, 4 * 15360, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(o.data() + 15360, B.o1, 4 * 15360, cudaMemcpyDeviceToHost));
+        e = 0;
+        for (int i = 0; i < 2 * 15360; i++) e = std::max(e, (double)fabs(o[i] - r[i]));
+        printf("plain 2 x 15360x3840: max err %.3e\n", e);
+        // Argmax over a Q6_K head.
+        ref_mv<F_Q6_K><<<65536 / 4, 128>>>(h.w, h.rb, 65536, B.xq3840, 3840, ref);
+        Launch la{{&h}, 1, false, false, true};
+        for (int rep = 0; rep < 3; rep++) {
+            launch(la, st);
+            CK(cudaStreamSynchronize(st));
+            CK(cudaGetLastError());
+            std::vector<float> hr(65536);
+            int got;
+            CK(cudaMemcpy(hr.data(), ref, 4 * 65536, cudaMemcpyDeviceToHost));
+            CK(cudaMemcpy(&got, B.aout, 4, cudaMemcpyDeviceToHost));
+            int best = 0;
+            for (int i = 1; i < 65536; i++)
+                if (hr[i] > hr[best]) best = i;
+            printf("argmax head 65536x3840 q6k: got %d, reference %d (%s)\n", got, best, got == best ? "ok" : "MISMATCH");
+        }
+        CK(cudaFree(g.w));
+        CK(cudaFree(u.w));
+        CK(cudaFree(h.w));
+        CK(cudaFree(ref));
+    }
+
+    // Layers of the 12B: [q,k(,v)] [v q6k] o+epi, gate/up glu, down+epi; 8 layers, then the head.
+    const int L = 8;
+    std::vector<std::vector<Matrix>> mats;
+    std::vector<std::vector<Launch>> launches;
+    u64 total = 0;
+    for (int l = 0; l < L; l++) {
+        bool q6 = l % 2 == 0;
+        mats.push_back({make_matrix(4096, 3840, F_Q4_K), make_matrix(2048, 3840, F_Q4_K), make_matrix(2048, 3840, q6 ? F_Q6_K : F_Q4_K),
+                        make_matrix(3840, 4096, F_Q4_K), make_matrix(15360, 3840, F_Q4_K), make_matrix(15360, 3840, F_Q4_K),
+                        make_matrix(3840, 15360, q6 ? F_Q6_K : F_Q4_K)});
+    }
+    for (int l = 0; l < L; l++) {
+        auto& m = mats[l];
+        for (auto& x : m) total += x.bytes;
+        std::vector<Launch> ls;
+        if (l % 2 == 0) {
+            ls.push_back(Launch{{&m[0], &m[1]}, 2, false, false, false});
+            ls.push_back(Launch{{&m[2]}, 1, false, false, false});
+        } else {
+            ls.push_back(Launch{{&m[0], &m[1], &m[2]}, 3, false, false, false});
+        }
+        ls.push_back(Launch{{&m[3]}, 1, false, true, false});
+        ls.push_back(Launch{{&m[4], &m[5]}, 2, true, false, false});
+        ls.push_back(Launch{{&m[6]}, 1, false, true, false});
+        launches.push_back(ls);
+    }
+    Matrix head = make_matrix(262144, 3840, F_Q6_K);
+    CK(cudaDeviceSynchronize());
+    const char* names[] = {"qk(v)", "v q6k", "o", "gate/up", "down"};
+    struct Cfg {
+        const char* name;
+        int split, cap, epi;
+    } cfgs[] = {{"rules", 0, 0, 0}, {"rules + norm epilogues", 0, 0, 1}, {"split 1", 1, 0, 0}, {"split 2", 2, 0, 0}, {"split 1, persistent", 1, 4, 0}};
+    for (auto& cf : cfgs) {
+    o_split = cf.split;
+    o_cap = cf.cap;
+    o_epi = cf.epi;
+    printf("\n== config %s\n", cf.name);
+    // Each launch kind alone (rotating over the layers' copies).
+    printf("\n%-12s %10s %9s\n", "launch", "us", "GB/s");
+    for (int kind = 0; kind < 5; kind++) {
+        std::vector<const Launch*> sel;
+        for (int l = 0; l < L; l++)
+            for (auto& x : launches[l]) {
+                bool isv = x.nm == 1 && !x.epi && !x.argmax;
+                int kk = x.glu ? 3 : x.epi ? (x.m[0]->k == 4096 ? 2 : 4) : isv ? 1 : 0;
+                if (kk == kind) sel.push_back(&x);
+            }
+        if (sel.empty()) continue;
+        u64 bytes = 0;
+        for (auto* x : sel)
+            for (int i = 0; i < x->nm; i++) bytes += x->m[i]->bytes;
+        std::vector<double> ts;
+        for (int r = 0; r < 7; r++) {
+            CK(cudaEventRecord(e0, st));
+            for (int rep = 0; rep < 3; rep++)
+                for (auto* x : sel) launch(*x, st);
+            CK(cudaEventRecord(e1, st));
+            CK(cudaEventSynchronize(e1));
+            float ms;
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            ts.push_back(ms * 1e3 / (3 * sel.size()));
+        }
+        double us = median(ts);
+        printf("%-12s %10.1f %9.0f\n", names[kind], us, bytes / sel.size() / (us * 1e-6) / 1e9);
+    }
+    {
+        Launch la{{&head}, 1, false, false, true};
+        std::vector<double> ts;
+        for (int r = 0; r < 7; r++) {
+            CK(cudaEventRecord(e0, st));
+            launch(la, st);
+            CK(cudaEventRecord(e1, st));
+            CK(cudaEventSynchronize(e1));
+            float ms;
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            ts.push_back(ms * 1e3);
+        }
+        double us = median(ts);
+        printf("%-12s %10.1f %9.0f\n", "head argmax", us, head.bytes / (us * 1e-6) / 1e9);
+    }
+    // The chain: all layers then the head, captured in a graph.
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    {
+    }
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    for (int l = 0; l < L; l++)
+        for (auto& x : launches[l]) launch(x, st);
+    Launch la{{&head}, 1, false, false, true};
+    launch(la, st);
+    CK(cudaStreamEndCapture(st, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    u64 tot = total + head.bytes;
+    std::vector<double> ts;
+    for (int r = 0; r < 9; r++) {
+        CK(cudaEventRecord(e0, st));
+        CK(cudaGraphLaunch(ge, st));
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        ts.push_back(ms * 1e3);
+    }
+    CK(cudaGetLastError());
+    double us = median(ts);
+    printf("chain: 8 layers + head, %.0f MB: %.1f us, %.0f GB/s\n", tot / 1e6, us, tot / (us * 1e-6) / 1e9);
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(g));
+    }
+    return 0;
+}

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Builds and runs both matrix-vector benchmarks (a machine with nvcc and an sm_90 GPU; from anywhere).
+set -eu
+here=$(cd "$(dirname "$0")" && pwd)
+d=$(mktemp -d)
+"$here/prep.sh" "$d" "$here/../.."
+nvcc -O3 -arch=sm_90 -std=c++17 -I"$d" "$here/kiln_matvec.cu" -o "$d/kiln_matvec"
+nvcc -O3 -arch=sm_90 -std=c++17 "$here/matvec_variants.cu" -o "$d/matvec_variants"
+"$d/kiln_matvec"
+"$d/matvec_variants"
