@@ -2,46 +2,10 @@
 // launched as exec.rs does, alone and as a graph of 8 layers and the greedy head, under a few
 // overrides of exec.rs's rules (see README.md).
 // nvcc -O3 -arch=sm_90 -std=c++17 -I<dir from prep.sh> kiln_matvec.cu
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-#include <algorithm>
-#include <cuda_runtime.h>
 #include "common.cuh"
 #include "quant_f.cu"
+#include "bench_util.cuh"
 
-#define CK(x)                                                                                 \
-    do {                                                                                      \
-        cudaError_t e = (x);                                                                  \
-        if (e != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-            exit(1);                                                                          \
-        }                                                                                     \
-    } while (0)
-
-__global__ void fill_rand(u32* p, u64 words, u32 seed) {
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x) {
-        u32 x = (u32)i * 2654435761u ^ seed;
-        x ^= x >> 15;
-        x *= 2246822519u;
-        x ^= x >> 13;
-        x *= 3266489917u;
-        x ^= x >> 16;
-        p[i] = x;
-    }
-}
-__global__ void fix_q4k(u8* w, u64 nblk) {
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nblk; i += (u64)gridDim.x * blockDim.x) {
-        u32 r = *(u32*)(w + 144 * i);
-        *(u32*)(w + 144 * i) = (0x2000u | (r & 0x3ffu)) | ((0x1c00u | ((r >> 16) & 0x3ffu)) << 16);
-    }
-}
-__global__ void fix_q6k(u8* w, u64 nblk) {
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nblk; i += (u64)gridDim.x * blockDim.x) {
-        u16* d = (u16*)(w + 208 * nblk) + i;
-        *d = 0x1c00u | (*d & 0x3ffu);
-    }
-}
 __global__ void fill_f(float* p, int n, u32 seed, float base, float amp) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
@@ -153,10 +117,6 @@ static void launch(const Launch& L, cudaStream_t st) {
                           L.argmax ? B.aout : nullptr, B.acnt, (const float*)nullptr, (float*)nullptr));
 }
 
-static double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
 
 int main() {
     cudaDeviceProp p;
@@ -164,9 +124,6 @@ int main() {
     sms = p.multiProcessorCount;
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
     // Inputs: x (quantized with kiln's quantizer), norm weights, residual.
     auto xq_of = [&](int k) {
         float* x;
@@ -307,63 +264,23 @@ int main() {
         u64 bytes = 0;
         for (auto* x : sel)
             for (int i = 0; i < x->nm; i++) bytes += x->m[i]->bytes;
-        std::vector<double> ts;
-        for (int r = 0; r < 7; r++) {
-            CK(cudaEventRecord(e0, st));
+        double us = time_us(st, 7, 3.0 * sel.size(), [&] {
             for (int rep = 0; rep < 3; rep++)
                 for (auto* x : sel) launch(*x, st);
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            ts.push_back(ms * 1e3 / (3 * sel.size()));
-        }
-        double us = median(ts);
+        });
         printf("%-12s %10.1f %9.0f\n", names[kind], us, bytes / sel.size() / (us * 1e-6) / 1e9);
     }
-    {
-        Launch la{{&head}, 1, false, false, true};
-        std::vector<double> ts;
-        for (int r = 0; r < 7; r++) {
-            CK(cudaEventRecord(e0, st));
-            launch(la, st);
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            ts.push_back(ms * 1e3);
-        }
-        double us = median(ts);
-        printf("%-12s %10.1f %9.0f\n", "head argmax", us, head.bytes / (us * 1e-6) / 1e9);
-    }
-    // The chain: all layers then the head, captured in a graph.
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    {
-    }
-    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-    for (int l = 0; l < L; l++)
-        for (auto& x : launches[l]) launch(x, st);
     Launch la{{&head}, 1, false, false, true};
-    launch(la, st);
-    CK(cudaStreamEndCapture(st, &g));
-    CK(cudaGraphInstantiate(&ge, g, 0));
+    double us = time_us(st, 7, 1, [&] { launch(la, st); });
+    printf("%-12s %10.1f %9.0f\n", "head argmax", us, head.bytes / (us * 1e-6) / 1e9);
+    // The chain: all layers then the head, captured in a graph.
     u64 tot = total + head.bytes;
-    std::vector<double> ts;
-    for (int r = 0; r < 9; r++) {
-        CK(cudaEventRecord(e0, st));
-        CK(cudaGraphLaunch(ge, st));
-        CK(cudaEventRecord(e1, st));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        ts.push_back(ms * 1e3);
-    }
-    CK(cudaGetLastError());
-    double us = median(ts);
+    us = graph_us(st, 9, [&] {
+        for (int l = 0; l < L; l++)
+            for (auto& x : launches[l]) launch(x, st);
+        launch(la, st);
+    });
     printf("chain: 8 layers + head, %.0f MB: %.1f us, %.0f GB/s\n", tot / 1e6, us, tot / (us * 1e-6) / 1e9);
-    CK(cudaGraphExecDestroy(ge));
-    CK(cudaGraphDestroy(g));
     }
     return 0;
 }

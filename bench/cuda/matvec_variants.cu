@@ -1,22 +1,8 @@
 // Matrix-vector loop structures for kiln's Q4_K / Q6_K chunk numerics at 12B shapes, alone and in
 // chains of 12B layers (see README.md). nvcc -O3 -arch=sm_90 -std=c++17 matvec_variants.cu
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <vector>
-#include <algorithm>
 #include <string>
-#include <cuda_runtime.h>
 #include "matvec_variants.cuh"
-
-#define CK(x)                                                                                 \
-    do {                                                                                      \
-        cudaError_t e = (x);                                                                  \
-        if (e != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-            exit(1);                                                                          \
-        }                                                                                     \
-    } while (0)
+#include "bench_util.cuh"
 
 typedef void (*MvFn)(const u8*, u64, u64, int, const u8*, int, float*, const u8*, u64, const u8*, u64, int);
 struct Variant {
@@ -141,10 +127,6 @@ static void launch_ref(const Matrix& m, const u8* xq, float* out) {
     CK(cudaGetLastError());
 }
 
-static double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
 
 int main(int argc, char** argv) {
     cudaDeviceProp p;
@@ -155,9 +137,6 @@ int main(int argc, char** argv) {
     for (auto& v : tvariants) CK(cudaFuncSetAttribute(v.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, 225 * 1024));
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
 
     // Read bandwidth (same kernel as kiln's read_bandwidth), 4 GiB.
     double bw;
@@ -167,17 +146,7 @@ int main(int argc, char** argv) {
         CK(cudaMalloc(&src, bytes));
         CK(cudaMalloc(&sink, 64));
         fill_rand<<<1024, 256>>>((u32*)src, bytes / 4, 5);
-        std::vector<double> t;
-        for (int r = 0; r < 9; r++) {
-            CK(cudaEventRecord(e0, st));
-            read_bw<<<sms * 4, 512, 0, st>>>(src, bytes / 16, sink);
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            t.push_back(bytes / (ms * 1e-3));
-        }
-        bw = median(t);
+        bw = bytes / (time_us(st, 9, 1, [&] { read_bw<<<sms * 4, 512, 0, st>>>(src, bytes / 16, sink); }) * 1e-6);
         printf("read bandwidth %.0f GB/s\n", bw / 1e9);
         CK(cudaFree(src));
         CK(cudaFree(sink));
@@ -224,18 +193,10 @@ int main(int argc, char** argv) {
             for (int i = 0; i < sh.n; i++) err = std::max(err, (double)fabsf(ho[i] - hr[i]) / rmax);
             if (!(err < 1e-4)) err = 1e9;
             if (v.name[0] == 'n') err = -1;  // (no arithmetic: nothing to check)
-            std::vector<double> ts;
             int reps = std::max(4, copies * 2);
-            for (int r = 0; r < 7; r++) {
-                CK(cudaEventRecord(e0, st));
+            double us = time_us(st, 7, reps, [&] {
                 for (int i = 0; i < reps; i++) launch(v, ms[i % copies], xq, out + (i & 3) * 262144, st, v.minb);
-                CK(cudaEventRecord(e1, st));
-                CK(cudaEventSynchronize(e1));
-                float msec;
-                CK(cudaEventElapsedTime(&msec, e0, e1));
-                ts.push_back(msec * 1e3 / reps);
-            }
-            double us = median(ts);
+            });
             printf("%-26s %-18s %10.1f %9.0f %6.1f%% %9.2e\n", sh.name, v.name, us, m0.bytes / (us * 1e-6) / 1e9,
                    100.0 * m0.bytes / (us * 1e-6) / bw, err);
         }
@@ -250,18 +211,10 @@ int main(int argc, char** argv) {
                 double err = 0;
                 for (int i = 0; i < sh.n; i++) err = std::max(err, (double)fabsf(ho[i] - hr[i]) / rmax);
                 if (!(err < 1e-4)) err = 1e9;
-                std::vector<double> ts;
                 int reps = std::max(4, copies * 2);
-                for (int r = 0; r < 7; r++) {
-                    CK(cudaEventRecord(e0, st));
+                double us = time_us(st, 7, reps, [&] {
                     for (int i = 0; i < reps; i++) tlaunch(v, ms[i % copies], xq, out + (i & 3) * 262144, st, cps);
-                    CK(cudaEventRecord(e1, st));
-                    CK(cudaEventSynchronize(e1));
-                    float msec;
-                    CK(cudaEventElapsedTime(&msec, e0, e1));
-                    ts.push_back(msec * 1e3 / reps);
-                }
-                double us = median(ts);
+                });
                 char nm[64];
                 snprintf(nm, sizeof nm, "%s c%d", v.name, cps);
                 printf("%-26s %-18s %10.1f %9.0f %6.1f%% %9.2e\n", sh.name, nm, us, m0.bytes / (us * 1e-6) / 1e9,
@@ -293,65 +246,32 @@ int main(int argc, char** argv) {
     printf("\nchain: %d layers, %.1f MB\n", L, total / 1e6);
     for (auto& c : combos) {
         Variant &a = variants[c.q4], &b = variants[c.q6];
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-        for (int l = 0; l < L; l++)
-            for (int i = 0; i < 6; i++) {
-                const Matrix& m = layers[l].m[i];
-                const Variant& v = m.q6 ? b : a;
-                const Matrix* next = i < 5 ? &layers[l].m[i + 1] : l + 1 < L ? &layers[l + 1].m[0] : nullptr;
-                launch(v, m, xfor(m.k), out + (i & 3) * 262144, st, v.minb, next, c.pfm, (u64)c.cap_mb << 20);
-            }
-        CK(cudaStreamEndCapture(st, &g));
-        CK(cudaGraphInstantiate(&ge, g, 0));
-        std::vector<double> ts;
-        for (int r = 0; r < 9; r++) {
-            CK(cudaEventRecord(e0, st));
-            CK(cudaGraphLaunch(ge, st));
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            float msec;
-            CK(cudaEventElapsedTime(&msec, e0, e1));
-            ts.push_back(msec * 1e3);
-        }
-        double us = median(ts);
+        double us = graph_us(st, 9, [&] {
+            for (int l = 0; l < L; l++)
+                for (int i = 0; i < 6; i++) {
+                    const Matrix& m = layers[l].m[i];
+                    const Variant& v = m.q6 ? b : a;
+                    const Matrix* next = i < 5 ? &layers[l].m[i + 1] : l + 1 < L ? &layers[l + 1].m[0] : nullptr;
+                    launch(v, m, xfor(m.k), out + (i & 3) * 262144, st, v.minb, next, c.pfm, (u64)c.cap_mb << 20);
+                }
+        });
         printf("chain %-9s + %-9s pf %d cap %2d MB: %8.1f us/layer %7.0f GB/s %5.1f%%\n", a.name, b.name, c.pfm, c.cap_mb, us / L,
                total / (us * 1e-6) / 1e9, 100.0 * total / (us * 1e-6) / bw);
-        CK(cudaGraphExecDestroy(ge));
-        CK(cudaGraphDestroy(g));
     }
     struct TCombo {
         int q4s, q4b, q6s, q6b, cps;
     } tcombos[] = {{0, 3, 5, 6, 1}, {0, 3, 5, 6, 2}, {1, 4, 5, 7, 1}, {2, 3, 5, 6, 1}};
     for (auto& c : tcombos) {
-        cudaGraph_t g;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-        for (int l = 0; l < L; l++)
-            for (int i = 0; i < 6; i++) {
-                const Matrix& m = layers[l].m[i];
-                const TVariant& v = tvariants[m.q6 ? (m.k > 4096 ? c.q6b : c.q6s) : (m.k > 4096 ? c.q4b : c.q4s)];
-                if (!tlaunch(v, m, xfor(m.k), out + (i & 3) * 262144, st, c.cps)) tlaunch(v, m, xfor(m.k), out + (i & 3) * 262144, st, 1);
-            }
-        CK(cudaStreamEndCapture(st, &g));
-        CK(cudaGraphInstantiate(&ge, g, 0));
-        std::vector<double> ts;
-        for (int r = 0; r < 9; r++) {
-            CK(cudaEventRecord(e0, st));
-            CK(cudaGraphLaunch(ge, st));
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            float msec;
-            CK(cudaEventElapsedTime(&msec, e0, e1));
-            ts.push_back(msec * 1e3);
-        }
-        CK(cudaGetLastError());
-        double us = median(ts);
+        double us = graph_us(st, 9, [&] {
+            for (int l = 0; l < L; l++)
+                for (int i = 0; i < 6; i++) {
+                    const Matrix& m = layers[l].m[i];
+                    const TVariant& v = tvariants[m.q6 ? (m.k > 4096 ? c.q6b : c.q6s) : (m.k > 4096 ? c.q4b : c.q4s)];
+                    if (!tlaunch(v, m, xfor(m.k), out + (i & 3) * 262144, st, c.cps)) tlaunch(v, m, xfor(m.k), out + (i & 3) * 262144, st, 1);
+                }
+        });
         printf("chain %s/%s + %s/%s c%d: %8.1f us/layer %7.0f GB/s %5.1f%%\n", tvariants[c.q4s].name, tvariants[c.q4b].name,
                tvariants[c.q6s].name, tvariants[c.q6b].name, c.cps, us / L, total / (us * 1e-6) / 1e9, 100.0 * total / (us * 1e-6) / bw);
-        CK(cudaGraphExecDestroy(ge));
-        CK(cudaGraphDestroy(g));
     }
     return 0;
 }

@@ -1,0 +1,83 @@
+// Shared by the CUDA benchmarks (after the u8/u32/u64 typedefs): error checks, random weights with
+// valid f16 scales, medians, event timing.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <cuda_runtime.h>
+
+#define CK(x)                                                                                 \
+    do {                                                                                      \
+        cudaError_t e = (x);                                                                  \
+        if (e != cudaSuccess) {                                                               \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
+            exit(1);                                                                          \
+        }                                                                                     \
+    } while (0)
+
+// Random words (a hash of the index and the seed: never zeros).
+__global__ void fill_rand(u32* p, u64 words, u32 seed) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x) {
+        u32 x = (u32)i * 2654435761u ^ seed;
+        x ^= x >> 15;
+        x *= 2246822519u;
+        x ^= x >> 13;
+        x *= 3266489917u;
+        x ^= x >> 16;
+        p[i] = x;
+    }
+}
+// Valid f16 scales: Q4_K's d and dmin at the start of each 144-byte block.
+__global__ void fix_q4k(u8* w, u64 nblk) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nblk; i += (u64)gridDim.x * blockDim.x) {
+        u32 r = *(u32*)(w + 144 * i);
+        *(u32*)(w + 144 * i) = (0x2000u | (r & 0x3ffu)) | ((0x1c00u | ((r >> 16) & 0x3ffu)) << 16);
+    }
+}
+// Valid f16 scales: the d plane of a planar Q6_K matrix.
+__global__ void fix_q6k(u8* w, u64 nblk) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nblk; i += (u64)gridDim.x * blockDim.x) {
+        u16* d = (u16*)(w + 208 * nblk) + i;
+        *d = 0x1c00u | (*d & 0x3ffu);
+    }
+}
+
+static double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+// Median over `runs` runs of the microseconds `enqueue` takes on `st`, divided by `per`.
+template <class F> static double time_us(cudaStream_t st, int runs, double per, F enqueue) {
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    std::vector<double> ts;
+    for (int r = 0; r < runs; r++) {
+        CK(cudaEventRecord(e0, st));
+        enqueue();
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        ts.push_back(ms * 1e3 / per);
+    }
+    CK(cudaGetLastError());
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    return median(ts);
+}
+
+// Median microseconds of a replay of the graph of what `capture` enqueues on `st`.
+template <class F> static double graph_us(cudaStream_t st, int runs, F capture) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    capture();
+    CK(cudaStreamEndCapture(st, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    double us = time_us(st, runs, 1, [&] { CK(cudaGraphLaunch(ge, st)); });
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(g));
+    return us;
+}
