@@ -20,7 +20,8 @@ const ARGMAX_BLOCKS: usize = 64;
 /// Widest row a matrix-vector launch normalises in its last block (`4 * EPI_PER * 32 * MV_WARPS`):
 /// wider rows take the norm kernel, whose block is not the tail of a launch (measured on an H200
 /// at 12B shapes, rows of 3840: the last block's norm pair cost 7 µs after the output projection
-/// and 14 µs after the down projection, the norm kernel less; decode 3% faster without them).
+/// and 14 µs after the down projection; decode 3% faster without them, 15% more once the norm
+/// kernel loaded its rows as float4 in one round trip).
 const EPILOGUE_MAX: usize = 4 * 2 * 32 * MATVEC_WARPS;
 /// Partial maxima per row of the greedy head's fused argmax (`ARGMAX_SLOTS` in quant.cu).
 const ARGMAX_SLOTS: usize = 256;
