@@ -396,6 +396,66 @@ fn matvec_input(plan: &Plan, op: &Op) -> Option<Slot> {
     }
 }
 
+/// What a matrix-vector launch computes, as far as its geometry depends on it.
+#[derive(Clone, Copy, Debug)]
+struct MatVecShape {
+    /// Activation rows.
+    rows: usize,
+    /// Output rows of all its matrices together.
+    total: usize,
+    /// Output rows of its first matrix (of each, with glu).
+    n: usize,
+    /// Row width (columns) of the matrices.
+    k: usize,
+    /// Gate/up pair with the GELU product (half of a warp's rows from each matrix).
+    glu: bool,
+    /// With the norm prologue.
+    prologue: bool,
+}
+
+/// How a matrix-vector launch runs: its kernel family (`matvec`, `matvec1`, `matvec4`,
+/// `matvec4p`), output rows per warp, warps per group of rows, and blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct MatVecGeometry {
+    kernel: &'static str,
+    per_warp: usize,
+    split: usize,
+    blocks: usize,
+}
+
+impl MatVecShape {
+    /// The launch geometry on a device of `sms` multiprocessors.
+    fn geometry(&self, sms: usize) -> MatVecGeometry {
+        let (kernel, per_warp) = match self.rows {
+            1 if self.total >= MATVEC4_MIN_ROWS && self.prologue => ("matvec4p", 4),
+            1 if self.total >= MATVEC4_MIN_ROWS => ("matvec4", 4),
+            1 => ("matvec1", 2),
+            _ => ("matvec", 2),
+        };
+        let groups = if self.glu { self.n.div_ceil(per_warp / 2) } else { self.total.div_ceil(per_warp) };
+        // Long rows are split over 2 or 4 warps (more loads in flight per output row), unless
+        // there are rows enough for two rounds of the warps the device holds at once (16 per
+        // multiprocessor), or rows of at most 4 chunks per lane and groups for 7 warps per
+        // multiprocessor: then each warp walks whole rows (measured on an H200 at 12B shapes: the
+        // q/k/v and output projections 1.5 µs faster so, the 2048-row v projection and the long
+        // down projection rows slower).
+        let split = match self.k / 32 {
+            _ if groups >= 2 * 16 * sms => 1,
+            c if c <= 128 && groups >= 7 * sms => 1,
+            c if c >= 128 => 4,
+            c if c >= 64 => 2,
+            _ => 1,
+        };
+        // Launches of many rounds of groups (a greedy head) are persistent: 4 blocks per
+        // multiprocessor (the kernels' launch bounds), each warp taking group after group.
+        let mut blocks = groups.div_ceil(MATVEC_WARPS / split);
+        if kernel == "matvec4" && groups >= PERSISTENT_ROUNDS * 16 * sms {
+            blocks = blocks.min(4 * sms);
+        }
+        MatVecGeometry { kernel, per_warp, split, blocks }
+    }
+}
+
 /// The norm epilogue of the matrix-vector group `group` for the launch `next` after it (a norm
 /// or norm pair of the group's one product), if it applies.
 fn epilogue_for(plan: &Plan, weights: &dyn WeightShapes, group: &[usize], next: &Op) -> Result<Option<Epilogue>, RuntimeError> {
@@ -997,27 +1057,8 @@ impl CudaExecutable {
         let m = ms[0];
         let fmt = format_name(m.ty).ok_or_else(|| cuda_err(format!("no kernels for {:?}", m.ty)))?;
         let total: usize = ms.iter().map(|m| m.n).sum();
-        let (kernel, per_warp) = match a.rows {
-            1 if total >= MATVEC4_MIN_ROWS && a.px != 0 => ("matvec4p", 4),
-            1 if total >= MATVEC4_MIN_ROWS => ("matvec4", 4),
-            1 => ("matvec1", 2),
-            _ => ("matvec", 2),
-        };
-        let groups = if a.glu != 0 { m.n.div_ceil(per_warp / 2) } else { total.div_ceil(per_warp) };
-        // Long rows are split over 2 or 4 warps (more loads in flight per output row), unless
-        // there are rows enough for two rounds of the warps the device holds at once (16 per
-        // multiprocessor), or rows of at most 4 chunks per lane and groups for 7 warps per
-        // multiprocessor: then each warp walks whole rows (measured on an H200 at 12B shapes: the
-        // q/k/v and output projections 1.5 µs faster so, the 2048-row v projection and the long
-        // down projection rows slower).
-        let sms = self.device.sms as usize;
-        let split = match m.k / 32 {
-            _ if groups >= 2 * 16 * sms => 1,
-            c if c <= 128 && groups >= 7 * sms => 1,
-            c if c >= 128 => 4,
-            c if c >= 64 => 2,
-            _ => 1,
-        };
+        let shape = MatVecShape { rows: a.rows, total, n: m.n, k: m.k, glu: a.glu != 0, prologue: a.px != 0 };
+        let MatVecGeometry { kernel, per_warp, split, blocks } = shape.geometry(self.device.sms as usize);
         let sync = self.sync.ptr();
         let e = a.epi.copied().unwrap_or(EpilogueArgs { w1: 0, residual: 0, h: 0, h2: 0, w2: 0, out: 0, xq: 0, eps: 0.0 });
         let mut args = Vec::with_capacity(28);
@@ -1038,12 +1079,6 @@ impl CudaExecutable {
             Arg::U64(a.px),
             Arg::U64(e.h2),
         ]);
-        // Launches of many rounds of groups (a greedy head) are persistent: 4 blocks per
-        // multiprocessor (the kernels' launch bounds), each warp taking group after group.
-        let mut blocks = groups.div_ceil(MATVEC_WARPS / split);
-        if per_warp == 4 && a.px == 0 && groups >= PERSISTENT_ROUNDS * 16 * sms {
-            blocks = blocks.min(4 * sms);
-        }
         let ring = if per_warp == 4 { matvec4_shared_bytes(fmt) } else { 0 };
         let shared = if a.px != 0 { ring + (xq_bytes(m.k) as u32).next_multiple_of(16) } else { ring };
         self.device.launch_shared(&format!("{kernel}_{fmt}"), (blocks as u32, 1), 32 * MATVEC_WARPS as u32, shared, &args)
@@ -1494,6 +1529,33 @@ mod tests {
         }
         assert_eq!(l.iter().filter(|l| matches!(l.op, Op::NormPair { .. } | Op::QkNormRope(_))).count(), 0);
         assert_eq!(l.len(), 2 + 5 * layers + split_qkv);
+    }
+
+    #[test]
+    fn matvec_launch_geometry_at_12b_shapes() {
+        // An H200 (132 multiprocessors), one activation row, rows of 3840 (15360 for down).
+        let one = |total, n, k, glu, prologue| MatVecShape { rows: 1, total, n, k, glu, prologue }.geometry(132);
+        let g = |kernel, per_warp, split, blocks| MatVecGeometry { kernel, per_warp, split, blocks };
+        // gate/up: 7,680 groups of 2 + 2 rows, whole rows per warp, not persistent (3.6 rounds).
+        assert_eq!(one(30720, 15360, 3840, true, false), g("matvec4", 4, 1, 1920));
+        // q + k: 1,536 groups (11.6 warps per multiprocessor) of 120-chunk rows: not split.
+        assert_eq!(one(6144, 4096, 3840, false, false), g("matvec4", 4, 1, 384));
+        // v alone: 512 groups, split over 2 warps.
+        assert_eq!(one(2048, 2048, 3840, false, false), g("matvec4", 4, 2, 256));
+        // o: 960 groups of 128-chunk rows: not split.
+        assert_eq!(one(3840, 3840, 4096, false, false), g("matvec4", 4, 1, 240));
+        // down: 480-chunk rows split over 4 warps.
+        assert_eq!(one(3840, 3840, 15360, false, false), g("matvec4", 4, 4, 960));
+        // The greedy head (65,536 groups, 31 rounds): persistent, 4 blocks per multiprocessor;
+        // with a norm prologue (its own kernel) it is not.
+        assert_eq!(one(262144, 262144, 3840, false, false), g("matvec4", 4, 1, 4 * 132));
+        assert_eq!(one(262144, 262144, 3840, false, true), g("matvec4p", 4, 1, 16384));
+        // Few rows: 2 rows per warp; more activation rows: the multi-row kernel.
+        assert_eq!(one(640, 640, 2048, false, false), g("matvec1", 2, 2, 160));
+        assert_eq!(
+            MatVecShape { rows: 4, total: 4096, n: 4096, k: 640, glu: false, prologue: false }.geometry(132),
+            g("matvec", 2, 1, 512)
+        );
     }
 
     #[test]
