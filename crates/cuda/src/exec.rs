@@ -37,7 +37,12 @@ const MATVEC_WARPS: usize = 4;
 /// Output rows (all matrices together) from which one activation row uses the 4-rows-per-warp
 /// matrix-vector kernel (enough warps to fill the device).
 const MATVEC4_MIN_ROWS: usize = 2048;
-/// Rounds of the device's resident warps (16 per multiprocessor) from which a one-row
+/// Blocks of a `matvec4` kernel resident per multiprocessor (its launch bounds: at most 128
+/// registers per thread).
+const MATVEC4_BLOCKS_PER_SM: usize = 4;
+/// Warps of the matrix-vector kernels resident per multiprocessor.
+const MATVEC_WARPS_PER_SM: usize = MATVEC4_BLOCKS_PER_SM * MATVEC_WARPS;
+/// Rounds of the device's resident warps (`MATVEC_WARPS_PER_SM` each) from which a one-row
 /// `matvec4` launch is persistent (measured on an H200: the 12B's greedy head, 262,144 rows, 3%
 /// faster so; gate/up, 3.6 rounds, 9% slower).
 const PERSISTENT_ROUNDS: usize = 16;
@@ -440,17 +445,17 @@ impl MatVecShape {
         // q/k/v and output projections 1.5 µs faster so, the 2048-row v projection and the long
         // down projection rows slower).
         let split = match self.k / 32 {
-            _ if groups >= 2 * 16 * sms => 1,
+            _ if groups >= 2 * MATVEC_WARPS_PER_SM * sms => 1,
             c if c <= 128 && groups >= 7 * sms => 1,
             c if c >= 128 => 4,
             c if c >= 64 => 2,
             _ => 1,
         };
-        // Launches of many rounds of groups (a greedy head) are persistent: 4 blocks per
-        // multiprocessor (the kernels' launch bounds), each warp taking group after group.
+        // Launches of many rounds of groups (a greedy head) are persistent: as many blocks as
+        // the device holds at once, each warp taking group after group.
         let mut blocks = groups.div_ceil(MATVEC_WARPS / split);
-        if kernel == "matvec4" && groups >= PERSISTENT_ROUNDS * 16 * sms {
-            blocks = blocks.min(4 * sms);
+        if kernel == "matvec4" && groups >= PERSISTENT_ROUNDS * MATVEC_WARPS_PER_SM * sms {
+            blocks = blocks.min(MATVEC4_BLOCKS_PER_SM * sms);
         }
         MatVecGeometry { kernel, per_warp, split, blocks }
     }
