@@ -5,6 +5,7 @@
 #include "common.cuh"
 #include "quant_f.cu"
 #include "bench_util.cuh"
+#include <cstring>
 
 __global__ void fill_f(float* p, int n, u32 seed, float base, float amp) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -29,7 +30,7 @@ __global__ void ref_mv(const u8* w, u64 rb, int n, const u8* xq, int k, float* o
     float acc = 0.f;
     for (int c = lane; c < (k >> 5); c += 32) {
         XGroup xg[2] = {xgroup(xq, k, Chunk<T>::xoff(c, 0)), xgroup(xq, k, Chunk<T>::xoff(c, 1))};
-        acc += Chunk<T>::dot(m, Chunk<T>::load(m, row, c), xg);
+        acc += Chunk<T>::dot(m, Chunk<T>::load(m, row, c), c, xg);
     }
     acc = warp_sum(acc);
     if (lane == 0) out[row] = acc;
@@ -42,6 +43,8 @@ static int sms;
 // norm epilogue on the o and down launches (as kiln did before 2026-11-30 evening; now the norm kernel).
 static int o_split = 0, o_cap = 0, o_epi = 0;
 static size_t hxq(int k) { return (size_t)k * 5 / 2; }
+// Dynamic shared memory of a matvec4 block of format T (its rings of staged chunks; as exec.rs).
+template <int T> static size_t stage_bytes() { return (size_t)MV_WARPS * MV_STAGES * 4 * Chunk<T>::NP * 32 * 16; }
 
 struct Matrix {
     u8* w;
@@ -80,7 +83,7 @@ struct Bufs {
 struct Launch {
     const Matrix* m[3];
     int nm;
-    bool glu, epi, argmax;
+    bool glu, epi, argmax, no_gq = false;
 };
 
 static void launch(const Launch& L, cudaStream_t st) {
@@ -103,7 +106,7 @@ static void launch(const Launch& L, cudaStream_t st) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(blocks);
     cfg.blockDim = dim3(128);
-    cfg.dynamicSmemBytes = 0;
+    cfg.dynamicSmemBytes = m.fmt == F_Q6_K ? stage_bytes<F_Q6_K>() : stage_bytes<F_Q4_K>();
     cfg.stream = st;
     cudaLaunchAttribute at[1];
     at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -111,17 +114,21 @@ static void launch(const Launch& L, cudaStream_t st) {
     cfg.attrs = at;
     cfg.numAttrs = 1;
     CK(cudaLaunchKernelEx(&cfg, fn, (const u8*)m.w, w1, w2, m.rb, L.glu ? m.n : m.n, n1, n2, B.o0, o1, B.o2, L.glu ? B.glu : (float*)nullptr, xq,
-                          m.k, 1, split, L.glu ? B.gq : (u8*)nullptr, B.gcnt, epi ? (const float*)B.ew1 : nullptr,
+                          m.k, 1, split, L.glu && !L.no_gq ? B.gq : (u8*)nullptr, B.gcnt, epi ? (const float*)B.ew1 : nullptr,
                           epi ? (const float*)B.er : nullptr, epi ? B.eh : nullptr, epi ? (const float*)B.ew2 : nullptr,
                           epi ? B.eout : nullptr, epi ? B.exq : nullptr, epi ? B.ecnt : nullptr, 1e-6f, B.aslots,
                           L.argmax ? B.aout : nullptr, B.acnt, (const float*)nullptr, (float*)nullptr));
 }
 
 
-int main() {
+int main(int argc, char** argv) {
     cudaDeviceProp p;
     CK(cudaGetDeviceProperties(&p, 0));
     sms = p.multiProcessorCount;
+    CK(cudaFuncSetAttribute(matvec4_q4_k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)stage_bytes<F_Q4_K>()));
+    CK(cudaFuncSetAttribute(matvec4_q6_k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)stage_bytes<F_Q6_K>()));
+    // "quick": only exec.rs's rules (for A/B runs of kernel variants).
+    bool quick = argc > 1 && !strcmp(argv[1], "quick");
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     // Inputs: x (quantized with kiln's quantizer), norm weights, residual.
@@ -246,6 +253,7 @@ int main() {
         int split, cap, epi;
     } cfgs[] = {{"rules", 0, 0, 0}, {"rules + norm epilogues", 0, 0, 1}, {"split 1", 1, 0, 0}, {"split 2", 2, 0, 0}, {"split 1, persistent", 1, 4, 0}};
     for (auto& cf : cfgs) {
+    if (quick && cf.split + cf.cap + cf.epi) continue;
     o_split = cf.split;
     o_cap = cf.cap;
     o_epi = cf.epi;
@@ -273,6 +281,26 @@ int main() {
     Launch la{{&head}, 1, false, false, true};
     double us = time_us(st, 7, 1, [&] { launch(la, st); });
     printf("%-12s %10.1f %9.0f\n", "head argmax", us, head.bytes / (us * 1e-6) / 1e9);
+    // What the outputs cost: the gate/up pair and the head writing plain products.
+    {
+        Launch lh{{&head}, 1, false, false, false};
+        us = time_us(st, 7, 1, [&] { launch(lh, st); });
+        printf("%-12s %10.1f %9.0f\n", "head plain", us, head.bytes / (us * 1e-6) / 1e9);
+        u64 bytes = 0;
+        std::vector<Launch> gu, gn;
+        for (int l = 0; l < L; l++) {
+            gu.push_back(Launch{{&mats[l][4], &mats[l][5]}, 2, false, false, false});
+            gn.push_back(Launch{{&mats[l][4], &mats[l][5]}, 2, true, false, false, true});
+            bytes += mats[l][4].bytes + mats[l][5].bytes;
+        }
+        for (auto* v : {&gu, &gn}) {
+            us = time_us(st, 7, 3.0 * L, [&] {
+                for (int rep = 0; rep < 3; rep++)
+                    for (auto& x : *v) launch(x, st);
+            });
+            printf("%-12s %10.1f %9.0f\n", v == &gu ? "gate/up plain" : "gate/up glu, not quantized", us, bytes / L / (us * 1e-6) / 1e9);
+        }
+    }
     // The chain: all layers then the head, captured in a graph.
     u64 tot = total + head.bytes;
     us = graph_us(st, 9, [&] {

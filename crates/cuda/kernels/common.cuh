@@ -49,6 +49,30 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// Arrival counting between the warps or blocks of a launch: `arrive` adds v to *c with release
+// semantics (the thread's earlier writes, and those it saw through a barrier, are visible to
+// whoever sees the addition) and returns the old value; the one that finds itself last calls
+// `acquire` before reading what the others wrote. Lighter than __threadfence on both sides (on
+// sm_90 that is a sequentially consistent barrier that also invalidates the multiprocessor's L1,
+// where the other warps keep their activations): only the acquiring side invalidates L1.
+__device__ __forceinline__ u32 arrive(u32* c, u32 v) {
+#if __CUDA_ARCH__ >= 700
+    u32 old;
+    asm volatile("atom.add.release.gpu.u32 %0, [%1], %2;" : "=r"(old) : "l"(c), "r"(v) : "memory");
+    return old;
+#else
+    __threadfence();
+    return atomicAdd(c, v);
+#endif
+}
+__device__ __forceinline__ void acquire() {
+#if __CUDA_ARCH__ >= 700
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#else
+    __threadfence();
+#endif
+}
+
 // Asks for the 128-byte line holding `p` to be brought into L2 (no register holds the data).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 

@@ -237,15 +237,19 @@ template <> __device__ __forceinline__ void sub32<F_Q6_K>(const Mat& m, u64 r, i
 // ---------------------------------------------------------------------------------------------
 // Chunks for the matrix-vector kernels: a row is walked in chunks of 32 elements, two groups of
 // 16 consecutive elements at offsets xoff(c, 0) and xoff(c, 1). `load` fetches a chunk's packed
-// bytes (16-byte loads where the format has a chunk decoder), `dot` turns them into bytes of
-// integer levels and returns the dot product with the chunk's quantized activations (integer
-// dp4a products, one float scale per group). The generic chunk is a sub-block decoded by sub32.
+// bytes (16-byte loads where the format has a chunk decoder) and computes nothing from them: the
+// matrix-vector loop issues the loads of all its rows at once, and arithmetic on a row's bytes in
+// `load` made the warp wait for them before the next row's loads (measured on an H200 at 12B
+// shapes: the Q6_K head 359 -> 326 us, down 20.0 -> 19.1 us without it; bench/RESULTS.md "issue
+// 4h"). `dot` (given the chunk index c) turns the bytes into integer levels and returns the dot
+// product with the chunk's quantized activations (integer dp4a products, one float scale per
+// group). The generic chunk is a sub-block decoded by sub32.
 // Formats with NP > 0 can also be staged through shared memory: `stage` issues asynchronous copies
 // of a chunk's bytes (NP 16-byte pieces; the lane's piece p at dst[32 p]) and `unstage` reads them
 // back as the Raw that `load` would have returned (the matrix-vector loop keeps several chunks in
 // flight without holding them in registers). Only Q5_0 is staged: measured on an H200, staging
-// made the 270M shapes' Q5_0 gate/up launch faster (+3-4% decode), gained nothing for Q4_K at
-// 12B shapes and slowed Q6_K (96 KiB of stages per block halve the resident warps).
+// made the 270M shapes' Q5_0 gate/up launch faster (+3-4% decode); at 12B shapes it slowed Q4_K
+// (gate/up 30 -> 47 us) and Q6_K (the head 369 -> 527 us).
 // ---------------------------------------------------------------------------------------------
 
 // 16 quantized activations and their block's scale and level sum (see quantize32).
@@ -285,7 +289,7 @@ template <int T> struct Chunk {
     };
     static __device__ __forceinline__ int xoff(int c, int g) { return 32 * c + 16 * g; }
     static __device__ __forceinline__ Raw load(const Mat& m, u64 row, int c) { return Raw{row, c}; }
-    static __device__ __forceinline__ float dot(const Mat& m, const Raw& r, const XGroup* x) {
+    static __device__ __forceinline__ float dot(const Mat& m, const Raw& r, int, const XGroup* x) {
         float v[32], s = 0.f;
         sub32<T>(m, r.row, r.c, v);
 #pragma unroll
@@ -306,17 +310,17 @@ template <> struct Chunk<F_Q8_0> {
     static const int NP = 0;
     struct Raw {
         uint4 a, b;
-        float d;
+        u32 d;
     };
     static __device__ __forceinline__ int xoff(int c, int g) { return 32 * c + 16 * g; }
     static __device__ __forceinline__ Raw load(const Mat& m, u64 row, int c) {
         u64 g = block_of<F_Q8_0>(m, row, c);
         const uint4* q = (const uint4*)(m.w + 32 * g);
-        return Raw{q[0], q[1], half_u16(*(const u16*)(m.w + 32 * m.nblk + 2 * g))};
+        return Raw{q[0], q[1], *(const u16*)(m.w + 32 * m.nblk + 2 * g)};
     }
-    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const XGroup* x) {
+    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, int c, const XGroup* x) {
         u32 a[4] = {r.a.x, r.a.y, r.a.z, r.a.w}, b[4] = {r.b.x, r.b.y, r.b.z, r.b.w};
-        return r.d * x[0].d * (float)(dotq16(a, x[0]) + dotq16(b, x[1]));
+        return half_u16(r.d) * x[0].d * (float)(dotq16(a, x[0]) + dotq16(b, x[1]));
     }
 };
 
@@ -324,14 +328,12 @@ template <> struct Chunk<F_Q5_0> {
     static const int NP = 2;
     struct Raw {
         uint4 q;
-        u32 h;
-        float d;
+        u32 h, d;
     };
     static __device__ __forceinline__ int xoff(int c, int g) { return 32 * c + 16 * g; }
     static __device__ __forceinline__ Raw load(const Mat& m, u64 row, int c) {
         u64 g = block_of<F_Q5_0>(m, row, c);
-        return Raw{*(const uint4*)(m.w + 16 * g), *(const u32*)(m.w + 16 * m.nblk + 4 * g),
-                   half_u16(*(const u16*)(m.w + 20 * m.nblk + 2 * g))};
+        return Raw{*(const uint4*)(m.w + 16 * g), *(const u32*)(m.w + 16 * m.nblk + 4 * g), *(const u16*)(m.w + 20 * m.nblk + 2 * g)};
     }
     static __device__ __forceinline__ void stage(const Mat& m, u64 row, int c, uint4* dst) {
         u64 g = block_of<F_Q5_0>(m, row, c);
@@ -342,9 +344,9 @@ template <> struct Chunk<F_Q5_0> {
     static __device__ __forceinline__ Raw unstage(const Mat& m, u64 row, int c, const uint4* src) {
         u64 g = block_of<F_Q5_0>(m, row, c);
         const u32* p = (const u32*)(src + 32);
-        return Raw{src[0], p[0], half_u16(((const u16*)(p + 1))[g & 1])};
+        return Raw{src[0], p[0], ((const u16*)(p + 1))[g & 1]};
     }
-    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const XGroup* x) {
+    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, int c, const XGroup* x) {
         u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
         int s = 0;
 #pragma unroll
@@ -358,7 +360,7 @@ template <> struct Chunk<F_Q5_0> {
             }
             s += dotq16(w, x[g]) - 16 * x[g].s;
         }
-        return r.d * x[0].d * (float)s;
+        return half_u16(r.d) * x[0].d * (float)s;
     }
 };
 
@@ -366,7 +368,6 @@ template <> struct Chunk<F_Q4_K> {
     static const int NP = 0;
     struct Raw {
         uint4 hdr, q;
-        int j;
     };
     // chunk c: super-block c / 8, sub-block pair j = (c % 8) / 2 (low nibbles: sub-block 2j, high:
     // 2j + 1), half h = c % 2 of their 32 elements.
@@ -376,19 +377,20 @@ template <> struct Chunk<F_Q4_K> {
     static __device__ __forceinline__ Raw load(const Mat& m, u64 row, int c) {
         const u8* b = m.w + row * m.rb + 144 * (c >> 3);
         int j = (c & 7) >> 1;
-        return Raw{*(const uint4*)b, *(const uint4*)(b + 16 + 32 * j + 16 * (c & 1)), j};
+        return Raw{*(const uint4*)b, *(const uint4*)(b + 16 + 32 * j + 16 * (c & 1))};
     }
-    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const XGroup* x) {
+    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, int c, const XGroup* x) {
+        int j = (c & 7) >> 1;
         float d = half_u16(r.hdr.x & 0xffff), dmin = half_u16(r.hdr.x >> 16);
         u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
         // The 6-bit scales and minima of sub-blocks 2j and 2j + 1, one per byte (scale_min_k4 for
         // both at once, without branches): bytes 2j.. of the scale words for j < 2, else the low
         // nibbles (scales) or high nibbles (minima) of bytes 8 + 2(j - 2).. with the top two bits
         // of bytes 2(j - 2).. (scales) or 4 + 2(j - 2).. (minima).
-        int sh = 16 * (r.j & 1);
+        int sh = 16 * (j & 1);
         u32 y = (r.hdr.y >> sh) & 0xffffu, z = (r.hdr.z >> sh) & 0xffffu, w4 = (r.hdr.w >> sh) & 0xffffu;
-        u32 sc2 = r.j < 2 ? y & 0x3f3fu : (w4 & 0x0f0fu) | ((y >> 2) & 0x3030u);
-        u32 mn2 = r.j < 2 ? z & 0x3f3fu : ((w4 >> 4) & 0x0f0fu) | ((z >> 2) & 0x3030u);
+        u32 sc2 = j < 2 ? y & 0x3f3fu : (w4 & 0x0f0fu) | ((y >> 2) & 0x3030u);
+        u32 mn2 = j < 2 ? z & 0x3f3fu : ((w4 >> 4) & 0x0f0fu) | ((z >> 2) & 0x3030u);
         float s = 0.f;
 #pragma unroll
         for (int g = 0; g < 2; g++) {
@@ -406,8 +408,8 @@ template <> struct Chunk<F_Q6_K> {
     static const int NP = 0;
     struct Raw {
         uint4 l, h;
-        float s0, s1;
-        int a;
+        uint2 sc;
+        u32 d;
     };
     // chunk c: super-block c / 8, half n, ql region a, 16 positions t (q = c % 8 = 4n + 2a + t):
     // low nibbles of ql[64n + 32a + 16t..] are elements 128n + 32a + 16t.. (qh bits 2a, scale
@@ -420,13 +422,12 @@ template <> struct Chunk<F_Q6_K> {
         int q = c & 7, n = q >> 2, a = (q >> 1) & 1, t = q & 1;
         u64 g = block_of<F_Q6_K>(m, row, c >> 3);
         // Scales 8n + 2a + t and 4 later: the same byte of two consecutive words (one 8-byte load).
-        uint2 sc = *(const uint2*)(m.w + 192 * m.nblk + 16 * g + 8 * n);
-        int sh = 8 * (2 * a + t);
-        float d = half_u16(*(const u16*)(m.w + 208 * m.nblk + 2 * g));
         return Raw{*(const uint4*)(m.w + 128 * g + 64 * n + 32 * a + 16 * t), *(const uint4*)(m.w + 128 * m.nblk + 64 * g + 32 * n + 16 * t),
-                   d * (float)(i8)(sc.x >> sh), d * (float)(i8)(sc.y >> sh), 2 * a};
+                   *(const uint2*)(m.w + 192 * m.nblk + 16 * g + 8 * n), *(const u16*)(m.w + 208 * m.nblk + 2 * g)};
     }
-    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, const XGroup* x) {
+    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, int c, const XGroup* x) {
+        int a = (c >> 1) & 1, sh = 8 * (c & 3);
+        float d = half_u16(r.d), s0 = d * (float)(i8)(r.sc.x >> sh), s1 = d * (float)(i8)(r.sc.y >> sh);
         u32 h[4] = {r.h.x, r.h.y, r.h.z, r.h.w}, l[4] = {r.l.x, r.l.y, r.l.z, r.l.w};
         int s[2];
 #pragma unroll
@@ -434,10 +435,10 @@ template <> struct Chunk<F_Q6_K> {
             u32 w[4];
 #pragma unroll
             for (int t = 0; t < 4; t++)
-                w[t] = ((l[t] >> (4 * g)) & 0x0f0f0f0fu) | (((h[t] >> (r.a + 4 * g)) & 0x03030303u) << 4);
+                w[t] = ((l[t] >> (4 * g)) & 0x0f0f0f0fu) | (((h[t] >> (2 * a + 4 * g)) & 0x03030303u) << 4);
             s[g] = dotq16(w, x[g]) - 32 * x[g].s;
         }
-        return r.s0 * x[0].d * (float)s[0] + r.s1 * x[1].d * (float)s[1];
+        return s0 * x[0].d * (float)s[0] + s1 * x[1].d * (float)s[1];
     }
 };
 
@@ -516,35 +517,14 @@ __device__ __noinline__ void norm_epilogue(const float* x, const float* w1, cons
     }
 }
 
-// A warp's finished group of output rows (acc: the products, in every lane): the stores, the glu
-// and its quantization, or the argmax partials (see `matvec`); the warp that finishes the last
-// group of an argmax launch reduces the partials and resets them.
+// A warp's finished group of output rows (acc: the products, in every lane): the stores, or the glu
+// and its quantization (see `matvec`).
 template <int R, int ROWS>
 __device__ __forceinline__ void group_out(const float (&acc)[ROWS][R], const int (&mi)[R], const int (&ri)[R], const int (&nr)[R],
-                                          float* const (&orr)[R], int warp, int groups, int n0, float* o0, float* o1, float* glu, u8* gq,
-                                          u32* gcnt, int rows, u64* aslots, int* aout, u32* acnt, int lane) {
+                                          float* const (&orr)[R], int n0, float* o0, float* o1, float* glu, u8* gq, u32* gcnt, int rows, int lane) {
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
         if (r >= rows) break;
-        if (aout) {
-            if (lane == 0) {
-                float best = -INFINITY;
-                int idx = 0x7fffffff, bad = 0;
-#pragma unroll
-                for (int rr = 0; rr < R; rr++)
-                    if (mi[rr] >= 0) {
-                        float v = acc[r][rr];
-                        if (!(fabsf(v) <= 3.402823466e38f)) bad = 1;
-                        if (v > best || (v == best && ri[rr] < idx)) {
-                            best = v;
-                            idx = ri[rr];
-                        }
-                    }
-                if (idx != 0x7fffffff) atomicMax((unsigned long long*)&aslots[r * ARGMAX_SLOTS + warp % ARGMAX_SLOTS], argmax_key(best, idx));
-                if (bad) atomicOr((u32*)(aslots + MV_ROWS * ARGMAX_SLOTS) + r, 1u);
-            }
-            continue;
-        }
         if (lane == 0) {
 #pragma unroll
             for (int rr = 0; rr < R; rr++)
@@ -567,47 +547,73 @@ __device__ __forceinline__ void group_out(const float (&acc)[ROWS][R], const int
             u32* cnt = gcnt + r * (n0 >> 5) + (ri[0] >> 5);
             int done = 0;
             if (lane == 0) {
-                __threadfence();
-                done = atomicAdd(cnt, (u32)count) + count == 32;
+                done = arrive(cnt, (u32)count) + count == 32;
             }
             if (__shfl_sync(0xffffffffu, done, 0)) {
-                __threadfence();
+                acquire();
                 int e = (ri[0] & ~31) + lane;
                 quantize32(__ldcg(glu + (u64)r * n0 + e), gq + r * xq_bytes(n0), n0, e);
                 if (lane == 0) *cnt = 0;
             }
         }
     }
-    if (aout) {
-        // The last group to finish reduces the slots of every row and resets them.
-        int done = 0;
-        if (lane == 0) {
-            __threadfence();
-            done = atomicAdd(acnt, 1u) == (u32)groups - 1;
-        }
-        if (!__shfl_sync(0xffffffffu, done, 0)) return;
-        __threadfence();
-        for (int r = 0; r < rows; r++) {
-            u64 best = 0;
-            for (int s = lane; s < ARGMAX_SLOTS; s += 32) {
-                u64* p = &aslots[r * ARGMAX_SLOTS + s];
-                u64 v = __ldcg(p);
-                best = v > best ? v : best;
-                *p = 0;
-            }
+}
+
+// Folds a warp's finished group of output rows into its running argmax keys (best: per activation
+// row, 0 for none yet; bad: per row, a product was not finite).
+template <int R, int ROWS>
+__device__ __forceinline__ void argmax_fold(const float (&acc)[ROWS][R], const int (&mi)[R], const int (&ri)[R], int rows, u64 (&best)[ROWS],
+                                            u32& bad) {
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                u64 v = __shfl_xor_sync(0xffffffffu, best, o);
-                best = v > best ? v : best;
+    for (int r = 0; r < ROWS; r++) {
+        if (r >= rows) break;
+#pragma unroll
+        for (int rr = 0; rr < R; rr++)
+            if (mi[rr] >= 0) {
+                float v = acc[r][rr];
+                if (!(fabsf(v) <= 3.402823466e38f)) bad |= 1u << r;
+                u64 key = argmax_key(v, ri[rr]);
+                best[r] = key > best[r] ? key : best[r];
             }
-            if (lane == 0) {
-                u32* flag = (u32*)(aslots + MV_ROWS * ARGMAX_SLOTS) + r;
-                aout[r] = __ldcg(flag) ? -1 : (int)(0xffffffffu - (u32)(best & 0xffffffffu));
-                *flag = 0;
-            }
-        }
-        if (lane == 0) *acnt = 0;
     }
+}
+
+// A warp's argmax keys (lane 0's) into the slots, once after all its groups; the last of the `warps`
+// warps with groups to arrive (counted in `acnt`) reduces the slots of every row into aout and
+// resets them.
+template <int ROWS>
+__device__ __forceinline__ void argmax_publish(const u64 (&best)[ROWS], u32 bad, int warp, int warps, int rows, u64* aslots, int* aout,
+                                               u32* acnt, int lane) {
+    int done = 0;
+    if (lane == 0) {
+        for (int r = 0; r < rows; r++) {
+            if (best[r]) atomicMax((unsigned long long*)&aslots[r * ARGMAX_SLOTS + warp % ARGMAX_SLOTS], (unsigned long long)best[r]);
+            if (bad & (1u << r)) atomicOr((u32*)(aslots + MV_ROWS * ARGMAX_SLOTS) + r, 1u);
+        }
+        done = arrive(acnt, 1u) == (u32)warps - 1;
+    }
+    if (!__shfl_sync(0xffffffffu, done, 0)) return;
+    acquire();
+    for (int r = 0; r < rows; r++) {
+        u64 b = 0;
+        for (int s = lane; s < ARGMAX_SLOTS; s += 32) {
+            u64* p = &aslots[r * ARGMAX_SLOTS + s];
+            u64 v = __ldcg(p);
+            b = v > b ? v : b;
+            *p = 0;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            u64 v = __shfl_xor_sync(0xffffffffu, b, o);
+            b = v > b ? v : b;
+        }
+        if (lane == 0) {
+            u32* flag = (u32*)(aslots + MV_ROWS * ARGMAX_SLOTS) + r;
+            aout[r] = __ldcg(flag) ? -1 : (int)(0xffffffffu - (u32)(b & 0xffffffffu));
+            *flag = 0;
+        }
+    }
+    if (lane == 0) *acnt = 0;
 }
 
 // out_i[r, o] = x[r, :] . W_i[o, :] for up to three matrices W_0..W_2 of one format sharing x
@@ -629,8 +635,9 @@ __device__ __forceinline__ void group_out(const float (&acc)[ROWS][R], const int
 //   rows) in flight as asynchronous copies into dynamic shared memory (mv_stage_bytes per block)
 //   instead of loading one chunk at a time into registers.
 // - `aout` (one matrix, no glu): instead of the products, aout[r] = argmax of row r (lowest
-//   index among equal maxima, -1 if any value is not finite), through `aslots` (ARGMAX_SLOTS keys
-//   per row, then a flag per row) and the arrival counter `acnt`; the last warp resets them.
+//   index among equal maxima, -1 if any value is not finite): each warp keeps the best key of its
+//   groups (argmax_fold) and publishes it once (argmax_publish) into `aslots` (ARGMAX_SLOTS keys
+//   per row, then a flag per row), counted in `acnt`; the last warp reduces and resets them.
 template <int T, int R, int ROWS, int STAGES, bool PRO, bool LOOP>
 __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2, u64 rb, int n0, int n1, int n2, float* o0,
                                        float* o1, float* o2, float* glu, const u8* xq, int k, int rows, int split, u8* gq,
@@ -719,6 +726,12 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
     // team has at most one group, as the shared-memory reduction below needs).
     const int groups = glu ? (n0 + R / 2 - 1) / (R / 2) : (n0 + n1 + n2 + R - 1) / R;
     const int teams = gridDim.x * (MV_WARPS / split);
+    // The argmax launches' running keys (see argmax_fold), published once after the warp's groups.
+    u64 abest[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) abest[r] = 0;
+    u32 abad = 0;
+    const int first_warp = warp;
     bool waited = false;
     auto wait_once = [&]() {
         if (!waited) {
@@ -785,7 +798,7 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
                         XGroup xg[2] = {xgroup(xr, k, Chunk<T>::xoff(c, 0)), xgroup(xr, k, Chunk<T>::xoff(c, 1))};
 #pragma unroll
                         for (int rr = 0; rr < R; rr++)
-                            if (mi[rr] >= 0) acc[r][rr] += Chunk<T>::dot(mr[rr], Chunk<T>::unstage(mr[rr], ri[rr], c, st + rr * NP * 32), xg);
+                            if (mi[rr] >= 0) acc[r][rr] += Chunk<T>::dot(mr[rr], Chunk<T>::unstage(mr[rr], ri[rr], c, st + rr * NP * 32), c, xg);
                     }
                 }
             }
@@ -810,7 +823,7 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
                         XGroup xg[2] = {xgroup(xr, k, Chunk<T>::xoff(c, 0)), xgroup(xr, k, Chunk<T>::xoff(c, 1))};
 #pragma unroll
                         for (int rr = 0; rr < R; rr++)
-                            if (mi[rr] >= 0) acc[r][rr] += Chunk<T>::dot(mr[rr], raw[rr], xg);
+                            if (mi[rr] >= 0) acc[r][rr] += Chunk<T>::dot(mr[rr], raw[rr], c, xg);
                     }
                 }
             }
@@ -839,17 +852,23 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
                         acc[r][rr] = s;
                     }
         }
-        if (piece == 0 && any) group_out<R, ROWS>(acc, mi, ri, nr, orr, warp, groups, n0, o0, o1, glu, gq, gcnt, rows, aslots, aout, acnt, lane);
+        if (piece == 0 && any) {
+            if (aout)
+                argmax_fold<R, ROWS>(acc, mi, ri, rows, abest, abad);
+            else
+                group_out<R, ROWS>(acc, mi, ri, nr, orr, n0, o0, o1, glu, gq, gcnt, rows, lane);
+        }
         if (!LOOP || warp + teams >= groups) break;
     }
+    if (aout && piece == 0 && first_warp < groups)
+        argmax_publish<ROWS>(abest, abad, first_warp, teams < groups ? teams : groups, rows, aslots, aout, acnt, lane);
     if (ecnt) {
         // The last block to finish computes the norm (pair) of the products (see norm_epilogue).
-        __threadfence();
         __syncthreads();
-        if (threadIdx.x == 0) last_block = atomicAdd(ecnt, 1u) == gridDim.x - 1;
+        if (threadIdx.x == 0) last_block = arrive(ecnt, 1u) == gridDim.x - 1;
         __syncthreads();
         if (!last_block) return;
-        __threadfence();
+        acquire();
         for (int r = 0; r < rows; r++)
             norm_epilogue(o0 + (u64)r * n0, ew1, er ? er + (u64)r * n0 : nullptr, eh ? eh + (u64)r * n0 : nullptr, ew2,
                           eout + (u64)r * n0, exq ? exq + r * xq_bytes(n0) : nullptr, n0, eps, scratch);
@@ -939,12 +958,11 @@ extern "C" __global__ void __launch_bounds__(HEAD_WARPS * 32) argmax_head_q8_0(c
         for (int i = 0; i < HEAD_WARPS; i++) b = sbest[i] > b ? sbest[i] : b;
         if (b) atomicMax((unsigned long long*)&aslots[blockIdx.x % ARGMAX_SLOTS], (unsigned long long)b);
         if (sbad) atomicOr((u32*)(aslots + MV_ROWS * ARGMAX_SLOTS), 1u);
-        __threadfence();
-        last = atomicAdd(acnt, 1u) == gridDim.x - 1;
+        last = arrive(acnt, 1u) == gridDim.x - 1;
     }
     __syncthreads();
     if (!last || wi != 0) return;
-    __threadfence();
+    acquire();
     u64 b = 0;
     for (int i = lane; i < ARGMAX_SLOTS; i += 32) {
         u64 v = __ldcg(&aslots[i]);

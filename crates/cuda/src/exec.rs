@@ -46,6 +46,11 @@ const MATVEC_WARPS_PER_SM: usize = MATVEC4_BLOCKS_PER_SM * MATVEC_WARPS;
 /// `matvec4` launch is persistent (measured on an H200: the 12B's greedy head, 262,144 rows, 3%
 /// faster so; gate/up, 3.6 rounds, 9% slower).
 const PERSISTENT_ROUNDS: usize = 16;
+/// Widest gelu-product row a gate/up launch also quantizes (its warps count the finished rows of
+/// each 32-row block; the one completing a block quantizes it); wider rows are quantized by a
+/// separate launch before the down projection (measured on an H200, see bench/RESULTS.md
+/// "issue 4h").
+const GLU_QUANT_MAX: usize = 8192;
 /// Shared-memory stages of the 4-rows-per-warp matrix-vector kernels (`MV_STAGES` in quant.cu).
 const MATVEC_STAGES: usize = 3;
 
@@ -319,7 +324,7 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes) -> Result<Vec<Launch>, Runtime
                     _ => None,
                 },
                 Op::MatVecs { glu: Some(g), ref steps, .. } => match plan.steps[steps[0]].kernel {
-                    Kernel::MatMul { n, .. } if n.is_multiple_of(32) => Some((out_of(&plan.steps[g].kernel), 1)),
+                    Kernel::MatMul { n, .. } if n.is_multiple_of(32) && n <= GLU_QUANT_MAX => Some((out_of(&plan.steps[g].kernel), 1)),
                     _ => None,
                 },
                 Op::MatVecs { epi: Some(Epilogue::Norm(t) | Epilogue::Pair(_, t)), .. } => Some((out_of(&steps[t].kernel), 0)),
@@ -1561,6 +1566,23 @@ mod tests {
             MatVecShape { rows: 4, total: 4096, n: 4096, k: 640, glu: false, prologue: false }.geometry(132),
             g("matvec", 2, 1, 512)
         );
+    }
+
+    #[test]
+    fn gate_up_launches_quantize_their_products_up_to_glu_quant_max() {
+        let glu_quantizes = |ffn: usize| {
+            let shape =
+                Gemma3Shape { hidden: 256, layers: 1, q_heads: 2, kv_heads: 1, head_dim: 128, ffn, vocab: 1000, window: 8, context: 64 };
+            let (_, l) = launches_of(&shape, Bucket::Decode { past: 16, seqs: 1 }, FormatMix::All(GgmlType::Q8_0));
+            let glu = l.iter().position(|l| matches!(l.op, Op::MatVecs { glu: Some(_), .. })).expect("a gate/up launch");
+            // The down projection reads the gate/up launch's quantized products, or quantizes them
+            // itself (a separate launch).
+            assert_eq!(l[glu + 1].xq_in, l[glu].quant_out, "{l:#?}");
+            l[glu].quant_out.is_some()
+        };
+        assert!(glu_quantizes(1024));
+        assert!(glu_quantizes(GLU_QUANT_MAX));
+        assert!(!glu_quantizes(GLU_QUANT_MAX + 256));
     }
 
     #[test]
