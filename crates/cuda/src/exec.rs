@@ -491,11 +491,11 @@ fn epilogue_for(plan: &Plan, weights: &dyn WeightShapes, group: &[usize], next: 
     Ok(ok.then_some(e))
 }
 
-/// Widest key row (key heads x head size) whose attention takes the q/k norms and RoPE in: at wider
-/// rows the separate norm kernel is where the cached keys and values stream into L2 (measured on
-/// an H200: a synthetic 12B decode step, key rows of 2048, 3% slower fused; the 270M, 256, 17%
-/// faster together with the norm prologues).
-const FUSED_QK_MAX_KV: usize = 1024;
+/// Widest key row (key heads x head size) whose attention takes the q/k norms and RoPE in (every
+/// Gemma 3 shape; measured on an H200: a synthetic 12B decode step, key rows of 2048, 5% faster
+/// fused since the gate/up rows are quantized by their own launch (3% slower before); the 270M,
+/// 256, 17% faster together with the norm prologues).
+const FUSED_QK_MAX_KV: usize = 2048;
 
 /// RoPE tables the step's `set_inputs` computes (`n_rope` in ops.cu).
 const ROPE_TABLES: usize = 2;
@@ -1493,7 +1493,10 @@ mod tests {
     fn launches_of(shape: &Gemma3Shape, bucket: Bucket, mix: FormatMix) -> (Plan, Vec<Launch>) {
         let dir = std::env::temp_dir().join(format!("kiln-cuda-lower-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(format!("{mix:?}-{}-{}.gguf", shape.hidden, shape.kv_heads).replace(['(', ')'], ""));
+        // One file per call: the tests run in parallel.
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let call = CALLS.fetch_add(1, Ordering::Relaxed);
+        let path = dir.join(format!("{mix:?}-{}-{}-{call}.gguf", shape.hidden, shape.kv_heads).replace(['(', ')'], ""));
         gemma3(shape, mix, 7).write(&path).unwrap();
         let file = Arc::new(kiln_gguf::GgufFile::open(&path).unwrap());
         let arch = kiln_models::architecture_from_gguf(&file).unwrap();
@@ -1589,8 +1592,17 @@ mod tests {
     fn wide_rows_keep_the_norm_kernels() {
         // Rows wider than PROLOGUE_MAX and EPILOGUE_MAX keep the norm kernels, key rows wider
         // than FUSED_QK_MAX_KV the separate q/k norm steps.
-        let shape =
-            Gemma3Shape { hidden: 2048, layers: 2, q_heads: 8, kv_heads: 8, head_dim: 256, ffn: 1024, vocab: 1000, window: 8, context: 64 };
+        let shape = Gemma3Shape {
+            hidden: 2048,
+            layers: 2,
+            q_heads: 16,
+            kv_heads: 16,
+            head_dim: 256,
+            ffn: 1024,
+            vocab: 1000,
+            window: 8,
+            context: 64,
+        };
         let (_, l) = launches_of(&shape, Bucket::Decode { past: 16, seqs: 1 }, FormatMix::All(GgmlType::Q8_0));
         assert!(l.iter().all(|l| !matches!(l.op, Op::MatVecs { pro: Some(_), .. } | Op::QkAttention { .. })), "{l:#?}");
         assert!(l.iter().all(|l| !matches!(l.op, Op::MatVecs { epi: Some(_), .. })), "{l:#?}");
