@@ -318,7 +318,7 @@ template <> struct Chunk<F_Q8_0> {
         const uint4* q = (const uint4*)(m.w + 32 * g);
         return Raw{q[0], q[1], *(const u16*)(m.w + 32 * m.nblk + 2 * g)};
     }
-    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, int c, const XGroup* x) {
+    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, int, const XGroup* x) {
         u32 a[4] = {r.a.x, r.a.y, r.a.z, r.a.w}, b[4] = {r.b.x, r.b.y, r.b.z, r.b.w};
         return half_u16(r.d) * x[0].d * (float)(dotq16(a, x[0]) + dotq16(b, x[1]));
     }
@@ -346,7 +346,7 @@ template <> struct Chunk<F_Q5_0> {
         const u32* p = (const u32*)(src + 32);
         return Raw{src[0], p[0], ((const u16*)(p + 1))[g & 1]};
     }
-    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, int c, const XGroup* x) {
+    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, int, const XGroup* x) {
         u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
         int s = 0;
 #pragma unroll
