@@ -1,5 +1,5 @@
 // Shared by the CUDA benchmarks (after the u8/u32/u64 typedefs): error checks, random weights with
-// valid f16 scales, medians, event timing.
+// valid f16 scales, launch configurations, medians, event timing.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -41,6 +41,52 @@ __global__ void fix_q6k(u8* w, u64 nblk) {
         *d = 0x1c00u | (*d & 0x3ffu);
     }
 }
+
+// A random packed K-quant matrix on the device: n rows of k (a multiple of 256), planar Q6_K or
+// Q4_K, with valid f16 scales.
+struct Matrix {
+    u8* w;
+    u64 rb, nblk, bytes;
+    int n, k;
+    bool q6;
+};
+static Matrix make_matrix(int n, int k, bool q6) {
+    Matrix m;
+    m.n = n;
+    m.k = k;
+    m.q6 = q6;
+    m.rb = (u64)(k / 256) * (q6 ? 210 : 144);
+    m.nblk = (u64)n * (k / 256);
+    m.bytes = m.rb * n;
+    CK(cudaMalloc(&m.w, m.bytes + 256));
+    static u32 seed = 1;
+    fill_rand<<<1024, 256>>>((u32*)m.w, (m.bytes + 255) / 4, seed++ * 0x9e3779b9u);
+    if (q6)
+        fix_q6k<<<1024, 256>>>(m.w, m.nblk);
+    else
+        fix_q4k<<<1024, 256>>>(m.w, m.nblk);
+    CK(cudaGetLastError());
+    return m;
+}
+
+// A launch configuration with programmatic dependent launch, as kiln launches on sm_90 (not
+// copyable: the configuration points at its attribute).
+struct PdlLaunch {
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute at[1];
+    PdlLaunch(dim3 grid, dim3 block, size_t smem, cudaStream_t st) {
+        cfg.gridDim = grid;
+        cfg.blockDim = block;
+        cfg.dynamicSmemBytes = smem;
+        cfg.stream = st;
+        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = at;
+        cfg.numAttrs = 1;
+    }
+    PdlLaunch(const PdlLaunch&) = delete;
+    PdlLaunch& operator=(const PdlLaunch&) = delete;
+};
 
 static double median(std::vector<double> v) {
     std::sort(v.begin(), v.end());

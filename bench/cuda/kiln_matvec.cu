@@ -46,31 +46,6 @@ static size_t hxq(int k) { return (size_t)k * 5 / 2; }
 // Dynamic shared memory of a matvec4 block of format T (its rings of staged chunks; as exec.rs).
 template <int T> static size_t stage_bytes() { return (size_t)MV_WARPS * MV_STAGES * 4 * Chunk<T>::NP * 32 * 16; }
 
-struct Matrix {
-    u8* w;
-    u64 rb, nblk, bytes;
-    int n, k, fmt;
-};
-static Matrix make_matrix(int n, int k, int fmt) {
-    Matrix m;
-    m.n = n;
-    m.k = k;
-    m.fmt = fmt;
-    int bs = fmt == F_Q6_K ? 210 : 144;
-    m.rb = (u64)(k / 256) * bs;
-    m.nblk = (u64)n * (k / 256);
-    m.bytes = m.rb * n;
-    CK(cudaMalloc(&m.w, m.bytes + 256));
-    static u32 seed = 1;
-    fill_rand<<<1024, 256>>>((u32*)m.w, (m.bytes + 255) / 4, seed++ * 0x9e3779b9u);
-    if (fmt == F_Q6_K)
-        fix_q6k<<<1024, 256>>>(m.w, m.nblk);
-    else
-        fix_q4k<<<1024, 256>>>(m.w, m.nblk);
-    CK(cudaGetLastError());
-    return m;
-}
-
 // Scratch shared by the launches (as exec.rs's sync buffer and step buffers).
 struct Bufs {
     u8 *xq3840, *xq4096, *xq15360, *gq, *exq;
@@ -90,7 +65,7 @@ static void launch(const Launch& L, cudaStream_t st) {
     const Matrix& m = *L.m[0];
     int total = 0;
     for (int i = 0; i < L.nm; i++) total += L.m[i]->n;
-    Fn fn = m.fmt == F_Q6_K ? matvec4_q6_k : matvec4_q4_k;
+    Fn fn = m.q6 ? matvec4_q6_k : matvec4_q4_k;
     int groups = L.glu ? (m.n + 1) / 2 : (total + 3) / 4;
     int c = m.k / 32;
     int split = groups >= 2 * 16 * sms || (c <= 128 && groups >= 7 * sms) ? 1 : c >= 128 ? 4 : c >= 64 ? 2 : 1;
@@ -102,18 +77,8 @@ static void launch(const Launch& L, cudaStream_t st) {
     const u8* w1 = L.nm > 1 ? L.m[1]->w : nullptr;
     const u8* w2 = L.nm > 2 ? L.m[2]->w : nullptr;
     int n1 = L.nm > 1 ? L.m[1]->n : 0, n2 = L.nm > 2 ? L.m[2]->n : 0;
-    float* o1 = L.glu ? B.o1 : B.o1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(blocks);
-    cfg.blockDim = dim3(128);
-    cfg.dynamicSmemBytes = m.fmt == F_Q6_K ? stage_bytes<F_Q6_K>() : stage_bytes<F_Q4_K>();
-    cfg.stream = st;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = 1;
-    CK(cudaLaunchKernelEx(&cfg, fn, (const u8*)m.w, w1, w2, m.rb, L.glu ? m.n : m.n, n1, n2, B.o0, o1, B.o2, L.glu ? B.glu : (float*)nullptr, xq,
+    PdlLaunch pl(dim3(blocks), dim3(128), m.q6 ? stage_bytes<F_Q6_K>() : stage_bytes<F_Q4_K>(), st);
+    CK(cudaLaunchKernelEx(&pl.cfg, fn, (const u8*)m.w, w1, w2, m.rb, m.n, n1, n2, B.o0, B.o1, B.o2, L.glu ? B.glu : (float*)nullptr, xq,
                           m.k, 1, split, L.glu && !L.no_gq ? B.gq : (u8*)nullptr, B.gcnt, epi ? (const float*)B.ew1 : nullptr,
                           epi ? (const float*)B.er : nullptr, epi ? B.eh : nullptr, epi ? (const float*)B.ew2 : nullptr,
                           epi ? B.eout : nullptr, epi ? B.exq : nullptr, epi ? B.ecnt : nullptr, 1e-6f, B.aslots,
@@ -165,7 +130,7 @@ int main(int argc, char** argv) {
 
     // Correctness against the reference (plain, glu, argmax).
     {
-        Matrix g = make_matrix(15360, 3840, F_Q4_K), u = make_matrix(15360, 3840, F_Q4_K), h = make_matrix(65536, 3840, F_Q6_K);
+        Matrix g = make_matrix(15360, 3840, false), u = make_matrix(15360, 3840, false), h = make_matrix(65536, 3840, true);
         float* ref;
         CK(cudaMalloc(&ref, 4 * 65536 * 2));
         ref_mv<F_Q4_K><<<15360 / 4, 128>>>(g.w, g.rb, 15360, B.xq3840, 3840, ref);
@@ -226,9 +191,9 @@ int main(int argc, char** argv) {
     u64 total = 0;
     for (int l = 0; l < L; l++) {
         bool q6 = l % 2 == 0;
-        mats.push_back({make_matrix(4096, 3840, F_Q4_K), make_matrix(2048, 3840, F_Q4_K), make_matrix(2048, 3840, q6 ? F_Q6_K : F_Q4_K),
-                        make_matrix(3840, 4096, F_Q4_K), make_matrix(15360, 3840, F_Q4_K), make_matrix(15360, 3840, F_Q4_K),
-                        make_matrix(3840, 15360, q6 ? F_Q6_K : F_Q4_K)});
+        mats.push_back({make_matrix(4096, 3840, false), make_matrix(2048, 3840, false), make_matrix(2048, 3840, q6),
+                        make_matrix(3840, 4096, false), make_matrix(15360, 3840, false), make_matrix(15360, 3840, false),
+                        make_matrix(3840, 15360, q6)});
     }
     for (int l = 0; l < L; l++) {
         auto& m = mats[l];
@@ -245,7 +210,7 @@ int main(int argc, char** argv) {
         ls.push_back(Launch{{&m[6]}, 1, false, true, false});
         launches.push_back(ls);
     }
-    Matrix head = make_matrix(262144, 3840, F_Q6_K);
+    Matrix head = make_matrix(262144, 3840, true);
     CK(cudaDeviceSynchronize());
     const char* names[] = {"qk(v)", "v q6k", "o", "gate/up", "down"};
     struct Cfg {

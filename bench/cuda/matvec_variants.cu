@@ -36,31 +36,6 @@ static TVariant tvariants[] = {
 };
 static int sms;
 
-struct Matrix {
-    u8* w;
-    u64 rb, nblk, bytes;
-    int n, k;
-    bool q6;
-};
-static Matrix make_matrix(int n, int k, bool q6) {
-    Matrix m;
-    m.n = n;
-    m.k = k;
-    m.q6 = q6;
-    int bs = q6 ? 210 : 144;
-    m.rb = (u64)(k / 256) * bs;
-    m.nblk = (u64)n * (k / 256);
-    m.bytes = m.rb * n;
-    CK(cudaMalloc(&m.w, m.bytes + 64));
-    static u32 seed = 1;
-    fill_rand<<<1024, 256>>>((u32*)m.w, (m.bytes + 63) / 4, seed++ * 0x9e3779b9u);
-    if (q6)
-        fix_q6k<<<1024, 256>>>(m.w, m.nblk);
-    else
-        fix_q4k<<<1024, 256>>>(m.w, m.nblk);
-    CK(cudaGetLastError());
-    return m;
-}
 static u8* make_xq(int k) {
     u8* x;
     CK(cudaMalloc(&x, (u64)k * 5 / 2));
@@ -75,18 +50,9 @@ static bool tlaunch(const TVariant& v, const Matrix& m, const u8* xq, float* out
     size_t sm = tsmem(v, m);
     // (Bulk copies move multiples of 16 bytes: a stage's Q6_K scale plane must be one.)
     if (sm * cps > 225 * 1024 || (v.q6 && (2 * v.sr * (m.k / 256)) % 16 != 0)) return false;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(sms * cps);
-    cfg.blockDim = dim3(v.warps * 32);
-    cfg.dynamicSmemBytes = sm;
-    cfg.stream = s;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = 1;
+    PdlLaunch pl(dim3(sms * cps), dim3(v.warps * 32), sm, s);
     const u8* z = nullptr;
-    CK(cudaLaunchKernelEx(&cfg, v.fn, (const u8*)m.w, m.rb, m.nblk, m.n, xq, m.k, out, z, (u64)0, z, (u64)0, 0));
+    CK(cudaLaunchKernelEx(&pl.cfg, v.fn, (const u8*)m.w, m.rb, m.nblk, m.n, xq, m.k, out, z, (u64)0, z, (u64)0, 0));
     return true;
 }
 static size_t smem_for(const Variant& v, int k) { return v.sx ? (size_t)(k / 32) * 80 : 0; }
@@ -107,17 +73,8 @@ static void launch(const Variant& v, const Matrix& m, const u8* xq, float* out, 
             b0 = (u64)(next->bytes * f);
         }
     }
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(sms * bps);
-    cfg.blockDim = dim3(v.threads);
-    cfg.dynamicSmemBytes = smem_for(v, m.k);
-    cfg.stream = s;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = 1;
-    CK(cudaLaunchKernelEx(&cfg, v.fn, (const u8*)m.w, m.rb, m.nblk, m.n, xq, m.k, out, p0, b0, p1, b1, pfm));
+    PdlLaunch pl(dim3(sms * bps), dim3(v.threads), smem_for(v, m.k), s);
+    CK(cudaLaunchKernelEx(&pl.cfg, v.fn, (const u8*)m.w, m.rb, m.nblk, m.n, xq, m.k, out, p0, b0, p1, b1, pfm));
 }
 static void launch_ref(const Matrix& m, const u8* xq, float* out) {
     if (m.q6)
@@ -182,43 +139,37 @@ int main(int argc, char** argv) {
         CK(cudaMemcpy(hr.data(), ref, 4 * sh.n, cudaMemcpyDeviceToHost));
         double rmax = 0;
         for (float v : hr) rmax = std::max(rmax, (double)fabsf(v));
-        for (auto& v : variants) {
-            if (v.q6 != sh.q6) continue;
+        // One variant (`go` launches it over a matrix into an output): its products against the
+        // reference (max relative error; -1: not checked), then its median time per launch.
+        auto measure = [&](const char* name, bool check, auto go) {
             CK(cudaMemset(out, 0xff, 4 * sh.n));
-            launch(v, m0, xq, out, st, v.minb);
+            go(m0, out);
             CK(cudaStreamSynchronize(st));
             CK(cudaGetLastError());
             CK(cudaMemcpy(ho.data(), out, 4 * sh.n, cudaMemcpyDeviceToHost));
             double err = 0;
             for (int i = 0; i < sh.n; i++) err = std::max(err, (double)fabsf(ho[i] - hr[i]) / rmax);
             if (!(err < 1e-4)) err = 1e9;
-            if (v.name[0] == 'n') err = -1;  // (no arithmetic: nothing to check)
+            if (!check) err = -1;
             int reps = std::max(4, copies * 2);
             double us = time_us(st, 7, reps, [&] {
-                for (int i = 0; i < reps; i++) launch(v, ms[i % copies], xq, out + (i & 3) * 262144, st, v.minb);
+                for (int i = 0; i < reps; i++) go(ms[i % copies], out + (i & 3) * 262144);
             });
-            printf("%-26s %-18s %10.1f %9.0f %6.1f%% %9.2e\n", sh.name, v.name, us, m0.bytes / (us * 1e-6) / 1e9,
+            printf("%-26s %-18s %10.1f %9.0f %6.1f%% %9.2e\n", sh.name, name, us, m0.bytes / (us * 1e-6) / 1e9,
                    100.0 * m0.bytes / (us * 1e-6) / bw, err);
+        };
+        for (auto& v : variants) {
+            if (v.q6 != sh.q6) continue;
+            // (Variants without arithmetic have nothing to check.)
+            measure(v.name, v.name[0] != 'n', [&](const Matrix& m, float* o) { launch(v, m, xq, o, st, v.minb); });
         }
         for (auto& v : tvariants) {
             if (v.q6 != sh.q6) continue;
             for (int cps = 1; cps <= 2; cps++) {
-                CK(cudaMemset(out, 0xff, 4 * sh.n));
-                if (!tlaunch(v, m0, xq, out, st, cps)) continue;
-                CK(cudaStreamSynchronize(st));
-                CK(cudaGetLastError());
-                CK(cudaMemcpy(ho.data(), out, 4 * sh.n, cudaMemcpyDeviceToHost));
-                double err = 0;
-                for (int i = 0; i < sh.n; i++) err = std::max(err, (double)fabsf(ho[i] - hr[i]) / rmax);
-                if (!(err < 1e-4)) err = 1e9;
-                int reps = std::max(4, copies * 2);
-                double us = time_us(st, 7, reps, [&] {
-                    for (int i = 0; i < reps; i++) tlaunch(v, ms[i % copies], xq, out + (i & 3) * 262144, st, cps);
-                });
+                if (!tlaunch(v, m0, xq, out, st, cps)) continue;  // (too much shared memory)
                 char nm[64];
                 snprintf(nm, sizeof nm, "%s c%d", v.name, cps);
-                printf("%-26s %-18s %10.1f %9.0f %6.1f%% %9.2e\n", sh.name, nm, us, m0.bytes / (us * 1e-6) / 1e9,
-                       100.0 * m0.bytes / (us * 1e-6) / bw, err);
+                measure(nm, true, [&](const Matrix& m, float* o) { tlaunch(v, m, xq, o, st, cps); });
             }
         }
         for (auto& m : ms) CK(cudaFree(m.w));

@@ -559,6 +559,38 @@ __device__ __forceinline__ void group_out(const float (&acc)[ROWS][R], const int
     }
 }
 
+// The largest of the warp's 64-bit keys, in every lane.
+__device__ __forceinline__ u64 warp_max_key(u64 key) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        u64 v = __shfl_xor_sync(0xffffffffu, key, o);
+        key = v > key ? v : key;
+    }
+    return key;
+}
+
+// By the last warp of an argmax launch to arrive (after `acquire`): reduces the slots of each of
+// `rows` activation rows into aout (-1 where a flag says a product was not finite) and resets the
+// slots, the flags and the arrival counter `acnt`.
+__device__ __forceinline__ void argmax_reduce(u64* aslots, int* aout, u32* acnt, int rows, int lane) {
+    for (int r = 0; r < rows; r++) {
+        u64 b = 0;
+        for (int s = lane; s < ARGMAX_SLOTS; s += 32) {
+            u64* p = &aslots[r * ARGMAX_SLOTS + s];
+            u64 v = __ldcg(p);
+            b = v > b ? v : b;
+            *p = 0;
+        }
+        b = warp_max_key(b);
+        if (lane == 0) {
+            u32* flag = (u32*)(aslots + MV_ROWS * ARGMAX_SLOTS) + r;
+            aout[r] = __ldcg(flag) ? -1 : (int)(0xffffffffu - (u32)(b & 0xffffffffu));
+            *flag = 0;
+        }
+    }
+    if (lane == 0) *acnt = 0;
+}
+
 // Folds a warp's finished group of output rows into its running argmax keys (best: per activation
 // row, 0 for none yet; bad: per row, a product was not finite).
 template <int R, int ROWS>
@@ -594,26 +626,7 @@ __device__ __forceinline__ void argmax_publish(const u64 (&best)[ROWS], u32 bad,
     }
     if (!__shfl_sync(0xffffffffu, done, 0)) return;
     acquire();
-    for (int r = 0; r < rows; r++) {
-        u64 b = 0;
-        for (int s = lane; s < ARGMAX_SLOTS; s += 32) {
-            u64* p = &aslots[r * ARGMAX_SLOTS + s];
-            u64 v = __ldcg(p);
-            b = v > b ? v : b;
-            *p = 0;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            u64 v = __shfl_xor_sync(0xffffffffu, b, o);
-            b = v > b ? v : b;
-        }
-        if (lane == 0) {
-            u32* flag = (u32*)(aslots + MV_ROWS * ARGMAX_SLOTS) + r;
-            aout[r] = __ldcg(flag) ? -1 : (int)(0xffffffffu - (u32)(b & 0xffffffffu));
-            *flag = 0;
-        }
-    }
-    if (lane == 0) *acnt = 0;
+    argmax_reduce(aslots, aout, acnt, rows, lane);
 }
 
 // out_i[r, o] = x[r, :] . W_i[o, :] for up to three matrices W_0..W_2 of one format sharing x
@@ -944,12 +957,7 @@ extern "C" __global__ void __launch_bounds__(HEAD_WARPS * 32) argmax_head_q8_0(c
             }
         }
     }
-    u64 key = idx != 0x7fffffff ? argmax_key(best, idx) : 0;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        u64 v = __shfl_xor_sync(0xffffffffu, key, o);
-        key = v > key ? v : key;
-    }
+    u64 key = warp_max_key(idx != 0x7fffffff ? argmax_key(best, idx) : 0);
     if (__any_sync(0xffffffffu, bad) && lane == 0) sbad = 1;
     if (lane == 0) sbest[wi] = key;
     __syncthreads();
@@ -963,23 +971,7 @@ extern "C" __global__ void __launch_bounds__(HEAD_WARPS * 32) argmax_head_q8_0(c
     __syncthreads();
     if (!last || wi != 0) return;
     acquire();
-    u64 b = 0;
-    for (int i = lane; i < ARGMAX_SLOTS; i += 32) {
-        u64 v = __ldcg(&aslots[i]);
-        b = v > b ? v : b;
-        aslots[i] = 0;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        u64 v = __shfl_xor_sync(0xffffffffu, b, o);
-        b = v > b ? v : b;
-    }
-    if (lane == 0) {
-        u32* flag = (u32*)(aslots + MV_ROWS * ARGMAX_SLOTS);
-        aout[0] = __ldcg(flag) ? -1 : (int)(0xffffffffu - (u32)(b & 0xffffffffu));
-        *flag = 0;
-        *acnt = 0;
-    }
+    argmax_reduce(aslots, aout, acnt, 1, lane);
 }
 
 // out[r, :] = dequant(W[ids[r], :]) * scale; one block per row, one thread per sub-block.
