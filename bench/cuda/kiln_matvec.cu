@@ -61,7 +61,53 @@ struct Launch {
     bool glu, epi, argmax, no_gq = false;
 };
 
+// matvecr (weights streamed through shared memory) instead of matvec4 where its tiles fit: ring
+// budget per block (KB, 0: off), blocks per multiprocessor, launch kinds (bit i: kind i of
+// `names` below, 5: the head).
+static int o_ring = 0, o_ring_bps = 4, o_ring_kinds = 63;
+typedef void (*RingFn)(const u8*, const u8*, const u8*, u64, int, int, int, float*, float*, float*, float*, const u8*, int, int, u64*, int*,
+                       u32*);
+// Whether a matrix cuts in matvecr tiles of `rows` rows (with glu, half of them from each matrix):
+// every plane's share a multiple of 16 bytes, two tiles within the ring (as exec.rs).
+static bool ring_fits(const Matrix& m, bool glu, int rows) {
+    int bpr = m.k / 256, part = glu ? rows / 2 : rows;
+    bool ok = m.n % part == 0 && 2 * rows * m.rb <= (u64)o_ring * 1024;
+    for (int per : m.q6 ? std::vector<int>{128, 64, 16, 2} : std::vector<int>{144}) ok = ok && (per * part * bpr) % 16 == 0;
+    return ok;
+}
+static bool launch_ring(const Launch& L, cudaStream_t st) {
+    const Matrix& m = *L.m[0];
+    int total = 0;
+    for (int i = 0; i < L.nm; i++) total += L.m[i]->n;
+    bool isv = L.nm == 1 && !L.epi && !L.argmax;
+    int kind = L.argmax ? 5 : L.glu ? 3 : L.epi ? (m.k == 4096 ? 2 : 4) : isv ? 1 : 0;
+    if (!(o_ring_kinds >> kind & 1) || (L.glu && !L.no_gq) || (L.epi && o_epi)) return false;
+    int rows = 0;
+    for (int r : {8, 2}) {
+        bool ok = true;
+        for (int i = 0; i < L.nm; i++) ok = ok && ring_fits(*L.m[i], L.glu, r);
+        if (ok) {
+            rows = r;
+            break;
+        }
+    }
+    if (!rows) return false;
+    int ns = std::min(4, (int)((u64)o_ring * 1024 / (rows * m.rb)));
+    int tiles = L.glu ? m.n / (rows / 2) : total / rows;
+    int blocks = std::min(tiles, o_ring_bps * sms);
+    RingFn fn = rows == 8 ? (m.q6 ? matvecr8_q6_k : matvecr8_q4_k) : (m.q6 ? matvecr2_q6_k : matvecr2_q4_k);
+    const u8* xq = m.k == 3840 ? B.xq3840 : m.k == 4096 ? B.xq4096 : B.xq15360;
+    const u8* w1 = L.nm > 1 ? L.m[1]->w : nullptr;
+    const u8* w2 = L.nm > 2 ? L.m[2]->w : nullptr;
+    int n1 = L.nm > 1 ? L.m[1]->n : 0, n2 = L.nm > 2 ? L.m[2]->n : 0;
+    PdlLaunch pl(dim3(blocks), dim3(MVR_THREADS), (size_t)ns * rows * m.rb, st);
+    CK(cudaLaunchKernelEx(&pl.cfg, fn, (const u8*)m.w, w1, w2, m.rb, m.n, n1, n2, B.o0, B.o1, B.o2, L.glu ? B.glu : (float*)nullptr, xq, m.k,
+                          ns, B.aslots, L.argmax ? B.aout : nullptr, B.acnt));
+    return true;
+}
+
 static void launch(const Launch& L, cudaStream_t st) {
+    if (o_ring && launch_ring(L, st)) return;
     const Matrix& m = *L.m[0];
     int total = 0;
     for (int i = 0; i < L.nm; i++) total += L.m[i]->n;
@@ -92,6 +138,8 @@ int main(int argc, char** argv) {
     sms = p.multiProcessorCount;
     CK(cudaFuncSetAttribute(matvec4_q4_k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)stage_bytes<F_Q4_K>()));
     CK(cudaFuncSetAttribute(matvec4_q6_k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)stage_bytes<F_Q6_K>()));
+    for (RingFn f : {matvecr8_q4_k, matvecr8_q6_k, matvecr2_q4_k, matvecr2_q6_k})
+        CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
     // "quick": only exec.rs's rules (for A/B runs of kernel variants).
     bool quick = argc > 1 && !strcmp(argv[1], "quick");
     cudaStream_t st;
@@ -128,14 +176,16 @@ int main(int argc, char** argv) {
     CK(cudaMemset(B.aslots, 0, 8 * (8 * 256 + 8)));
     CK(cudaDeviceSynchronize());
 
-    // Correctness against the reference (plain, glu, argmax).
-    {
+    // Correctness against the reference (plain, glu, argmax), matvec4 then matvecr.
+    for (int ring : {0, 52}) {
+        o_ring = ring;
+        printf("-- %s\n", ring ? "matvecr" : "matvec4");
         Matrix g = make_matrix(15360, 3840, false), u = make_matrix(15360, 3840, false), h = make_matrix(65536, 3840, true);
         float* ref;
         CK(cudaMalloc(&ref, 4 * 65536 * 2));
         ref_mv<F_Q4_K><<<15360 / 4, 128>>>(g.w, g.rb, 15360, B.xq3840, 3840, ref);
         ref_mv<F_Q4_K><<<15360 / 4, 128>>>(u.w, u.rb, 15360, B.xq3840, 3840, ref + 15360);
-        Launch lg{{&g, &u}, 2, true, false, false};
+        Launch lg{{&g, &u}, 2, true, false, false, ring != 0};
         launch(lg, st);
         CK(cudaStreamSynchronize(st));
         CK(cudaGetLastError());
@@ -162,6 +212,30 @@ int main(int argc, char** argv) {
         e = 0;
         for (int i = 0; i < 2 * 15360; i++) e = std::max(e, (double)fabs(o[i] - r[i]));
         printf("plain 2 x 15360x3840: max err %.3e\n", e);
+        // Plain Q6_K and Q4_K with long rows (down).
+        for (bool q6 : {true, false}) {
+            Matrix d = make_matrix(3840, 15360, q6);
+            if (q6)
+                ref_mv<F_Q6_K><<<3840 / 4, 128>>>(d.w, d.rb, 3840, B.xq15360, 15360, ref);
+            else
+                ref_mv<F_Q4_K><<<3840 / 4, 128>>>(d.w, d.rb, 3840, B.xq15360, 15360, ref);
+            Launch ld{{&d}, 1, false, false, false};
+            CK(cudaMemset(B.o0, 0xff, 4 * 3840));
+            launch(ld, st);
+            CK(cudaStreamSynchronize(st));
+            CK(cudaGetLastError());
+            std::vector<float> dr(3840), dg(3840);
+            CK(cudaMemcpy(dr.data(), ref, 4 * 3840, cudaMemcpyDeviceToHost));
+            CK(cudaMemcpy(dg.data(), B.o0, 4 * 3840, cudaMemcpyDeviceToHost));
+            double de = 0, dm = 0;
+            for (int i = 0; i < 3840; i++) {
+                de = std::max(de, (double)fabs(dg[i] - dr[i]));
+                dm = std::max(dm, (double)fabs(dr[i]));
+            }
+            if (!(de <= 1e-4 * dm)) de = 1e30;
+            printf("plain 3840x15360 %s: max err %.3e (max |ref| %.3e)\n", q6 ? "q6k" : "q4k", de, dm);
+            CK(cudaFree(d.w));
+        }
         // Argmax over a Q6_K head.
         ref_mv<F_Q6_K><<<65536 / 4, 128>>>(h.w, h.rb, 65536, B.xq3840, 3840, ref);
         Launch la{{&h}, 1, false, false, true};
@@ -206,7 +280,7 @@ int main(int argc, char** argv) {
             ls.push_back(Launch{{&m[0], &m[1], &m[2]}, 3, false, false, false});
         }
         ls.push_back(Launch{{&m[3]}, 1, false, true, false});
-        ls.push_back(Launch{{&m[4], &m[5]}, 2, true, false, false});
+        ls.push_back(Launch{{&m[4], &m[5]}, 2, true, false, false, true});
         ls.push_back(Launch{{&m[6]}, 1, false, true, false});
         launches.push_back(ls);
     }
@@ -215,13 +289,25 @@ int main(int argc, char** argv) {
     const char* names[] = {"qk(v)", "v q6k", "o", "gate/up", "down"};
     struct Cfg {
         const char* name;
-        int split, cap, epi;
-    } cfgs[] = {{"rules", 0, 0, 0}, {"rules + norm epilogues", 0, 0, 1}, {"split 1", 1, 0, 0}, {"split 2", 2, 0, 0}, {"split 1, persistent", 1, 4, 0}};
+        int split, cap, epi, ring, bps, kinds;
+    } cfgs[] = {{"rules", 0, 0, 0, 0, 0, 0},
+                {"ring 52 KB, 4 blocks/SM, v gate/up head", 0, 0, 0, 52, 4, 2 + 8 + 32},
+                {"ring 52 KB, 4 blocks/SM, all launches", 0, 0, 0, 52, 4, 63},
+                {"ring 40 KB, 5 blocks/SM, v gate/up head", 0, 0, 0, 40, 5, 2 + 8 + 32},
+                {"rules + norm epilogues", 0, 0, 1, 0, 0, 0},
+                {"split 1", 1, 0, 0, 0, 0, 0},
+                {"split 2", 2, 0, 0, 0, 0, 0},
+                {"split 1, persistent", 1, 4, 0, 0, 0, 0}};
+    const char* only = argc > 2 ? argv[2] : nullptr;
     for (auto& cf : cfgs) {
-    if (quick && cf.split + cf.cap + cf.epi) continue;
+    if (quick && cf.split + cf.cap + cf.epi + cf.ring) continue;
+    if (only && !strstr(cf.name, only) && strcmp(cf.name, "rules")) continue;
     o_split = cf.split;
     o_cap = cf.cap;
     o_epi = cf.epi;
+    o_ring = cf.ring;
+    o_ring_bps = cf.bps;
+    o_ring_kinds = cf.kinds;
     printf("\n== config %s\n", cf.name);
     // Each launch kind alone (rotating over the layers' copies).
     printf("\n%-12s %10s %9s\n", "launch", "us", "GB/s");

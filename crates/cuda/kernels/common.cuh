@@ -49,6 +49,44 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// Bulk copies from global to shared memory (sm_90 and later; the kernels using them are launched
+// only there): `bulk_copy` asks the copy engine for `bytes` (a multiple of 16, both addresses
+// 16-byte aligned) and counts them on the shared-memory barrier `bar`; a barrier's phase completes
+// when its expected arrivals have arrived and the bytes announced by `bar_expect` have landed.
+// `bar_wait` waits for the phase of the given parity (0 for the first, 1 for the next, ...).
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void bar_init(u64* bar, u32 count) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+#endif
+}
+// Makes initialized barriers visible to the copy engine (after the inits, before a block barrier).
+__device__ __forceinline__ void bar_init_fence() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+// One arrival that also announces `bytes` of copies to come.
+__device__ __forceinline__ void bar_expect(u64* bar, u32 bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void bar_wait(u64* bar, u32 parity) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile(
+        "{\n .reg .pred p;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT_%=;\n}" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(bytes), "r"(smem_addr(bar))
+                 : "memory");
+#endif
+}
 // Arrival counting between the warps or blocks of a launch: `arrive` adds v to *c with release
 // semantics (the thread's earlier writes, and those it saw through a barrier, are visible to
 // whoever sees the addition) and returns the old value; the one that finds itself last calls

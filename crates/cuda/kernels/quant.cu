@@ -787,12 +787,13 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
             // Stage s of the lane's ring holds turn t = s (mod STAGES): R rows of NP pieces.
             constexpr int NP = Chunk<T>::NP;
             uint4* ring = mv_dyn + wi * (STAGES * R * NP * 32) + lane;
-            int turns = c < chunks ? (chunks - c + stride - 1) / stride : 0;
+            const int c0 = c, turns = c < chunks ? (chunks - c + stride - 1) / stride : 0;
+            // (Turn t's chunk counts from the first: c moves on with the loop below.)
             auto issue = [&](int t) {
                 if (t < turns) {
 #pragma unroll
                     for (int rr = 0; rr < R; rr++)
-                        if (mi[rr] >= 0) Chunk<T>::stage(mr[rr], ri[rr], c + t * stride, ring + ((t % STAGES) * R + rr) * NP * 32);
+                        if (mi[rr] >= 0) Chunk<T>::stage(mr[rr], ri[rr], c0 + t * stride, ring + ((t % STAGES) * R + rr) * NP * 32);
                 }
                 cp_async_commit();
             };
@@ -886,6 +887,203 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
             norm_epilogue(o0 + (u64)r * n0, ew1, er ? er + (u64)r * n0 : nullptr, eh ? eh + (u64)r * n0 : nullptr, ew2,
                           eout + (u64)r * n0, exq ? exq + r * xq_bytes(n0) : nullptr, n0, eps, scratch);
         if (threadIdx.x == 0) *ecnt = 0;
+    }
+}
+
+// The planes of a matrix as uploaded (weights.rs): plane p holds per(p) bytes of every block, in
+// block order, from byte off(p) * (the matrix's blocks). Formats kept in ggml's layout have one.
+template <int T> struct Planes {
+    static const int N = 1;
+    static __device__ __forceinline__ u32 off(int) { return 0; }
+    static __device__ __forceinline__ u32 per(int) { return Fmt<T>::bytes; }
+};
+template <> struct Planes<F_Q8_0> {
+    static const int N = 2;
+    static __device__ __forceinline__ u32 off(int p) { return p ? 32 : 0; }
+    static __device__ __forceinline__ u32 per(int p) { return p ? 2 : 32; }
+};
+template <> struct Planes<F_Q5_0> {
+    static const int N = 3;
+    static __device__ __forceinline__ u32 off(int p) { return p == 0 ? 0 : p == 1 ? 16 : 20; }
+    static __device__ __forceinline__ u32 per(int p) { return p == 0 ? 16 : p == 1 ? 4 : 2; }
+};
+template <> struct Planes<F_Q6_K> {
+    static const int N = 4;
+    static __device__ __forceinline__ u32 off(int p) { return p == 0 ? 0 : p == 1 ? 128 : p == 2 ? 192 : 208; }
+    static __device__ __forceinline__ u32 per(int p) { return p == 0 ? 128 : p == 1 ? 64 : p == 2 ? 16 : 2; }
+};
+
+// Warps of a matvecr block, most stages.
+#define MVR_WARPS 4
+#define MVR_STAGES 4
+// Threads of a matvecr block.
+#define MVR_THREADS (32 * MVR_WARPS)
+
+// Asks the copy engine for blocks b0..b0+nb of a matrix of `nblk` blocks at w, into a tile of `tb`
+// blocks at dst (laid out as a matrix of its own) from its block `at` on, counted on `bar`.
+template <int T> __device__ __forceinline__ void ring_copy(u8* dst, const u8* w, u64 nblk, u64 b0, u64 nb, u64 tb, u64 at, u64* bar) {
+#pragma unroll
+    for (int p = 0; p < Planes<T>::N; p++)
+        bulk_copy(dst + Planes<T>::off(p) * tb + Planes<T>::per(p) * at, w + Planes<T>::off(p) * nblk + Planes<T>::per(p) * b0,
+                  (u32)(Planes<T>::per(p) * nb), bar);
+}
+
+// Sums each of 8 values over the warp's lanes: lane l gets the sum of a[4 b4 + 2 b3 + b2] (b_i:
+// bit i of l) in 9 exchanges instead of 40.
+__device__ __forceinline__ float rows_sum8(float (&a)[8], int lane) {
+    bool b = (lane >> 4) & 1;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float send = b ? a[i] : a[i + 4], keep = b ? a[i + 4] : a[i];
+        a[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
+    }
+    b = (lane >> 3) & 1;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        float send = b ? a[i] : a[i + 2], keep = b ? a[i + 2] : a[i];
+        a[i] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
+    }
+    b = (lane >> 2) & 1;
+    float v = (b ? a[1] : a[0]) + __shfl_xor_sync(0xffffffffu, b ? a[0] : a[1], 4);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    return v + __shfl_xor_sync(0xffffffffu, v, 1);
+}
+
+// One activation row times up to three matrices of one format, the glu pair or the greedy argmax
+// (arguments as in `matvec`; no norm prologue or epilogue, no glu quantization) with the weights
+// streamed through shared memory (sm_90): the rows are cut in tiles of TR rows (8 or 2; with glu,
+// TR / 2 rows of W_0 and the same rows of W_1), taken by the blocks in turn (block b:
+// tiles b, b + gridDim.x, ...). Thread 0 asks the copy engine for each tile into a ring of `ns`
+// stages of dynamic shared memory (ns <= MVR_STAGES; the first ones before waiting for the previous
+// kernel: no kernel writes weights; later ones as soon as every warp has left the stage), and the
+// MVR_WARPS warps compute from there: lane l of the block takes chunks l, l + 32 MVR_WARPS, ... of
+// every row of the tile (the activations loaded once per chunk for all the rows), then the tile's
+// sums are reduced over the lanes and the warps. The host sizes the tiles so that every plane's
+// share of a tile is a multiple of 16 bytes (bulk copies) and no tile spans two matrices
+// (ring_geometry in exec.rs). Measured on an H200 at 12B shapes against matvec4 (bench/RESULTS.md
+// "issue 4i"): the Q6_K greedy head 328 -> 206 us (90% of the read bandwidth), gate/up 26.2 ->
+// 20.5 us, down 19.1 -> 17.6 us, o 6.2 -> 4.4 us, v 5.1 -> 3.9 us, q/k 7.6 -> 7.4 us. (A producer
+// warp waiting on "stage free" barriers took registers from the computing warps: 3 blocks of 4 + 1
+// warps per multiprocessor against 4 blocks of 4, head 218 against 206 us; a run-time row count
+// made each row's loads a branch: gate/up 23.0 against 20.6 us.)
+template <int T, int TR>
+__device__ __forceinline__ void matvec_ring(const u8* w0, const u8* w1, const u8* w2, u64 rb, int n0, int n1, int n2, float* o0,
+                                            float* o1, float* o2, float* glu, const u8* xq, int k, int ns, u64* aslots, int* aout,
+                                            u32* acnt) {
+    constexpr int HALF = TR / 2;
+    extern __shared__ uint4 mvr_dyn[];
+    __shared__ __align__(8) u64 full[MVR_STAGES];
+    __shared__ float red[2][MVR_WARPS][TR];
+    const int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const u64 bpr = rb / Fmt<T>::bytes, tb = TR * bpr;
+    const u32 stage = (u32)(TR * rb);
+    const int tiles = glu ? n0 / HALF : (n0 + n1 + n2) / TR;
+    const int mine = (int)blockIdx.x < tiles ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    u8* ring = (u8*)mvr_dyn;
+    // Thread 0 asks for tile i into stage i % ns (after every warp has left the tile that held it).
+    auto issue = [&](int i) {
+        const int slot = i % ns, t = blockIdx.x + i * gridDim.x;
+        u8* dst = ring + (u64)slot * stage;
+        bar_expect(&full[slot], stage);
+        if (glu) {
+            ring_copy<T>(dst, w0, (u64)n0 * bpr, (u64)t * HALF * bpr, HALF * bpr, tb, 0, &full[slot]);
+            ring_copy<T>(dst, w1, (u64)n0 * bpr, (u64)t * HALF * bpr, HALF * bpr, tb, HALF * bpr, &full[slot]);
+        } else {
+            const int g = t * TR, mi = g < n0 ? 0 : g < n0 + n1 ? 1 : 2;
+            const int r0 = g - (mi > 0 ? n0 : 0) - (mi > 1 ? n1 : 0), nm = mi == 0 ? n0 : mi == 1 ? n1 : n2;
+            ring_copy<T>(dst, mi == 0 ? w0 : mi == 1 ? w1 : w2, (u64)nm * bpr, (u64)r0 * bpr, tb, tb, 0, &full[slot]);
+        }
+    };
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < ns; s++) bar_init(&full[s], 1);
+        bar_init_fence();
+        for (int i = 0; i < ns && i < mine; i++) issue(i);
+    }
+    __syncthreads();
+    pdl_wait();
+    const int chunks = k >> 5;
+    // Rows of at most one chunk per lane: the lane's activations are loaded once for all tiles.
+    const bool one = chunks <= 32 * MVR_WARPS;
+    XGroup xc[2];
+    if (one && (int)threadIdx.x < chunks) {
+        xc[0] = xgroup(xq, k, Chunk<T>::xoff(threadIdx.x, 0));
+        xc[1] = xgroup(xq, k, Chunk<T>::xoff(threadIdx.x, 1));
+    }
+    u64 best = 0;
+    u32 bad = 0;
+    for (int i = 0; i < mine; i++) {
+        const int slot = i % ns, t = blockIdx.x + i * gridDim.x;
+        bar_wait(&full[slot], (i / ns) & 1);
+        const Mat st{ring + (u64)slot * stage, rb, tb};
+        float acc[TR];
+#pragma unroll
+        for (int r = 0; r < TR; r++) acc[r] = 0.f;
+        for (int c = threadIdx.x; c < chunks; c += 32 * MVR_WARPS) {
+            XGroup xg[2];
+            if (one) {
+                xg[0] = xc[0];
+                xg[1] = xc[1];
+            } else {
+                xg[0] = xgroup(xq, k, Chunk<T>::xoff(c, 0));
+                xg[1] = xgroup(xq, k, Chunk<T>::xoff(c, 1));
+            }
+            // (At most four rows' loads at a time: eight rows' raw bytes and the sums overflow the
+            // registers.)
+            constexpr int G = TR < 4 ? TR : 4;
+#pragma unroll
+            for (int r0 = 0; r0 < TR; r0 += G) {
+                typename Chunk<T>::Raw raw[G];
+#pragma unroll
+                for (int r = 0; r < G; r++) raw[r] = Chunk<T>::load(st, r0 + r, c);
+#pragma unroll
+                for (int r = 0; r < G; r++) acc[r0 + r] += Chunk<T>::dot(st, raw[r], c, xg);
+            }
+        }
+        if constexpr (TR == 8) {
+            const float v = rows_sum8(acc, lane);
+            if ((lane & 3) == 0) red[i & 1][wi][4 * ((lane >> 4) & 1) + 2 * ((lane >> 3) & 1) + ((lane >> 2) & 1)] = v;
+        } else {
+#pragma unroll
+            for (int r = 0; r < TR; r++) {
+                const float v = warp_sum(acc[r]);
+                if (lane == 0) red[i & 1][wi][r] = v;
+            }
+        }
+        // Every warp has left the stage: refill it. (Two sets of partial sums: a warp can reach
+        // the next tile's barrier only after warp 0 has passed this one.)
+        __syncthreads();
+        if (threadIdx.x == 0 && i + ns < mine) issue(i + ns);
+        if (wi != 0) continue;
+        auto sum = [&](int r) {
+            float s = 0.f;
+#pragma unroll
+            for (int w = 0; w < MVR_WARPS; w++) s += red[i & 1][w][r];
+            return s;
+        };
+        if (glu) {
+            if (lane < HALF) {
+                const float g = sum(lane), u = sum(lane + HALF);
+                const int r = t * HALF + lane;
+                o0[r] = g;
+                o1[r] = u;
+                glu[r] = gelu_tanh(g) * u;
+            }
+        } else if (lane < TR) {
+            const float s = sum(lane);
+            const int g = t * TR + lane;
+            if (aout) {
+                if (!(fabsf(s) <= 3.402823466e38f)) bad = 1;
+                const u64 key = argmax_key(s, g);
+                best = key > best ? key : best;
+            } else {
+                const int mi = g < n0 ? 0 : g < n0 + n1 ? 1 : 2;
+                (mi == 0 ? o0 : mi == 1 ? o1 : o2)[g - (mi > 0 ? n0 : 0) - (mi > 1 ? n1 : 0)] = s;
+            }
+        }
+    }
+    if (aout && wi == 0 && mine > 0) {
+        const u64 b[1] = {warp_max_key(best)};
+        argmax_publish<1>(b, __any_sync(0xffffffffu, bad) ? 1u : 0u, blockIdx.x, min((int)gridDim.x, tiles), 1, aslots, aout, acnt, lane);
     }
 }
 
@@ -1060,3 +1258,21 @@ KILN_FORMAT(q3_k, F_Q3_K)
 KILN_FORMAT(q4_k, F_Q4_K)
 KILN_FORMAT(q5_k, F_Q5_K)
 KILN_FORMAT(q6_k, F_Q6_K)
+
+// matvecr8 and matvecr2 (one activation row, weights streamed through shared memory in tiles of 8
+// or 2 rows; sm_90) for the formats with chunk decoders: those that carry most of a model's bytes.
+#define KILN_RING(NAME, T)                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(MVR_THREADS, 4) matvecr8_##NAME(MVR_ARGS) {                                \
+        matvec_ring<T, 8>(MVR_PASS);                                                                                         \
+    }                                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(MVR_THREADS, 4) matvecr2_##NAME(MVR_ARGS) {                                \
+        matvec_ring<T, 2>(MVR_PASS);                                                                                         \
+    }
+#define MVR_ARGS                                                                                                             \
+    const u8 *w0, const u8 *w1, const u8 *w2, u64 rb, int n0, int n1, int n2, float *o0, float *o1, float *o2, float *glu, \
+        const u8 *xq, int k, int ns, u64 *aslots, int *aout, u32 *acnt
+#define MVR_PASS w0, w1, w2, rb, n0, n1, n2, o0, o1, o2, glu, xq, k, ns, aslots, aout, acnt
+KILN_RING(q4_k, F_Q4_K)
+KILN_RING(q6_k, F_Q6_K)
+KILN_RING(q8_0, F_Q8_0)
+KILN_RING(q5_0, F_Q5_0)

@@ -134,14 +134,18 @@ impl Device {
             for f in kernel_names(src) {
                 let func = module.load_function(&f).map_err(|e| cuda_err(format!("kernel '{f}': {e}")))?;
                 // Kernels whose blocks take more than the default 48 KiB of shared memory opt in.
-                // (The ring of matvec4 and matvec4p, and the latter's norm prologue row.)
-                if let Some(bytes) = f
-                    .strip_prefix("matvec4_")
-                    .or_else(|| f.strip_prefix("matvec4p_"))
-                    .map(crate::exec::matvec4_shared_bytes)
-                    .filter(|&b| b > 0)
-                    .map(|b| b + crate::exec::PROLOGUE_SHARED)
-                {
+                // (The ring of matvec4 and matvec4p, and the latter's norm prologue row; the
+                // ring of matvecr.)
+                let bytes = if f.starts_with("matvecr") {
+                    Some(crate::exec::RING_SHARED as u32)
+                } else {
+                    f.strip_prefix("matvec4_")
+                        .or_else(|| f.strip_prefix("matvec4p_"))
+                        .map(crate::exec::matvec4_shared_bytes)
+                        .filter(|&b| b > 0)
+                        .map(|b| b + crate::exec::PROLOGUE_SHARED)
+                };
+                if let Some(bytes) = bytes {
                     func.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
                         .map_err(|e| cuda_err(format!("kernel '{f}': {bytes} bytes of shared memory: {e}")))?;
                 }
@@ -239,7 +243,8 @@ pub(crate) enum Arg {
     F32(f32),
 }
 
-/// Every `extern "C" __global__ void NAME(` of a source, with `KILN_FORMAT(name, ...)` expanded.
+/// Every `extern "C" __global__ void NAME(` of a source, with `KILN_FORMAT(name, ...)` and
+/// `KILN_RING(name, ...)` expanded.
 fn kernel_names(src: &str) -> Vec<String> {
     let mut names = Vec::new();
     for line in src.lines() {
@@ -254,6 +259,9 @@ fn kernel_names(src: &str) -> Vec<String> {
             for k in ["matvec", "matvec1", "matvec4", "matvec4p", "embed", "dequant"] {
                 names.push(format!("{k}_{fmt}"));
             }
+        } else if let Some(rest) = line.strip_prefix("KILN_RING(") {
+            let fmt = rest.split(',').next().unwrap_or_default().trim();
+            names.extend(["matvecr8", "matvecr2"].map(|k| format!("{k}_{fmt}")));
         }
     }
     names
@@ -387,7 +395,8 @@ mod tests {
     fn kernel_names_are_found_in_every_family() {
         let quant = kernel_names(FAMILIES[0].1);
         assert!(quant.contains(&"matvec_q4_k".to_string()) && quant.contains(&"dequant_q8_0".to_string()));
-        assert_eq!(quant.len(), 13 * 6 + 2);
+        assert_eq!(quant.len(), 13 * 6 + 2 + 4 * 2);
+        assert!(quant.contains(&"matvecr2_q6_k".to_string()));
         assert!(quant.contains(&"quantize_rows".to_string()));
         let ops = kernel_names(FAMILIES[1].1);
         for k in

@@ -11,7 +11,7 @@ use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KvCache, Plan, Rows
 
 use crate::device::{cuda_err, Arg, Device, DeviceBuffer, Scratch};
 use crate::kv::CudaKvCache;
-use crate::weights::{format_name, CudaWeights};
+use crate::weights::{format_name, planar_fields, CudaWeights};
 
 /// Most activation rows the matrix-vector kernels take (more rows go through cuBLAS).
 const MATVEC_ROWS: usize = 8;
@@ -64,6 +64,65 @@ pub(crate) fn matvec4_shared_bytes(fmt: &str) -> u32 {
     };
     (MATVEC_WARPS * MATVEC_STAGES * 4 * pieces * 32 * 16) as u32
 }
+/// Formats with a `matvecr_<fmt>` kernel (`KILN_RING` in quant.cu).
+const RING_FORMATS: [GgmlType; 4] = [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0];
+/// Weight bytes from which a one-row launch streams its weights through shared memory
+/// (`matvecr`; measured on an H200 at 12B shapes, bench/RESULTS.md "issue 4i": the greedy head
+/// 326 -> 205 µs, gate/up 25.9 -> 20.6 µs, o 6.1 -> 4.4 µs, v 4.9 -> 3.8 µs, q/k even).
+const RING_MIN_BYTES: usize = 4 << 20;
+/// Shared memory a `matvecr` block gives its ring (so that 4 blocks fit a multiprocessor).
+pub(crate) const RING_SHARED: usize = 52 << 10;
+/// Most stages of a `matvecr` ring (`MVR_STAGES` in quant.cu).
+const RING_MAX_STAGES: usize = 4;
+/// Resident `matvecr` blocks per multiprocessor (its launch bounds), threads of one
+/// (`MVR_THREADS`).
+const RING_BLOCKS_PER_SM: usize = 4;
+const RING_THREADS: u32 = 128;
+
+/// How a `matvecr` launch runs: rows per tile (its kernel, `matvecr8` or `matvecr2`), ring
+/// stages, blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct RingGeometry {
+    rows: usize,
+    stages: usize,
+    blocks: usize,
+}
+
+/// The `matvecr` geometry of a one-row launch over matrices of `rows_of` rows of `k` columns in
+/// format `ty` (the gate/up pair with `glu`) on a device of `sms` multiprocessors, if the launch
+/// reads `RING_MIN_BYTES` or more and can be cut in tiles of 8 rows, else of 2: two tiles fit the
+/// ring, none spans two matrices, and every plane's share of a tile, and every plane's start, is a
+/// multiple of 16 bytes (bulk copies).
+fn ring_geometry(ty: GgmlType, k: usize, rows_of: &[usize], glu: bool, sms: usize) -> Option<RingGeometry> {
+    let planes: Vec<usize> = match planar_fields(ty) {
+        Some(f) => f.iter().map(|&(_, bytes)| bytes).collect(),
+        None => vec![ty.type_size()],
+    };
+    let per_row = k / ty.block_size();
+    let row_bytes = per_row * ty.type_size();
+    let total: usize = rows_of.iter().sum();
+    if !RING_FORMATS.contains(&ty) || !k.is_multiple_of(ty.block_size()) || total * row_bytes < RING_MIN_BYTES {
+        return None;
+    }
+    let fits = |rows: usize| {
+        let part = if glu { rows / 2 } else { rows };
+        2 * rows * row_bytes <= RING_SHARED
+            && rows_of.iter().all(|&n| {
+                let mut start = 0;
+                n.is_multiple_of(part)
+                    && planes.iter().all(|&per| {
+                        let ok = (per * part * per_row).is_multiple_of(16) && (start * n * per_row).is_multiple_of(16);
+                        start += per;
+                        ok
+                    })
+            })
+    };
+    let rows = [8, 2].into_iter().find(|&r| fits(r))?;
+    let tiles = if glu { rows_of[0] / (rows / 2) } else { total / rows };
+    let stages = (RING_SHARED / (rows * row_bytes)).min(RING_MAX_STAGES);
+    Some(RingGeometry { rows, stages, blocks: tiles.min(RING_BLOCKS_PER_SM * sms) })
+}
+
 /// Widest row the norm kernels take (`NORM_PER * NORM_THREADS` in ops.cu).
 const NORM_MAX: usize = 8192;
 /// Threads of a norm block for rows of `width` (at most `NORM_THREADS` in ops.cu).
@@ -1066,6 +1125,24 @@ impl CudaExecutable {
         let ms = a.mats.iter().map(|&(w, _)| self.weights.matrix(w)).collect::<Result<Vec<_>, _>>()?;
         let m = ms[0];
         let fmt = format_name(m.ty).ok_or_else(|| cuda_err(format!("no kernels for {:?}", m.ty)))?;
+        // One-row launches without fused norms or glu quantization stream their weights through
+        // shared memory (bulk copies: sm_90 and later).
+        let rows_of: Vec<usize> = ms.iter().map(|m| m.n).collect();
+        let ring = (a.rows == 1 && a.px == 0 && a.epi.is_none() && a.gq == 0 && self.device.arch.0 >= 9)
+            .then(|| ring_geometry(m.ty, m.k, &rows_of, a.glu != 0, self.device.sms as usize))
+            .flatten();
+        if let Some(RingGeometry { rows, stages, blocks }) = ring {
+            let mut args = Vec::with_capacity(18);
+            args.extend((0..3).map(|i| Arg::U64(ms.get(i).map_or(0, |m| m.buf.ptr()))));
+            args.push(Arg::U64(m.row_bytes as u64));
+            args.extend((0..3).map(|i| Arg::I32(rows_of.get(i).map_or(0, |&n| n as i32))));
+            args.extend((0..3).map(|i| Arg::U64(a.mats.get(i).map_or(0, |m| m.1))));
+            args.extend([Arg::U64(a.glu), Arg::U64(a.xq), Arg::I32(m.k as i32), Arg::I32(stages as i32)]);
+            let sync = self.sync.ptr();
+            args.extend([Arg::U64(sync), Arg::U64(a.argmax), Arg::U64(sync + SYNC_ARGMAX)]);
+            let shared = (stages * rows * m.row_bytes) as u32;
+            return self.device.launch_shared(&format!("matvecr{rows}_{fmt}"), (blocks as u32, 1), RING_THREADS, shared, &args);
+        }
         let total: usize = ms.iter().map(|m| m.n).sum();
         let shape = MatVecShape { rows: a.rows, total, n: m.n, k: m.k, glu: a.glu != 0, prologue: a.px != 0 };
         let MatVecGeometry { kernel, per_warp, split, blocks } = shape.geometry(self.device.sms as usize);
@@ -1569,6 +1646,35 @@ mod tests {
             MatVecShape { rows: 4, total: 4096, n: 4096, k: 640, glu: false, prologue: false }.geometry(132),
             g("matvec", 2, 1, 512)
         );
+    }
+
+    #[test]
+    fn one_row_launches_stream_through_shared_memory() {
+        use GgmlType::*;
+        let r = |ty, k, rows: &[usize], glu| ring_geometry(ty, k, rows, glu, 132);
+        let g = |rows, stages, blocks| Some(RingGeometry { rows, stages, blocks });
+        // The 12B's launches: gate/up (Q4_K, 4 + 4 rows per 17 KB tile, 3 stages, 4 blocks per
+        // multiprocessor), the greedy head (planar Q6_K, 2 stages of 25 KB), q/k/v (768 tiles), o,
+        // v alone (Q6_K), down (2 rows of 15360: 8 exceed the ring).
+        assert_eq!(r(Q4_K, 3840, &[15360, 15360], true), g(8, 3, 528));
+        assert_eq!(r(Q6_K, 3840, &[262144], false), g(8, 2, 528));
+        assert_eq!(r(Q4_K, 3840, &[4096, 2048], false), g(8, 3, 528));
+        assert_eq!(r(Q4_K, 4096, &[3840], false), g(8, 2, 480));
+        assert_eq!(r(Q6_K, 3840, &[2048], false), g(8, 2, 256));
+        assert_eq!(r(Q4_K, 15360, &[3840], false), g(2, 3, 528));
+        assert_eq!(r(Q6_K, 15360, &[3840], false), g(2, 2, 528));
+        // Not: rows that cut in neither tile, a Q6_K glu pair of 3840-wide rows (the d plane's
+        // share of 4 rows, 120 bytes, or 1 row is not a multiple of 16), launches under
+        // RING_MIN_BYTES (the 270M's), formats without a ring kernel.
+        assert_eq!(r(Q6_K, 3840, &[262141], false), None);
+        assert_eq!(r(Q6_K, 3840, &[15360, 15360], true), None);
+        assert_eq!(r(Q4_K, 640, &[2048, 2048], true), None);
+        assert_eq!(r(Q4_0, 3840, &[262144], false), None);
+        // cuda.rs's streamed-launch models (hidden 2048, MLP 32768, vocabulary 65536).
+        assert_eq!(r(Q4_K, 2048, &[65536], false), g(8, 4, 528));
+        assert_eq!(r(Q8_0, 2048, &[32768, 32768], true), g(8, 3, 528));
+        assert_eq!(r(Q8_0, 2048, &[2048, 256, 256], false), g(8, 3, 320));
+        assert_eq!(r(Q6_K, 32768, &[2048], false), None);
     }
 
     #[test]

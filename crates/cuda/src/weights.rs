@@ -36,7 +36,7 @@ pub(crate) fn format_name(ty: GgmlType) -> Option<&'static str> {
 /// The fields of a block format stored planar on the device, as (offset, bytes) within the block
 /// in plane order, for the formats whose blocks are not 4-byte aligned (the kernels' `sub32` and
 /// `Chunk` for Q5_0, Q8_0 and Q6_K read this layout).
-fn planar_fields(ty: GgmlType) -> Option<&'static [(usize, usize)]> {
+pub(crate) fn planar_fields(ty: GgmlType) -> Option<&'static [(usize, usize)]> {
     match ty {
         GgmlType::Q8_0 => Some(&[(2, 32), (0, 2)]),
         GgmlType::Q5_0 => Some(&[(6, 16), (2, 4), (0, 2)]),
