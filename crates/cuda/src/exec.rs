@@ -64,7 +64,7 @@ pub(crate) fn matvec4_shared_bytes(fmt: &str) -> u32 {
     };
     (MATVEC_WARPS * MATVEC_STAGES * 4 * pieces * 32 * 16) as u32
 }
-/// Formats with a `matvecr_<fmt>` kernel (`KILN_RING` in quant.cu).
+/// Formats with `matvecr8_<fmt>` and `matvecr2_<fmt>` kernels (`KILN_RING` in quant.cu).
 const RING_FORMATS: [GgmlType; 4] = [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0];
 /// Weight bytes from which a one-row launch streams its weights through shared memory
 /// (`matvecr`; measured on an H200 at 12B shapes, bench/RESULTS.md "issue 4i": the greedy head
@@ -74,9 +74,9 @@ const RING_MIN_BYTES: usize = 4 << 20;
 pub(crate) const RING_SHARED: usize = 52 << 10;
 /// Most stages of a `matvecr` ring (`MVR_STAGES` in quant.cu).
 const RING_MAX_STAGES: usize = 4;
-/// Resident `matvecr` blocks per multiprocessor (its launch bounds), threads of one
-/// (`MVR_THREADS`).
+/// Resident `matvecr` blocks per multiprocessor (its launch bounds).
 const RING_BLOCKS_PER_SM: usize = 4;
+/// Threads of a `matvecr` block (`MVR_THREADS` in quant.cu).
 const RING_THREADS: u32 = 128;
 
 /// How a `matvecr` launch runs: rows per tile (its kernel, `matvecr8` or `matvecr2`), ring
