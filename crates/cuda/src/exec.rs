@@ -1125,35 +1125,30 @@ impl CudaExecutable {
         let ms = a.mats.iter().map(|&(w, _)| self.weights.matrix(w)).collect::<Result<Vec<_>, _>>()?;
         let m = ms[0];
         let fmt = format_name(m.ty).ok_or_else(|| cuda_err(format!("no kernels for {:?}", m.ty)))?;
+        let rows_of: Vec<usize> = ms.iter().map(|m| m.n).collect();
+        let sync = self.sync.ptr();
+        // The arguments both kernel families begin with: the matrices, their row bytes and rows,
+        // the outputs, the glu output, the quantized input and its width.
+        let mut args = Vec::with_capacity(28);
+        args.extend((0..3).map(|i| Arg::U64(ms.get(i).map_or(0, |m| m.buf.ptr()))));
+        args.push(Arg::U64(m.row_bytes as u64));
+        args.extend((0..3).map(|i| Arg::I32(rows_of.get(i).map_or(0, |&n| n as i32))));
+        args.extend((0..3).map(|i| Arg::U64(a.mats.get(i).map_or(0, |m| m.1))));
+        args.extend([Arg::U64(a.glu), Arg::U64(a.xq), Arg::I32(m.k as i32)]);
         // One-row launches without fused norms or glu quantization stream their weights through
         // shared memory (bulk copies: sm_90 and later).
-        let rows_of: Vec<usize> = ms.iter().map(|m| m.n).collect();
         let ring = (a.rows == 1 && a.px == 0 && a.epi.is_none() && a.gq == 0 && self.device.arch.0 >= 9)
             .then(|| ring_geometry(m.ty, m.k, &rows_of, a.glu != 0, self.device.sms as usize))
             .flatten();
         if let Some(RingGeometry { rows, stages, blocks }) = ring {
-            let mut args = Vec::with_capacity(18);
-            args.extend((0..3).map(|i| Arg::U64(ms.get(i).map_or(0, |m| m.buf.ptr()))));
-            args.push(Arg::U64(m.row_bytes as u64));
-            args.extend((0..3).map(|i| Arg::I32(rows_of.get(i).map_or(0, |&n| n as i32))));
-            args.extend((0..3).map(|i| Arg::U64(a.mats.get(i).map_or(0, |m| m.1))));
-            args.extend([Arg::U64(a.glu), Arg::U64(a.xq), Arg::I32(m.k as i32), Arg::I32(stages as i32)]);
-            let sync = self.sync.ptr();
-            args.extend([Arg::U64(sync), Arg::U64(a.argmax), Arg::U64(sync + SYNC_ARGMAX)]);
+            args.extend([Arg::I32(stages as i32), Arg::U64(sync), Arg::U64(a.argmax), Arg::U64(sync + SYNC_ARGMAX)]);
             let shared = (stages * rows * m.row_bytes) as u32;
             return self.device.launch_shared(&format!("matvecr{rows}_{fmt}"), (blocks as u32, 1), RING_THREADS, shared, &args);
         }
-        let total: usize = ms.iter().map(|m| m.n).sum();
-        let shape = MatVecShape { rows: a.rows, total, n: m.n, k: m.k, glu: a.glu != 0, prologue: a.px != 0 };
+        let shape = MatVecShape { rows: a.rows, total: rows_of.iter().sum(), n: m.n, k: m.k, glu: a.glu != 0, prologue: a.px != 0 };
         let MatVecGeometry { kernel, per_warp, split, blocks } = shape.geometry(self.device.sms as usize);
-        let sync = self.sync.ptr();
         let e = a.epi.copied().unwrap_or(EpilogueArgs { w1: 0, residual: 0, h: 0, h2: 0, w2: 0, out: 0, xq: 0, eps: 0.0 });
-        let mut args = Vec::with_capacity(28);
-        args.extend((0..3).map(|i| Arg::U64(ms.get(i).map_or(0, |m| m.buf.ptr()))));
-        args.push(Arg::U64(m.row_bytes as u64));
-        args.extend((0..3).map(|i| Arg::I32(ms.get(i).map_or(0, |m| m.n as i32))));
-        args.extend((0..3).map(|i| Arg::U64(a.mats.get(i).map_or(0, |m| m.1))));
-        args.extend([Arg::U64(a.glu), Arg::U64(a.xq), Arg::I32(m.k as i32), Arg::I32(a.rows as i32), Arg::I32(split as i32)]);
+        args.extend([Arg::I32(a.rows as i32), Arg::I32(split as i32)]);
         args.extend([Arg::U64(a.gq), Arg::U64(sync + SYNC_GLU)]);
         args.extend([Arg::U64(e.w1), Arg::U64(e.residual), Arg::U64(e.h), Arg::U64(e.w2), Arg::U64(e.out), Arg::U64(e.xq)]);
         let ecnt = if a.epi.is_some() && a.px == 0 { sync + SYNC_EPI } else { 0 };
