@@ -5,9 +5,17 @@
 #define ATT_WARPS 16
 #define ATT_UNROLL 4
 #define ATT_MAX_DIM 256
+// Fewest positions per block of a split head.
+#define ATT_SPLIT_MIN 64
 
-// One block per (new row, query head); each warp walks every ATT_WARPS-th position with an online
-// softmax, then the warps' partial results are merged. Sliding layers keep `window` rows in a ring
+// `splits` blocks per (new row, query head), each over one contiguous share of the row's
+// positions (as many shares as give each at least ATT_SPLIT_MIN positions, at most `splits`;
+// the rest of the blocks only wait); each warp walks every ATT_WARPS-th position of its block's
+// share with an online softmax, then the warps' partial results are merged. With more than one
+// share each block writes its merged partial (d sums, their maximum, their sum of weights) to
+// `part` and the last block of the head to arrive (counted in `cnt`, which it resets) merges the
+// shares: a decode step's 8-16 heads would otherwise run on as many multiprocessors, each
+// reading its head's whole cache. Sliding layers keep `window` rows in a ring
 // (slot = pos % window); global layers keep every position (slot = pos).
 // With `append` (one new row only), the first query head of each group also appends the row's
 // keys and values to the cache: the slot it writes holds a position no query of this step reads.
@@ -23,16 +31,29 @@ template <bool QK>
 __device__ __forceinline__ void attention_impl(const float* q, const float* k_new, const float* v_new, float* k_cache,
                                                float* v_cache, float* out, const int* step, int q_heads, int kv_heads,
                                                int d, int window, float scale, int append, u8* xq, const float* wq,
-                                               const float* wk, const float2* rope, float eps) {
+                                               const float* wk, const float2* rope, float eps, int splits, float* part,
+                                               u32* cnt) {
     __shared__ float s_acc[ATT_WARPS][ATT_MAX_DIM];
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
     __shared__ float s_qk[2][ATT_MAX_DIM];
-    int i = blockIdx.x / q_heads, h = blockIdx.x % q_heads;
+    __shared__ int s_last;
+    // (The successor, a matrix-vector launch, streams weights meanwhile.)
+    pdl_release();
+    int head = blockIdx.x / splits, share = blockIdx.x % splits;
+    int i = head / q_heads, h = head % q_heads;
     int g = h / (q_heads / kv_heads);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int start = step[0];
     int p = start + i;
     int lo = window > 0 ? max(0, p + 1 - window) : 0;
+    // This block's share of the positions lo..p: [b0, e0].
+    int len = p + 1 - lo, shares = min(splits, (len + ATT_SPLIT_MIN - 1) / ATT_SPLIT_MIN);
+    int per_share = (len + shares - 1) / shares;
+    int b0 = lo + share * per_share, e0 = min(p, b0 + per_share - 1);
+    if (share >= shares) {
+        pdl_wait();
+        return;
+    }
     int kvw = kv_heads * d, per = d >> 5;
     // Lane l of warps 0 and 1 holds elements l + 32t of its head; element l + 32t pairs with
     // l + 32(t + per / 2) in the rotation, by angle l + 32t of the table.
@@ -51,11 +72,11 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
         }
     }
     // The cached rows were written by earlier steps: brought into L2 before waiting for this step's
-    // q, k and v (one 128-byte line per thread and turn; the block's first row does it).
+    // q, k and v (one 128-byte line per thread and turn; the blocks of the first row do it).
     if (i == 0) {
         int lines = d >> 5;
-        for (int t = threadIdx.x; t < (start - lo) * lines; t += blockDim.x) {
-            int pos = lo + t / lines;
+        for (int t = threadIdx.x; t < (min(e0 + 1, start) - b0) * lines; t += blockDim.x) {
+            int pos = b0 + t / lines;
             u64 slot = window > 0 ? (u64)(pos % window) : (u64)pos;
             prefetch_l2(k_cache + slot * kvw + g * d + 32 * (t % lines));
             prefetch_l2(v_cache + slot * kvw + g * d + 32 * (t % lines));
@@ -92,7 +113,7 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
         qv[t] = t < per ? qh[lane + 32 * t] : 0.f;
         acc[t] = 0.f;
     }
-    if (append && h % (q_heads / kv_heads) == 0) {
+    if (append && share == 0 && h % (q_heads / kv_heads) == 0) {
         u64 slot = window > 0 ? (u64)(p % window) : (u64)p;
         for (int j = threadIdx.x; j < d; j += blockDim.x) {
             k_cache[slot * kvw + g * d + j] = kh_new[j];
@@ -101,13 +122,13 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
     }
     float m = -INFINITY, l = 0.f;
     // ATT_UNROLL positions per iteration: their key and value loads are in flight together.
-    for (int pos0 = lo + warp; pos0 <= p; pos0 += ATT_UNROLL * ATT_WARPS) {
+    for (int pos0 = b0 + warp; pos0 <= e0; pos0 += ATT_UNROLL * ATT_WARPS) {
         float s[ATT_UNROLL], vv[ATT_UNROLL][ATT_MAX_DIM / 32];
 #pragma unroll
         for (int u = 0; u < ATT_UNROLL; u++) {
             int pos = pos0 + u * ATT_WARPS;
             s[u] = 0.f;
-            if (pos <= p) {
+            if (pos <= e0) {
                 const float *kr, *vr;
                 if (pos < start) {
                     u64 slot = window > 0 ? (u64)(pos % window) : (u64)pos;
@@ -130,7 +151,7 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
         for (int u = 0; u < ATT_UNROLL; u++) s[u] = warp_sum(s[u]) * scale;
 #pragma unroll
         for (int u = 0; u < ATT_UNROLL; u++) {
-            if (pos0 + u * ATT_WARPS <= p) {
+            if (pos0 + u * ATT_WARPS <= e0) {
                 float mn = fmaxf(m, s[u]);
                 float c = expf(m - mn), e = expf(s[u] - mn);
                 l = l * c + e;
@@ -149,25 +170,56 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
         s_l[warp] = l;
     }
     __syncthreads();
+    // (Warp 0 has position b0: mx is finite.)
     float mx = -INFINITY;
     for (int w = 0; w < ATT_WARPS; w++) mx = fmaxf(mx, s_m[w]);
     float sum = 0.f;
     for (int w = 0; w < ATT_WARPS; w++) sum += s_l[w] * expf(s_m[w] - mx);
     float* o = out + ((u64)i * q_heads + h) * d;
+    float* mine = part + (u64)blockIdx.x * (d + 2);
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
         float a = 0.f;
         for (int w = 0; w < ATT_WARPS; w++) a += s_acc[w][j] * expf(s_m[w] - mx);
+        if (shares > 1) {
+            mine[j] = a;
+            continue;
+        }
         o[j] = a / sum;
         // (d is a multiple of 32 and at most blockDim.x: whole warps quantize their 32 values.)
         if (xq) quantize32(a / sum, xq + (u64)i * xq_bytes(q_heads * d), q_heads * d, h * d + j);
+    }
+    if (shares == 1) return;
+    if (threadIdx.x == 0) {
+        mine[d] = mx;
+        mine[d + 1] = sum;
+    }
+    // The last share to arrive merges them all (its reads bypass L1: the others wrote elsewhere).
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        s_last = atomicAdd(cnt + head, 1u) == (u32)shares - 1;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    if (threadIdx.x == 0) cnt[head] = 0;
+    const float* all = part + (u64)head * splits * (d + 2);
+    float m_all = -INFINITY, l_all = 0.f;
+    for (int s = 0; s < shares; s++) m_all = fmaxf(m_all, __ldcg(all + (u64)s * (d + 2) + d));
+    for (int s = 0; s < shares; s++) l_all += __ldcg(all + (u64)s * (d + 2) + d + 1) * expf(__ldcg(all + (u64)s * (d + 2) + d) - m_all);
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        float a = 0.f;
+        for (int s = 0; s < shares; s++) a += __ldcg(all + (u64)s * (d + 2) + j) * expf(__ldcg(all + (u64)s * (d + 2) + d) - m_all);
+        o[j] = a / l_all;
+        if (xq) quantize32(a / l_all, xq + (u64)i * xq_bytes(q_heads * d), q_heads * d, h * d + j);
     }
 }
 
 #define ATT_ARGS                                                                                                   \
     const float *q, const float *k_new, const float *v_new, float *k_cache, float *v_cache, float *out, const int *step, \
         int q_heads, int kv_heads, int d, int window, float scale, int append, u8 *xq, const float *wq, const float *wk,  \
-        const float2 *rope, float eps
-#define ATT_PASS q, k_new, v_new, k_cache, v_cache, out, step, q_heads, kv_heads, d, window, scale, append, xq, wq, wk, rope, eps
+        const float2 *rope, float eps, int splits, float *part, u32 *cnt
+#define ATT_PASS q, k_new, v_new, k_cache, v_cache, out, step, q_heads, kv_heads, d, window, scale, append, xq, wq, wk, rope, eps, splits, part, cnt
 extern "C" __global__ void attention(ATT_ARGS) { attention_impl<false>(ATT_PASS); }
 extern "C" __global__ void attention_qk(ATT_ARGS) { attention_impl<true>(ATT_PASS); }
 

@@ -11,12 +11,20 @@ typedef unsigned long long u64;
 // what no earlier kernel of the step writes (weights, the step buffer, cached keys and values),
 // then `pdl_wait`s: it waits for its predecessor to complete and its writes to be visible, and then
 // lets its own successor launch, whose prologue so overlaps this kernel's work (triggering at
-// entry instead lets a chain of waiting kernels fill the device: measured slower). Every block
-// waits before it reads or writes anything else and before it exits, so completion is
-// transitive: a kernel completes only after every kernel before it has.
+// entry in every kernel lets a chain of waiting kernels fill the device: measured slower). The
+// small row kernels between two matrix-vector launches (norms, attention, quantization) let
+// their successor launch at entry (`pdl_release`): its blocks take the multiprocessors the
+// matrix-vector launch before leaves and start streaming weights while the small kernel waits
+// and runs. Every block waits before it reads or writes anything else and before it exits, so
+// completion is transitive: a kernel completes only after every kernel before it has.
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_release() {
+#if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }

@@ -32,6 +32,7 @@ extern "C" __global__ void set_inputs(const int* step, int* tokens, int* positio
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm(const float* x, const float* w, const float* residual, float* out, int group,
                                     float eps, u8* xq) {
     __shared__ float scratch[32];
+    pdl_release();
     u64 base = (u64)blockIdx.x * group;
     float v[NORM_PER], wv[NORM_PER], rv[NORM_PER], ss = 0.f;
 #pragma unroll
@@ -73,6 +74,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm2(const float
                                                                      float* h, const float* w2, float* out, u8* xq,
                                                                      int width, float eps) {
     __shared__ float scratch[32];
+    pdl_release();
     u64 base = (u64)blockIdx.x * width;
     u8* q = xq ? xq + blockIdx.x * xq_bytes(width) : nullptr;
     if (((width & 127) | (((u64)x | (u64)w1 | (u64)residual | (u64)h | (u64)w2 | (u64)out) & 15)) != 0) {

@@ -1205,6 +1205,7 @@ __device__ __forceinline__ void dequant(const Mat& m, float* out, int k, u64 cou
 
 // Quantizes rows of x (k a multiple of 32) for the matrix-vector kernels: one warp per 32 elements.
 extern "C" __global__ void quantize_rows(const float* x, u8* xq, int k, int rows) {
+    pdl_release();
     pdl_wait();
     u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 r = e / k;

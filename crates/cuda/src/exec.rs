@@ -32,6 +32,15 @@ const HEAD_WARPS: usize = 8;
 
 /// Threads of an attention block (`ATT_WARPS` warps in attention.cu).
 const ATTENTION_THREADS: u32 = 512;
+/// Most blocks a one-row attention gives each query head (each over a share of the positions).
+const ATTENTION_SPLITS_MAX: usize = 16;
+
+/// Blocks per query head of a one-row attention launch: enough to give every multiprocessor a
+/// block (a decode step has only 8-16 heads), at most `ATTENTION_SPLITS_MAX`; the kernel uses
+/// fewer when the past is short.
+fn attention_splits(q_heads: usize, sms: usize) -> usize {
+    (sms / q_heads.max(1)).clamp(1, ATTENTION_SPLITS_MAX)
+}
 /// Warps of a matrix-vector block (`MV_WARPS` in quant.cu).
 const MATVEC_WARPS: usize = 4;
 /// Output rows (all matrices together) from which one activation row uses the 4-rows-per-warp
@@ -778,8 +787,14 @@ pub struct CudaExecutable {
     rope: DeviceBuffer,
     /// Zeroed counters and argmax slots of the fused kernels (each kernel leaves them zeroed):
     /// `MATVEC_ROWS * ARGMAX_SLOTS` keys, `MATVEC_ROWS` flags, the epilogue and argmax arrival
-    /// counters, then the per-32-row counters of the quantized `GeluMul` outputs.
+    /// counters, then the per-32-row counters of the quantized `GeluMul` outputs, then one
+    /// arrival counter per query head of a split one-row attention.
     sync: DeviceBuffer,
+    /// Byte offset of the attention counters in `sync`.
+    sync_attention: u64,
+    /// The partial results of a split one-row attention: per query head and share, `head_dim`
+    /// sums, their maximum and their sum of weights.
+    attention_parts: DeviceBuffer,
 }
 
 /// Byte offsets in `CudaExecutable::sync`.
@@ -886,8 +901,18 @@ impl CudaExecutable {
         let max_n =
             plan.steps.iter().filter_map(|st| if let Kernel::MatMul { n, .. } = st.kernel { Some(n) } else { None }).fold(32, usize::max);
         let xq = (0..2).map(|_| DeviceBuffer::new(&device.ctx, MATVEC_ROWS * xq_bytes(max_k))).collect::<Result<Vec<_>, _>>()?;
-        let sync_bytes = SYNC_GLU as usize + 4 * MATVEC_ROWS * max_n.div_ceil(32);
+        let sync_attention = (SYNC_GLU as usize + 4 * MATVEC_ROWS * max_n.div_ceil(32)) as u64;
+        let (mut heads, mut parts) = (0, 0);
+        for st in &plan.steps {
+            if let Kernel::Attention { q_heads, head_dim, .. } = st.kernel {
+                heads = heads.max(q_heads);
+                parts = parts.max(q_heads * attention_splits(q_heads, device.sms as usize) * (head_dim + 2));
+            }
+        }
+        let sync_bytes = sync_attention as usize + 4 * heads;
         let sync = DeviceBuffer::new(&device.ctx, sync_bytes)?;
+        // (Only one-row plans split their attention.)
+        let attention_parts = DeviceBuffer::new(&device.ctx, if plan.rows() == 1 { parts.max(1) * 4 } else { 4 })?;
         let private = DeviceBuffer::new(&device.ctx, PRIVATE_ROWS * PROLOGUE_MAX * 4)?;
         let mut ropes = Vec::new();
         for l in &launches {
@@ -922,6 +947,8 @@ impl CudaExecutable {
             ropes,
             rope,
             sync,
+            sync_attention,
+            attention_parts,
         })
     }
 
@@ -1395,12 +1422,13 @@ impl CudaExecutable {
             return Err(RuntimeError::StepShape(format!("KV cache layer {layer} does not match the plan")));
         }
         let ring = window.map_or(0, |w| w.min(kv.context)) as i32;
-        // A one-row plan appends inside the attention kernel.
+        // A one-row plan appends inside the attention kernel and splits each head's positions.
         let append = self.plan.rows() == 1;
+        let splits = if append { attention_splits(q_heads, d.sms as usize) } else { 1 };
         let (q, k) = (self.slot(q), self.slot(k));
         d.launch(
             if qk.is_some() { "attention_qk" } else { "attention" },
-            ((active * q_heads) as u32, 1),
+            ((active * q_heads * splits) as u32, 1),
             ATTENTION_THREADS,
             &[
                 Arg::U64(q),
@@ -1421,6 +1449,9 @@ impl CudaExecutable {
                 Arg::U64(wk),
                 Arg::U64(rope),
                 Arg::F32(eps),
+                Arg::I32(splits as i32),
+                Arg::U64(self.attention_parts.ptr()),
+                Arg::U64(self.sync.ptr() + self.sync_attention),
             ],
         )?;
         if append {
@@ -1641,6 +1672,14 @@ mod tests {
             MatVecShape { rows: 4, total: 4096, n: 4096, k: 640, glu: false, prologue: false }.geometry(132),
             g("matvec", 2, 1, 512)
         );
+    }
+
+    #[test]
+    fn one_row_attention_gives_every_multiprocessor_a_block() {
+        // 12B (16 query heads), 270M (4), a device smaller than the heads.
+        assert_eq!(attention_splits(16, 132), 8);
+        assert_eq!(attention_splits(4, 132), ATTENTION_SPLITS_MAX);
+        assert_eq!(attention_splits(32, 16), 1);
     }
 
     #[test]

@@ -173,6 +173,27 @@ streamed!(
     q5_0_streamed_launches_match_cpu => GgmlType::Q5_0
 );
 
+/// A decode step over a long past splits each head's positions over several blocks (at least 64
+/// positions each) whose partial results the last block merges: 200 positions give the global
+/// layer 4 shares, the sliding layers (a window of 8) one.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+fn decode_over_a_long_past_matches_cpu() {
+    let m = gemma3(&small_shape(), FormatMix::All(GgmlType::Q8_0), 11);
+    let (c, g) = (load(&m, cpu()), load(&m, cuda()));
+    let (mut sc, mut sg) = (c.new_session().unwrap(), g.new_session().unwrap());
+    let p = prompt(200, 1000);
+    let want = logits(&mut sc, &p);
+    assert!(rel_l2(&logits(&mut sg, &p), &want) < 1e-3);
+    let mut tok = argmax(&want);
+    for step in 0..40 {
+        let want = logits(&mut sc, &[tok]);
+        let e = rel_l2(&logits(&mut sg, &[tok]), &want);
+        assert!(e < 1e-3, "decode step {step} after 200: relative L2 {e:.2e}");
+        tok = argmax(&want);
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
 fn q4_k_m_mix_greedy_tokens_match_cpu() {
