@@ -913,11 +913,11 @@ template <> struct Planes<F_Q6_K> {
     static __device__ __forceinline__ u32 per(int p) { return p == 0 ? 128 : p == 1 ? 64 : p == 2 ? 16 : 2; }
 };
 
-// Warps of a matvecr block, most stages.
+// Warps of a matvecr8/matvecr2 block (4 resident per multiprocessor) and of a matvecr4 block (2
+// resident, twice the ring), most stages.
 #define MVR_WARPS 4
+#define MVR4_WARPS 8
 #define MVR_STAGES 4
-// Threads of a matvecr block.
-#define MVR_THREADS (32 * MVR_WARPS)
 
 // Asks the copy engine for blocks b0..b0+nb of a matrix of `nblk` blocks at w, into a tile of `tb`
 // blocks at dst (laid out as a matrix of its own) from its block `at` on, counted on `bar`.
@@ -951,12 +951,12 @@ __device__ __forceinline__ float rows_sum8(float (&a)[8], int lane) {
 
 // One activation row times up to three matrices of one format, the glu pair or the greedy argmax
 // (arguments as in `matvec`; no norm prologue or epilogue, no glu quantization) with the weights
-// streamed through shared memory (sm_90): the rows are cut in tiles of TR rows (8 or 2; with glu,
+// streamed through shared memory (sm_90): the rows are cut in tiles of TR rows (8, 4 or 2; with glu,
 // TR / 2 rows of W_0 and the same rows of W_1), taken by the blocks in turn (block b:
 // tiles b, b + gridDim.x, ...). Thread 0 asks the copy engine for each tile into a ring of `ns`
 // stages of dynamic shared memory (ns <= MVR_STAGES; the first ones before waiting for the previous
 // kernel: no kernel writes weights; later ones as soon as every warp has left the stage), and the
-// MVR_WARPS warps compute from there: lane l of the block takes chunks l, l + 32 MVR_WARPS, ... of
+// W warps compute from there: lane l of the block takes chunks l, l + 32 W, ... of
 // every row of the tile (the activations loaded once per chunk for all the rows), then the tile's
 // sums are reduced over the lanes and the warps. The host sizes the tiles so that every plane's
 // share of a tile is a multiple of 16 bytes (bulk copies) and no tile spans two matrices
@@ -965,15 +965,17 @@ __device__ __forceinline__ float rows_sum8(float (&a)[8], int lane) {
 // 20.5 us, down 19.1 -> 17.6 us, o 6.2 -> 4.4 us, v 5.1 -> 3.9 us, q/k 7.6 -> 7.4 us. (A producer
 // warp waiting on "stage free" barriers took registers from the computing warps: 3 blocks of 4 + 1
 // warps per multiprocessor against 4 blocks of 4, head 218 against 206 us; a run-time row count
-// made each row's loads a branch: gate/up 23.0 against 20.6 us.)
-template <int T, int TR>
+// made each row's loads a branch: gate/up 23.0 against 20.6 us.) Rows too long for two 8-row
+// tiles in the ring (the down projection's 15,360) take tiles of 4 rows in blocks of 8 warps with
+// twice the ring (matvecr4) rather than 2 rows: each chunk's activations serve 4 rows, not 2.
+template <int T, int TR, int W>
 __device__ __forceinline__ void matvec_ring(const u8* w0, const u8* w1, const u8* w2, u64 rb, int n0, int n1, int n2, float* o0,
                                             float* o1, float* o2, float* glu, const u8* xq, int k, int ns, u64* aslots, int* aout,
                                             u32* acnt) {
     constexpr int HALF = TR / 2;
     extern __shared__ uint4 mvr_dyn[];
     __shared__ __align__(8) u64 full[MVR_STAGES];
-    __shared__ float red[2][MVR_WARPS][TR];
+    __shared__ float red[2][W][TR];
     const int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u64 bpr = rb / Fmt<T>::bytes, tb = TR * bpr;
     const u32 stage = (u32)(TR * rb);
@@ -1003,7 +1005,7 @@ __device__ __forceinline__ void matvec_ring(const u8* w0, const u8* w1, const u8
     pdl_wait();
     const int chunks = k >> 5;
     // Rows of at most one chunk per lane: the lane's activations are loaded once for all tiles.
-    const bool one = chunks <= 32 * MVR_WARPS;
+    const bool one = chunks <= 32 * W;
     XGroup xc[2];
     if (one && (int)threadIdx.x < chunks) {
         xc[0] = xgroup(xq, k, Chunk<T>::xoff(threadIdx.x, 0));
@@ -1018,7 +1020,7 @@ __device__ __forceinline__ void matvec_ring(const u8* w0, const u8* w1, const u8
         float acc[TR];
 #pragma unroll
         for (int r = 0; r < TR; r++) acc[r] = 0.f;
-        for (int c = threadIdx.x; c < chunks; c += 32 * MVR_WARPS) {
+        for (int c = threadIdx.x; c < chunks; c += 32 * W) {
             XGroup xg[2];
             if (one) {
                 xg[0] = xc[0];
@@ -1057,7 +1059,7 @@ __device__ __forceinline__ void matvec_ring(const u8* w0, const u8* w1, const u8
         auto sum = [&](int r) {
             float s = 0.f;
 #pragma unroll
-            for (int w = 0; w < MVR_WARPS; w++) s += red[i & 1][w][r];
+            for (int w = 0; w < W; w++) s += red[i & 1][w][r];
             return s;
         };
         if (glu) {
@@ -1260,14 +1262,18 @@ KILN_FORMAT(q4_k, F_Q4_K)
 KILN_FORMAT(q5_k, F_Q5_K)
 KILN_FORMAT(q6_k, F_Q6_K)
 
-// matvecr8 and matvecr2 (one activation row, weights streamed through shared memory in tiles of 8
-// or 2 rows; sm_90) for the formats with chunk decoders: those that carry most of a model's bytes.
+// matvecr8, matvecr4 and matvecr2 (one activation row, weights streamed through shared memory in
+// tiles of 8, 4 or 2 rows; sm_90) for the formats with chunk decoders: those that carry most of a
+// model's bytes.
 #define KILN_RING(NAME, T)                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(MVR_THREADS, 4) matvecr8_##NAME(MVR_ARGS) {                                \
-        matvec_ring<T, 8>(MVR_PASS);                                                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * MVR_WARPS, 4) matvecr8_##NAME(MVR_ARGS) {                             \
+        matvec_ring<T, 8, MVR_WARPS>(MVR_PASS);                                                                              \
     }                                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(MVR_THREADS, 4) matvecr2_##NAME(MVR_ARGS) {                                \
-        matvec_ring<T, 2>(MVR_PASS);                                                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * MVR4_WARPS, 2) matvecr4_##NAME(MVR_ARGS) {                            \
+        matvec_ring<T, 4, MVR4_WARPS>(MVR_PASS);                                                                             \
+    }                                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * MVR_WARPS, 4) matvecr2_##NAME(MVR_ARGS) {                             \
+        matvec_ring<T, 2, MVR_WARPS>(MVR_PASS);                                                                              \
     }
 #define MVR_ARGS                                                                                                             \
     const u8 *w0, const u8 *w1, const u8 *w2, u64 rb, int n0, int n1, int n2, float *o0, float *o1, float *o2, float *glu, \

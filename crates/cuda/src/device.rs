@@ -135,8 +135,10 @@ impl Device {
                 let func = module.load_function(&f).map_err(|e| cuda_err(format!("kernel '{f}': {e}")))?;
                 // Kernels whose blocks take more than the default 48 KiB of shared memory opt in.
                 // (The ring of matvec4 and matvec4p, and the latter's norm prologue row; the
-                // ring of matvecr.)
-                let bytes = if f.starts_with("matvecr") {
+                // ring of matvecr, twice as large in matvecr4.)
+                let bytes = if f.starts_with("matvecr4") {
+                    Some(2 * crate::exec::RING_SHARED as u32)
+                } else if f.starts_with("matvecr") {
                     Some(crate::exec::RING_SHARED as u32)
                 } else {
                     f.strip_prefix("matvec4_")
@@ -261,7 +263,7 @@ fn kernel_names(src: &str) -> Vec<String> {
             }
         } else if let Some(rest) = line.strip_prefix("KILN_RING(") {
             let fmt = rest.split(',').next().unwrap_or_default().trim();
-            names.extend(["matvecr8", "matvecr2"].map(|k| format!("{k}_{fmt}")));
+            names.extend(["matvecr8", "matvecr4", "matvecr2"].map(|k| format!("{k}_{fmt}")));
         }
     }
     names
@@ -395,7 +397,7 @@ mod tests {
     fn kernel_names_are_found_in_every_family() {
         let quant = kernel_names(FAMILIES[0].1);
         assert!(quant.contains(&"matvec_q4_k".to_string()) && quant.contains(&"dequant_q8_0".to_string()));
-        assert_eq!(quant.len(), 13 * 6 + 2 + 4 * 2);
+        assert_eq!(quant.len(), 13 * 6 + 2 + 4 * 3);
         assert!(quant.contains(&"matvecr2_q6_k".to_string()));
         assert!(quant.contains(&"quantize_rows".to_string()));
         let ops = kernel_names(FAMILIES[1].1);

@@ -73,35 +73,40 @@ pub(crate) fn matvec4_shared_bytes(fmt: &str) -> u32 {
     };
     (MATVEC_WARPS * MATVEC_STAGES * 4 * pieces * 32 * 16) as u32
 }
-/// Formats with `matvecr8_<fmt>` and `matvecr2_<fmt>` kernels (`KILN_RING` in quant.cu).
+/// Formats with `matvecr8_<fmt>`, `matvecr4_<fmt>` and `matvecr2_<fmt>` kernels (`KILN_RING` in
+/// quant.cu).
 const RING_FORMATS: [GgmlType; 4] = [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0];
 /// Weight bytes from which a one-row launch streams its weights through shared memory
 /// (`matvecr`; measured on an H200 at 12B shapes, bench/RESULTS.md "issue 4i": the greedy head
 /// 326 -> 205 µs, gate/up 25.9 -> 20.6 µs, o 6.1 -> 4.4 µs, v 4.9 -> 3.8 µs, q/k even).
 const RING_MIN_BYTES: usize = 4 << 20;
-/// Shared memory a `matvecr` block gives its ring (so that 4 blocks fit a multiprocessor).
+/// Shared memory a `matvecr8`/`matvecr2` block gives its ring (so that 4 blocks fit a
+/// multiprocessor); a `matvecr4` block, of 8 warps, 2 resident, gives twice this.
 pub(crate) const RING_SHARED: usize = 52 << 10;
 /// Most stages of a `matvecr` ring (`MVR_STAGES` in quant.cu).
 const RING_MAX_STAGES: usize = 4;
-/// Resident `matvecr` blocks per multiprocessor (its launch bounds).
-const RING_BLOCKS_PER_SM: usize = 4;
-/// Threads of a `matvecr` block (`MVR_THREADS` in quant.cu).
-const RING_THREADS: u32 = 128;
+/// Warps of the `matvecr8`/`matvecr2` blocks (4 resident per multiprocessor: their launch bounds)
+/// and of the `matvecr4` blocks (2 resident) (`MVR_WARPS`, `MVR4_WARPS` in quant.cu).
+const RING_WARPS: usize = 4;
+const RING4_WARPS: usize = 8;
+/// Warps of the `matvecr` kernels resident per multiprocessor.
+const RING_WARPS_PER_SM: usize = 16;
 
-/// How a `matvecr` launch runs: rows per tile (its kernel, `matvecr8` or `matvecr2`), ring
-/// stages, blocks.
+/// How a `matvecr` launch runs: rows per tile (its kernel, `matvecr8`, `matvecr4` or `matvecr2`),
+/// warps per block, ring stages, blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct RingGeometry {
     rows: usize,
+    warps: usize,
     stages: usize,
     blocks: usize,
 }
 
 /// The `matvecr` geometry of a one-row launch over matrices of `rows_of` rows of `k` columns in
 /// format `ty` (the gate/up pair with `glu`) on a device of `sms` multiprocessors, if the launch
-/// reads `RING_MIN_BYTES` or more and can be cut in tiles of 8 rows, else of 2: two tiles fit the
-/// ring, none spans two matrices, and every plane's share of a tile, and every plane's start, is a
-/// multiple of 16 bytes (bulk copies).
+/// reads `RING_MIN_BYTES` or more and can be cut in tiles of 8 rows, else of 4 (blocks of 8 warps
+/// with twice the ring), else of 2: two tiles fit the ring, none spans two matrices, and every
+/// plane's share of a tile, and every plane's start, is a multiple of 16 bytes (bulk copies).
 fn ring_geometry(ty: GgmlType, k: usize, rows_of: &[usize], glu: bool, sms: usize) -> Option<RingGeometry> {
     let planes: Vec<usize> = match planar_fields(ty) {
         Some(f) => f.iter().map(|&(_, bytes)| bytes).collect(),
@@ -113,9 +118,11 @@ fn ring_geometry(ty: GgmlType, k: usize, rows_of: &[usize], glu: bool, sms: usiz
     if !RING_FORMATS.contains(&ty) || !k.is_multiple_of(ty.block_size()) || total * row_bytes < RING_MIN_BYTES {
         return None;
     }
+    let warps = |rows: usize| if rows == 4 { RING4_WARPS } else { RING_WARPS };
+    let shared = |rows: usize| RING_SHARED * warps(rows) / RING_WARPS;
     let fits = |rows: usize| {
         let part = if glu { rows / 2 } else { rows };
-        2 * rows * row_bytes <= RING_SHARED
+        2 * rows * row_bytes <= shared(rows)
             && rows_of.iter().all(|&n| {
                 let mut start = 0;
                 n.is_multiple_of(part)
@@ -126,10 +133,10 @@ fn ring_geometry(ty: GgmlType, k: usize, rows_of: &[usize], glu: bool, sms: usiz
                     })
             })
     };
-    let rows = [8, 2].into_iter().find(|&r| fits(r))?;
+    let rows = [8, 4, 2].into_iter().find(|&r| fits(r))?;
     let tiles = if glu { rows_of[0] / (rows / 2) } else { total / rows };
-    let stages = (RING_SHARED / (rows * row_bytes)).min(RING_MAX_STAGES);
-    Some(RingGeometry { rows, stages, blocks: tiles.min(RING_BLOCKS_PER_SM * sms) })
+    let stages = (shared(rows) / (rows * row_bytes)).min(RING_MAX_STAGES);
+    Some(RingGeometry { rows, warps: warps(rows), stages, blocks: tiles.min(RING_WARPS_PER_SM / warps(rows) * sms) })
 }
 
 /// Widest row the norm kernels take (`NORM_PER * NORM_THREADS` in ops.cu).
@@ -1167,10 +1174,10 @@ impl CudaExecutable {
         let ring = (a.rows == 1 && a.px == 0 && a.epi.is_none() && a.gq == 0 && self.device.arch.0 >= 9)
             .then(|| ring_geometry(m.ty, m.k, &rows_of, a.glu != 0, self.device.sms as usize))
             .flatten();
-        if let Some(RingGeometry { rows, stages, blocks }) = ring {
+        if let Some(RingGeometry { rows, warps, stages, blocks }) = ring {
             args.extend([Arg::I32(stages as i32), Arg::U64(sync), Arg::U64(a.argmax), Arg::U64(sync + SYNC_ARGMAX)]);
             let shared = (stages * rows * m.row_bytes) as u32;
-            return self.device.launch_shared(&format!("matvecr{rows}_{fmt}"), (blocks as u32, 1), RING_THREADS, shared, &args);
+            return self.device.launch_shared(&format!("matvecr{rows}_{fmt}"), (blocks as u32, 1), 32 * warps as u32, shared, &args);
         }
         let shape = MatVecShape { rows: a.rows, total: rows_of.iter().sum(), n: m.n, k: m.k, glu: a.glu != 0, prologue: a.px != 0 };
         let MatVecGeometry { kernel, per_warp, split, blocks } = shape.geometry(self.device.sms as usize);
@@ -1686,17 +1693,21 @@ mod tests {
     fn one_row_launches_stream_through_shared_memory() {
         use GgmlType::*;
         let r = |ty, k, rows: &[usize], glu| ring_geometry(ty, k, rows, glu, 132);
-        let g = |rows, stages, blocks| Some(RingGeometry { rows, stages, blocks });
+        let g = |rows, stages, blocks| Some(RingGeometry { rows, warps: if rows == 4 { 8 } else { 4 }, stages, blocks });
         // The 12B's launches: gate/up (Q4_K, 4 + 4 rows per 17 KB tile, 3 stages, 4 blocks per
         // multiprocessor), the greedy head (planar Q6_K, 2 stages of 25 KB), q/k/v (768 tiles), o,
-        // v alone (Q6_K), down (2 rows of 15360: 8 exceed the ring).
+        // v alone (Q6_K), down (4 rows of 15360 in blocks of 8 warps, 2 per multiprocessor: 8
+        // rows exceed the ring).
         assert_eq!(r(Q4_K, 3840, &[15360, 15360], true), g(8, 3, 528));
         assert_eq!(r(Q6_K, 3840, &[262144], false), g(8, 2, 528));
         assert_eq!(r(Q4_K, 3840, &[4096, 2048], false), g(8, 3, 528));
         assert_eq!(r(Q4_K, 4096, &[3840], false), g(8, 2, 480));
         assert_eq!(r(Q6_K, 3840, &[2048], false), g(8, 2, 256));
-        assert_eq!(r(Q4_K, 15360, &[3840], false), g(2, 3, 528));
-        assert_eq!(r(Q6_K, 15360, &[3840], false), g(2, 2, 528));
+        assert_eq!(r(Q4_K, 15360, &[3840], false), g(4, 3, 264));
+        assert_eq!(r(Q6_K, 15360, &[3840], false), g(4, 2, 264));
+        // 2-row tiles: rows that 4-row tiles do not cut (a ring that holds two tiles of 4 rows in
+        // blocks of 4 warps holds two of 8 too).
+        assert_eq!(r(Q4_K, 15360, &[3842], false), g(2, 3, 528));
         // Not: rows that cut in neither tile, a Q6_K glu pair of 3840-wide rows (the d plane's
         // share of 4 rows, 120 bytes, or 1 row is not a multiple of 16), launches under
         // RING_MIN_BYTES (the 270M's), formats without a ring kernel.
@@ -1709,6 +1720,10 @@ mod tests {
         assert_eq!(r(Q8_0, 2048, &[32768, 32768], true), g(8, 3, 528));
         assert_eq!(r(Q8_0, 2048, &[2048, 256, 256], false), g(8, 3, 320));
         assert_eq!(r(Q6_K, 32768, &[2048], false), None);
+        assert_eq!(r(Q4_K, 15360, &[2048], false), g(4, 3, 264));
+        assert_eq!(r(Q6_K, 15360, &[2048], false), g(4, 2, 264));
+        assert_eq!(r(Q5_0, 15360, &[2048], false), g(4, 2, 264));
+        assert_eq!(r(Q8_0, 15360, &[2048], false), None);
     }
 
     #[test]

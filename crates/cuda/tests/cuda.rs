@@ -128,13 +128,19 @@ formats!(
 );
 
 /// CPU and CUDA agree at shapes where one-row launches stream their weights through shared memory
-/// (`matvecr`): q/k/v, o, the gate/up pair of a 32,768-wide MLP and the head of a 65,536-token
-/// vocabulary over 2,048 columns, in every ring format (logits, and the greedy argmax where the
-/// format has no head kernel of its own); the down projection's 32,768-wide rows go through
-/// matvec4 (for Q5_0 its shared-memory stages, many turns per lane).
+/// (`matvecr`): q/k/v, o, the gate/up pair of a 32,768- and a 15,360-wide MLP and the head of a
+/// 65,536-token vocabulary over 2,048 columns, in every ring format (logits, and the greedy argmax
+/// where the format has no head kernel of its own); the down projection's 32,768-wide rows go
+/// through matvec4 (for Q5_0 its shared-memory stages, many turns per lane), its 15,360-wide rows
+/// through 4-row tiles (`matvecr4`; Q8_0's through matvec4).
 fn streamed_launches_match_cpu(ty: GgmlType) {
-    let shape =
-        Gemma3Shape { hidden: 2048, layers: 1, q_heads: 8, kv_heads: 1, head_dim: 256, ffn: 32768, vocab: 65536, window: 8, context: 64 };
+    for ffn in [32768, 15360] {
+        streamed_launches_match_cpu_at(ty, ffn);
+    }
+}
+
+fn streamed_launches_match_cpu_at(ty: GgmlType, ffn: usize) {
+    let shape = Gemma3Shape { hidden: 2048, layers: 1, q_heads: 8, kv_heads: 1, head_dim: 256, ffn, vocab: 65536, window: 8, context: 64 };
     let m = gemma3(&shape, FormatMix::All(ty), 11);
     let (c, g) = (load(&m, cpu()), load(&m, cuda()));
     let p = prompt(5, shape.vocab);
@@ -144,13 +150,13 @@ fn streamed_launches_match_cpu(ty: GgmlType) {
     for step in 0..4 {
         let (want, got) = (logits(&mut sc, &[tok]), logits(&mut sg, &[tok]));
         let e = rel_l2(&got, &want);
-        assert!(e < 1e-3, "{ty:?} decode step {step}: relative L2 {e:.2e}");
+        assert!(e < 1e-3, "{ty:?} (MLP {ffn}) decode step {step}: relative L2 {e:.2e}");
         tok = argmax(&want);
     }
     let (mut sc, mut sg) = (c.new_session().unwrap(), g.new_session().unwrap());
     let (mut tc, mut tg) = (next_token(&mut sc, &p), next_token(&mut sg, &p));
     for _ in 0..4 {
-        assert_eq!(tc, tg, "{ty:?}");
+        assert_eq!(tc, tg, "{ty:?} (MLP {ffn})");
         tc = next_token(&mut sc, &[tc]);
         tg = next_token(&mut sg, &[tg]);
     }
