@@ -5,12 +5,14 @@
 #define ATT_WARPS 16
 #define ATT_UNROLL 4
 #define ATT_MAX_DIM 256
-// Fewest positions per block of a split head.
+// Fewest positions per block of a split head, and per head to split at all (below, the shares'
+// merge costs more than it saves: the 270M's tg128 went 2,057 -> 2,010 tokens/s on an H200).
 #define ATT_SPLIT_MIN 64
+#define ATT_SPLIT_FROM 256
 
 // `splits` blocks per (new row, query head), each over one contiguous share of the row's
-// positions (as many shares as give each at least ATT_SPLIT_MIN positions, at most `splits`;
-// the rest of the blocks only wait); each warp walks every ATT_WARPS-th position of its block's
+// positions (from ATT_SPLIT_FROM positions on, as many shares as give each at least ATT_SPLIT_MIN
+// positions, at most `splits`; the rest of the blocks only wait); each warp walks every ATT_WARPS-th position of its block's
 // share with an online softmax, then the warps' partial results are merged. With more than one
 // share each block writes its merged partial (d sums, their maximum, their sum of weights) to
 // `part` and the last block of the head to arrive (counted in `cnt`, which it resets) merges the
@@ -37,8 +39,6 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
     __shared__ float s_qk[2][ATT_MAX_DIM];
     __shared__ int s_last;
-    // (The successor, a matrix-vector launch, streams weights meanwhile.)
-    pdl_release();
     int head = blockIdx.x / splits, share = blockIdx.x % splits;
     int i = head / q_heads, h = head % q_heads;
     int g = h / (q_heads / kv_heads);
@@ -47,7 +47,7 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
     int p = start + i;
     int lo = window > 0 ? max(0, p + 1 - window) : 0;
     // This block's share of the positions lo..p: [b0, e0].
-    int len = p + 1 - lo, shares = min(splits, (len + ATT_SPLIT_MIN - 1) / ATT_SPLIT_MIN);
+    int len = p + 1 - lo, shares = len < ATT_SPLIT_FROM ? 1 : min(splits, (len + ATT_SPLIT_MIN - 1) / ATT_SPLIT_MIN);
     int per_share = (len + shares - 1) / shares;
     int b0 = lo + share * per_share, e0 = min(p, b0 + per_share - 1);
     if (share >= shares) {

@@ -12,10 +12,11 @@ typedef unsigned long long u64;
 // then `pdl_wait`s: it waits for its predecessor to complete and its writes to be visible, and then
 // lets its own successor launch, whose prologue so overlaps this kernel's work (triggering at
 // entry in every kernel lets a chain of waiting kernels fill the device: measured slower). The
-// small row kernels between two matrix-vector launches (norms, attention, quantization) let
-// their successor launch at entry (`pdl_release`): its blocks take the multiprocessors the
-// matrix-vector launch before leaves and start streaming weights while the small kernel waits
-// and runs. Every block waits before it reads or writes anything else and before it exits, so
+// norm and quantize kernels between two matrix-vector launches let their successor launch at
+// entry (`pdl_release`): its blocks take the multiprocessors the matrix-vector launch before
+// leaves and start streaming weights while the small kernel waits and runs (12B decode on an
+// H200, together with the split attention: 283 -> 303 tokens/s; attention releasing at entry too
+// cost 2%: 314 against 321). Every block waits before it reads or writes anything else and before it exits, so
 // completion is transitive: a kernel completes only after every kernel before it has.
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
