@@ -62,16 +62,19 @@ struct Launch {
 };
 
 // matvecr (weights streamed through shared memory) instead of matvec4 where its tiles fit: ring
-// budget per block (KB, 0: off), blocks per multiprocessor, launch kinds (bit i: kind i of
-// `names` below, 5: the head).
+// budget per block (KB, 0: off; twice that for the 8-warp blocks of matvecr4), blocks per
+// multiprocessor (half that of matvecr4), launch kinds (bit i: kind i of `names` below, 5: the
+// head).
 static int o_ring = 0, o_ring_bps = 4, o_ring_kinds = 63;
 typedef void (*RingFn)(const u8*, const u8*, const u8*, u64, int, int, int, float*, float*, float*, float*, const u8*, int, int, u64*, int*,
                        u32*);
+// The ring of a matvecr block of tiles of `rows` rows (bytes).
+static u64 ring_bytes(int rows) { return (u64)o_ring * 1024 * (rows == 4 ? 2 : 1); }
 // Whether a matrix cuts in matvecr tiles of `rows` rows (with glu, half of them from each matrix):
 // every plane's share a multiple of 16 bytes, two tiles within the ring (as exec.rs).
 static bool ring_fits(const Matrix& m, bool glu, int rows) {
     int bpr = m.k / 256, part = glu ? rows / 2 : rows;
-    bool ok = m.n % part == 0 && 2 * rows * m.rb <= (u64)o_ring * 1024;
+    bool ok = m.n % part == 0 && 2 * rows * m.rb <= ring_bytes(rows);
     for (int per : m.q6 ? std::vector<int>{128, 64, 16, 2} : std::vector<int>{144}) ok = ok && (per * part * bpr) % 16 == 0;
     return ok;
 }
@@ -83,7 +86,7 @@ static bool launch_ring(const Launch& L, cudaStream_t st) {
     int kind = L.argmax ? 5 : L.glu ? 3 : L.epi ? (m.k == 4096 ? 2 : 4) : isv ? 1 : 0;
     if (!(o_ring_kinds >> kind & 1) || (L.glu && !L.no_gq) || (L.epi && o_epi)) return false;
     int rows = 0;
-    for (int r : {8, 2}) {
+    for (int r : {8, 4, 2}) {
         bool ok = true;
         for (int i = 0; i < L.nm; i++) ok = ok && ring_fits(*L.m[i], L.glu, r);
         if (ok) {
@@ -92,15 +95,17 @@ static bool launch_ring(const Launch& L, cudaStream_t st) {
         }
     }
     if (!rows) return false;
-    int ns = std::min(4, (int)((u64)o_ring * 1024 / (rows * m.rb)));
+    int ns = std::min(4, (int)(ring_bytes(rows) / (rows * m.rb)));
     int tiles = L.glu ? m.n / (rows / 2) : total / rows;
-    int blocks = std::min(tiles, o_ring_bps * sms);
-    RingFn fn = rows == 8 ? (m.q6 ? matvecr8_q6_k : matvecr8_q4_k) : (m.q6 ? matvecr2_q6_k : matvecr2_q4_k);
+    int blocks = std::min(tiles, (rows == 4 ? o_ring_bps / 2 : o_ring_bps) * sms);
+    RingFn fn = rows == 8   ? (m.q6 ? matvecr8_q6_k : matvecr8_q4_k)
+                : rows == 4 ? (m.q6 ? matvecr4_q6_k : matvecr4_q4_k)
+                            : (m.q6 ? matvecr2_q6_k : matvecr2_q4_k);
     const u8* xq = m.k == 3840 ? B.xq3840 : m.k == 4096 ? B.xq4096 : B.xq15360;
     const u8* w1 = L.nm > 1 ? L.m[1]->w : nullptr;
     const u8* w2 = L.nm > 2 ? L.m[2]->w : nullptr;
     int n1 = L.nm > 1 ? L.m[1]->n : 0, n2 = L.nm > 2 ? L.m[2]->n : 0;
-    PdlLaunch pl(dim3(blocks), dim3(MVR_THREADS), (size_t)ns * rows * m.rb, st);
+    PdlLaunch pl(dim3(blocks), dim3(32 * (rows == 4 ? MVR4_WARPS : MVR_WARPS)), (size_t)ns * rows * m.rb, st);
     CK(cudaLaunchKernelEx(&pl.cfg, fn, (const u8*)m.w, w1, w2, m.rb, m.n, n1, n2, B.o0, B.o1, B.o2, L.glu ? B.glu : (float*)nullptr, xq, m.k,
                           ns, B.aslots, L.argmax ? B.aout : nullptr, B.acnt));
     return true;
@@ -138,7 +143,7 @@ int main(int argc, char** argv) {
     sms = p.multiProcessorCount;
     CK(cudaFuncSetAttribute(matvec4_q4_k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)stage_bytes<F_Q4_K>()));
     CK(cudaFuncSetAttribute(matvec4_q6_k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)stage_bytes<F_Q6_K>()));
-    for (RingFn f : {matvecr8_q4_k, matvecr8_q6_k, matvecr2_q4_k, matvecr2_q6_k})
+    for (RingFn f : {matvecr8_q4_k, matvecr8_q6_k, matvecr4_q4_k, matvecr4_q6_k, matvecr2_q4_k, matvecr2_q6_k})
         CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
     // "quick": only exec.rs's rules (for A/B runs of kernel variants).
     bool quick = argc > 1 && !strcmp(argv[1], "quick");
