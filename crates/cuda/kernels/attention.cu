@@ -5,20 +5,21 @@
 #define ATT_WARPS 16
 #define ATT_UNROLL 4
 #define ATT_MAX_DIM 256
-// Fewest positions per block of a split head, and per head to split at all (below, the shares'
-// merge costs more than it saves: the 270M's tg128 went 2,057 -> 2,010 tokens/s on an H200).
+// Fewest positions per block of a split head, and per head to split at all (a merge costs one more
+// round trip through memory; at tg128's short past no difference was measured on an H200).
 #define ATT_SPLIT_MIN 64
 #define ATT_SPLIT_FROM 256
 
 // `splits` blocks per (new row, query head), each over one contiguous share of the row's
-// positions (from ATT_SPLIT_FROM positions on, as many shares as give each at least ATT_SPLIT_MIN
-// positions, at most `splits`; the rest of the blocks only wait); each warp walks every ATT_WARPS-th position of its block's
-// share with an online softmax, then the warps' partial results are merged. With more than one
-// share each block writes its merged partial (d sums, their maximum, their sum of weights) to
-// `part` and the last block of the head to arrive (counted in `cnt`, which it resets) merges the
-// shares: a decode step's 8-16 heads would otherwise run on as many multiprocessors, each
-// reading its head's whole cache. Sliding layers keep `window` rows in a ring
-// (slot = pos % window); global layers keep every position (slot = pos).
+// positions (from ATT_SPLIT_FROM positions on, as many shares as give each at least
+// ATT_SPLIT_MIN positions, at most `splits`; the rest of the blocks only wait); each warp walks
+// every ATT_WARPS-th position of its block's share with an online softmax, then the warps'
+// partial results are merged. With more than one share each block writes its merged partial (d
+// sums, their maximum, their sum of weights) to `part` and the last block of the head to arrive
+// (counted in `cnt`, which it resets) merges the shares: a decode step's 4-16 heads would
+// otherwise run on as many multiprocessors, each reading its head's whole cache (12B decode on an
+// H200, with the early launches of common.cuh: 283 -> 303 tokens/s). Sliding layers keep `window`
+// rows in a ring (slot = pos % window); global layers keep every position (slot = pos).
 // With `append` (one new row only), the first query head of each group also appends the row's
 // keys and values to the cache: the slot it writes holds a position no query of this step reads.
 // With `xq`, the output row is also written quantized for the next matrix-vector product.

@@ -16,8 +16,9 @@ typedef unsigned long long u64;
 // entry (`pdl_release`): its blocks take the multiprocessors the matrix-vector launch before
 // leaves and start streaming weights while the small kernel waits and runs (12B decode on an
 // H200, together with the split attention: 283 -> 303 tokens/s; attention releasing at entry too
-// cost 2%: 314 against 321). Every block waits before it reads or writes anything else and before it exits, so
-// completion is transitive: a kernel completes only after every kernel before it has.
+// cost 2%: 314 against 321). Every block waits before it reads or writes anything else and
+// before it exits, so completion is transitive: a kernel completes only after every kernel
+// before it has.
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

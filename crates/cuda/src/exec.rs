@@ -36,7 +36,7 @@ const ATTENTION_THREADS: u32 = 512;
 const ATTENTION_SPLITS_MAX: usize = 16;
 
 /// Blocks per query head of a one-row attention launch: enough to give every multiprocessor a
-/// block (a decode step has only 8-16 heads), at most `ATTENTION_SPLITS_MAX`; the kernel uses
+/// block (a decode step has only 4-16 heads), at most `ATTENTION_SPLITS_MAX`; the kernel uses
 /// fewer when the past is short.
 fn attention_splits(q_heads: usize, sms: usize) -> usize {
     (sms / q_heads.max(1)).clamp(1, ATTENTION_SPLITS_MAX)
