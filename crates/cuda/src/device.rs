@@ -135,11 +135,10 @@ impl Device {
                 let func = module.load_function(&f).map_err(|e| cuda_err(format!("kernel '{f}': {e}")))?;
                 // Kernels whose blocks take more than the default 48 KiB of shared memory opt in.
                 // (The ring of matvec4 and matvec4p, and the latter's norm prologue row; the
-                // ring of matvecr, twice as large in matvecr4.)
-                let bytes = if f.starts_with("matvecr4") {
-                    Some(2 * crate::exec::RING_SHARED as u32)
-                } else if f.starts_with("matvecr") {
-                    Some(crate::exec::RING_SHARED as u32)
+                // ring of matvecr{rows}.)
+                let ring_rows = f.strip_prefix("matvecr").and_then(|r| r.split('_').next()?.parse().ok());
+                let bytes = if let Some(rows) = ring_rows {
+                    Some(crate::exec::ring_shared(rows) as u32)
                 } else {
                     f.strip_prefix("matvec4_")
                         .or_else(|| f.strip_prefix("matvec4p_"))

@@ -82,7 +82,7 @@ const RING_FORMATS: [GgmlType; 4] = [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q
 const RING_MIN_BYTES: usize = 4 << 20;
 /// Shared memory a `matvecr8`/`matvecr2` block gives its ring (so that 4 blocks fit a
 /// multiprocessor); a `matvecr4` block, of 8 warps, 2 resident, gives twice this.
-pub(crate) const RING_SHARED: usize = 52 << 10;
+const RING_SHARED: usize = 52 << 10;
 /// Most stages of a `matvecr` ring (`MVR_STAGES` in quant.cu).
 const RING_MAX_STAGES: usize = 4;
 /// Warps of the `matvecr8`/`matvecr2` blocks (4 resident per multiprocessor: their launch bounds)
@@ -91,6 +91,20 @@ const RING_WARPS: usize = 4;
 const RING4_WARPS: usize = 8;
 /// Warps of the `matvecr` kernels resident per multiprocessor.
 const RING_WARPS_PER_SM: usize = 16;
+
+/// Warps of a `matvecr` block of tiles of `rows` rows (its kernel `matvecr{rows}`).
+fn ring_warps(rows: usize) -> usize {
+    if rows == 4 {
+        RING4_WARPS
+    } else {
+        RING_WARPS
+    }
+}
+
+/// Shared memory a `matvecr{rows}` block gives its ring (`RING_SHARED` per 4 warps).
+pub(crate) fn ring_shared(rows: usize) -> usize {
+    RING_SHARED * ring_warps(rows) / RING_WARPS
+}
 
 /// How a `matvecr` launch runs: rows per tile (its kernel, `matvecr8`, `matvecr4` or `matvecr2`),
 /// warps per block, ring stages, blocks.
@@ -118,11 +132,9 @@ fn ring_geometry(ty: GgmlType, k: usize, rows_of: &[usize], glu: bool, sms: usiz
     if !RING_FORMATS.contains(&ty) || !k.is_multiple_of(ty.block_size()) || total * row_bytes < RING_MIN_BYTES {
         return None;
     }
-    let warps = |rows: usize| if rows == 4 { RING4_WARPS } else { RING_WARPS };
-    let shared = |rows: usize| RING_SHARED * warps(rows) / RING_WARPS;
     let fits = |rows: usize| {
         let part = if glu { rows / 2 } else { rows };
-        2 * rows * row_bytes <= shared(rows)
+        2 * rows * row_bytes <= ring_shared(rows)
             && rows_of.iter().all(|&n| {
                 let mut start = 0;
                 n.is_multiple_of(part)
@@ -135,8 +147,9 @@ fn ring_geometry(ty: GgmlType, k: usize, rows_of: &[usize], glu: bool, sms: usiz
     };
     let rows = [8, 4, 2].into_iter().find(|&r| fits(r))?;
     let tiles = if glu { rows_of[0] / (rows / 2) } else { total / rows };
-    let stages = (shared(rows) / (rows * row_bytes)).min(RING_MAX_STAGES);
-    Some(RingGeometry { rows, warps: warps(rows), stages, blocks: tiles.min(RING_WARPS_PER_SM / warps(rows) * sms) })
+    let stages = (ring_shared(rows) / (rows * row_bytes)).min(RING_MAX_STAGES);
+    let warps = ring_warps(rows);
+    Some(RingGeometry { rows, warps, stages, blocks: tiles.min(RING_WARPS_PER_SM / warps * sms) })
 }
 
 /// Widest row the norm kernels take (`NORM_PER * NORM_THREADS` in ops.cu).
@@ -1693,6 +1706,8 @@ mod tests {
     fn one_row_launches_stream_through_shared_memory() {
         use GgmlType::*;
         let r = |ty, k, rows: &[usize], glu| ring_geometry(ty, k, rows, glu, 132);
+        // Every multiprocessor holds 208 KB of rings: 4 blocks of 4 warps or 2 of 8.
+        assert_eq!((ring_shared(8), ring_shared(4), ring_shared(2)), (52 << 10, 104 << 10, 52 << 10));
         let g = |rows, stages, blocks| Some(RingGeometry { rows, warps: if rows == 4 { 8 } else { 4 }, stages, blocks });
         // The 12B's launches: gate/up (Q4_K, 4 + 4 rows per 17 KB tile, 3 stages, 4 blocks per
         // multiprocessor), the greedy head (planar Q6_K, 2 stages of 25 KB), q/k/v (768 tiles), o,
