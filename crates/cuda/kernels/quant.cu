@@ -235,8 +235,9 @@ template <> __device__ __forceinline__ void sub32<F_Q6_K>(const Mat& m, u64 r, i
 }
 
 // ---------------------------------------------------------------------------------------------
-// Chunks for the matrix-vector kernels: a row is walked in chunks of 32 elements, two groups of
-// 16 consecutive elements at offsets xoff(c, 0) and xoff(c, 1). `load` fetches a chunk's packed
+// Chunks for the matrix-vector kernels: a row is walked in chunks of 16 G elements (G = 2, 32
+// elements, except RingChunk<F_Q4_K>), G groups of 16 consecutive elements at offsets xoff(c, 0),
+// ..., xoff(c, G - 1). `load` fetches a chunk's packed
 // bytes (16-byte loads where the format has a chunk decoder) and computes nothing from them: the
 // matrix-vector loop issues the loads of all its rows at once, and arithmetic on a row's bytes in
 // `load` made the warp wait for them before the next row's loads (measured on an H200 at 12B
@@ -283,6 +284,7 @@ __device__ __forceinline__ int dotq16(const u32* w, const XGroup& x) {
 
 template <int T> struct Chunk {
     static const int NP = 0;
+    static const int G = 2;
     struct Raw {
         u64 row;
         int c;
@@ -308,6 +310,7 @@ template <int T> struct Chunk {
 
 template <> struct Chunk<F_Q8_0> {
     static const int NP = 0;
+    static const int G = 2;
     struct Raw {
         uint4 a, b;
         u32 d;
@@ -326,6 +329,7 @@ template <> struct Chunk<F_Q8_0> {
 
 template <> struct Chunk<F_Q5_0> {
     static const int NP = 2;
+    static const int G = 2;
     struct Raw {
         uint4 q;
         u32 h, d;
@@ -364,8 +368,21 @@ template <> struct Chunk<F_Q5_0> {
     }
 };
 
+// The 6-bit scales and minima of a Q4_K super-block's sub-blocks 2j and 2j + 1 (hdr: the block's
+// first 16 bytes), one per byte of *sc2 and *mn2 (scale_min_k4 for both at once, without
+// branches): bytes 2j.. of the scale words for j < 2, else the low nibbles (scales) or high nibbles
+// (minima) of bytes 8 + 2(j - 2).. with the top two bits of bytes 2(j - 2).. (scales) or
+// 4 + 2(j - 2).. (minima).
+__device__ __forceinline__ void q4k_pair_scales(const uint4& hdr, int j, u32* sc2, u32* mn2) {
+    int sh = 16 * (j & 1);
+    u32 y = (hdr.y >> sh) & 0xffffu, z = (hdr.z >> sh) & 0xffffu, w4 = (hdr.w >> sh) & 0xffffu;
+    *sc2 = j < 2 ? y & 0x3f3fu : (w4 & 0x0f0fu) | ((y >> 2) & 0x3030u);
+    *mn2 = j < 2 ? z & 0x3f3fu : ((w4 >> 4) & 0x0f0fu) | ((z >> 2) & 0x3030u);
+}
+
 template <> struct Chunk<F_Q4_K> {
     static const int NP = 0;
+    static const int G = 2;
     struct Raw {
         uint4 hdr, q;
     };
@@ -380,17 +397,9 @@ template <> struct Chunk<F_Q4_K> {
         return Raw{*(const uint4*)b, *(const uint4*)(b + 16 + 32 * j + 16 * (c & 1))};
     }
     static __device__ __forceinline__ float dot(const Mat&, const Raw& r, int c, const XGroup* x) {
-        int j = (c & 7) >> 1;
         float d = half_u16(r.hdr.x & 0xffff), dmin = half_u16(r.hdr.x >> 16);
-        u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
-        // The 6-bit scales and minima of sub-blocks 2j and 2j + 1, one per byte (scale_min_k4 for
-        // both at once, without branches): bytes 2j.. of the scale words for j < 2, else the low
-        // nibbles (scales) or high nibbles (minima) of bytes 8 + 2(j - 2).. with the top two bits
-        // of bytes 2(j - 2).. (scales) or 4 + 2(j - 2).. (minima).
-        int sh = 16 * (j & 1);
-        u32 y = (r.hdr.y >> sh) & 0xffffu, z = (r.hdr.z >> sh) & 0xffffu, w4 = (r.hdr.w >> sh) & 0xffffu;
-        u32 sc2 = j < 2 ? y & 0x3f3fu : (w4 & 0x0f0fu) | ((y >> 2) & 0x3030u);
-        u32 mn2 = j < 2 ? z & 0x3f3fu : ((w4 >> 4) & 0x0f0fu) | ((z >> 2) & 0x3030u);
+        u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w}, sc2, mn2;
+        q4k_pair_scales(r.hdr, (c & 7) >> 1, &sc2, &mn2);
         float s = 0.f;
 #pragma unroll
         for (int g = 0; g < 2; g++) {
@@ -406,6 +415,7 @@ template <> struct Chunk<F_Q4_K> {
 
 template <> struct Chunk<F_Q6_K> {
     static const int NP = 0;
+    static const int G = 2;
     struct Raw {
         uint4 l, h;
         uint2 sc;
@@ -434,11 +444,62 @@ template <> struct Chunk<F_Q6_K> {
         for (int g = 0; g < 2; g++) {
             u32 w[4];
 #pragma unroll
-            for (int t = 0; t < 4; t++)
-                w[t] = ((l[t] >> (4 * g)) & 0x0f0f0f0fu) | (((h[t] >> (2 * a + 4 * g)) & 0x03030303u) << 4);
+            for (int t = 0; t < 4; t++) {
+                // The 2 high bits (bits 2a + 4g.. of each qh byte) moved straight to bits 4-5 and
+                // merged under the nibbles' mask (3 operations a word for g = 0, 4 for g = 1: the
+                // streamed loop ~85 -> ~77 instructions per chunk and row; 12B decode 331 -> 333).
+                u32 hb = (g ? h[t] >> (2 * a) : h[t] << (4 - 2 * a)) & 0x30303030u;
+                w[t] = ((g ? l[t] >> 4 : l[t]) & 0x0f0f0f0fu) | hb;
+            }
             s[g] = dotq16(w, x[g]) - 32 * x[g].s;
         }
         return s0 * x[0].d * (float)s[0] + s1 * x[1].d * (float)s[1];
+    }
+};
+
+// The chunks of the streamed (matvec_ring) kernels: a format's Chunk, except Q4_K's, which takes a
+// whole sub-block pair (64 elements: the scales decoded once per 32 elements, not per 16; ~50
+// instructions per 32 weights and row against ~76, measured in the SASS; the 12B's decode on an
+// H200 320 -> 331 tokens/s, bench/RESULTS.md "issue 4k"). (The matvec kernels keep the 32-element
+// chunk: with 4 rows per warp the wide one spills.)
+template <int T> struct RingChunk : Chunk<T> {};
+template <> struct RingChunk<F_Q4_K> {
+    static const int NP = 0;
+    static const int G = 4;
+    struct Raw {
+        uint4 hdr, q0, q1;
+    };
+    // chunk c: sub-block pair j = c % 4 of super-block c / 4, its 64 elements in order: sub-block
+    // 2j is the low nibbles of the pair's 32 bytes, 2j + 1 the high ones.
+    static __device__ __forceinline__ int xoff(int c, int g) { return 64 * c + 16 * g; }
+    static __device__ __forceinline__ Raw load(const Mat& m, u64 row, int c) {
+        const u8* b = m.w + row * m.rb + 144 * (c >> 2);
+        const uint4* q = (const uint4*)(b + 16 + 32 * (c & 3));
+        return Raw{*(const uint4*)b, q[0], q[1]};
+    }
+    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, int c, const XGroup* x) {
+        float d = half_u16(r.hdr.x & 0xffff), dmin = half_u16(r.hdr.x >> 16);
+        u32 q[8] = {r.q0.x, r.q0.y, r.q0.z, r.q0.w, r.q1.x, r.q1.y, r.q1.z, r.q1.w}, sc2, mn2;
+        q4k_pair_scales(r.hdr, c & 3, &sc2, &mn2);
+        float s = 0.f;
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            // Sub-block 2j + g: its 32 levels against groups 2g and 2g + 1 (one 32-element block
+            // of the activations: one scale). |dot| <= 32 * 15 * 32258, times a 6-bit scale: fits.
+            const XGroup &a = x[2 * g], &b = x[2 * g + 1];
+            u32 xh[8] = {a.hi.x, a.hi.y, a.hi.z, a.hi.w, b.hi.x, b.hi.y, b.hi.z, b.hi.w};
+            u32 xl[8] = {a.lo.x, a.lo.y, a.lo.z, a.lo.w, b.lo.x, b.lo.y, b.lo.z, b.lo.w};
+            int h = 0, l = 0;
+#pragma unroll
+            for (int t = 0; t < 8; t++) {
+                u32 w = g ? (q[t] >> 4) & 0x0f0f0f0fu : q[t] & 0x0f0f0f0fu;
+                h = __dp4a((int)w, (int)xh[t], h);
+                l = __dp4a((int)w, (int)xl[t], l);
+            }
+            int sc = (int)((sc2 >> (8 * g)) & 0xff), mn = (int)((mn2 >> (8 * g)) & 0xff);
+            s += a.d * (d * (float)(sc * (254 * h + l)) - dmin * (float)(mn * (a.s + b.s)));
+        }
+        return s;
     }
 };
 
@@ -949,117 +1010,86 @@ __device__ __forceinline__ float rows_sum8(float (&a)[8], int lane) {
     return v + __shfl_xor_sync(0xffffffffu, v, 1);
 }
 
-// One activation row times up to three matrices of one format, the glu pair or the greedy argmax
-// (arguments as in `matvec`; no norm prologue or epilogue, no glu quantization) with the weights
-// streamed through shared memory (sm_90): the rows are cut in tiles of TR rows (8, 4 or 2; with glu,
-// TR / 2 rows of W_0 and the same rows of W_1), taken by the blocks in turn (block b:
-// tiles b, b + gridDim.x, ...). Thread 0 asks the copy engine for each tile into a ring of `ns`
-// stages of dynamic shared memory (ns <= MVR_STAGES; the first ones before waiting for the previous
-// kernel: no kernel writes weights; later ones as soon as every warp has left the stage), and the
-// W warps compute from there: lane l of the block takes chunks l, l + 32 W, ... of
-// every row of the tile (the activations loaded once per chunk for all the rows), then the tile's
-// sums are reduced over the lanes and the warps. The host sizes the tiles so that every plane's
-// share of a tile is a multiple of 16 bytes (bulk copies) and no tile spans two matrices
-// (ring_geometry in exec.rs). Measured on an H200 at 12B shapes against matvec4 (bench/RESULTS.md
-// "issue 4i"): the Q6_K greedy head 328 -> 206 us (90% of the read bandwidth), gate/up 26.2 ->
-// 20.5 us, down 19.1 -> 17.6 us, o 6.2 -> 4.4 us, v 5.1 -> 3.9 us, q/k 7.6 -> 7.4 us. (A producer
-// warp waiting on "stage free" barriers took registers from the computing warps: 3 blocks of 4 + 1
-// warps per multiprocessor against 4 blocks of 4, head 218 against 206 us; a run-time row count
-// made each row's loads a branch: gate/up 23.0 against 20.6 us.) Rows too long for two 8-row
-// tiles in the ring (the down projection's 15,360) take tiles of 4 rows in blocks of 8 warps with
-// twice the ring (matvecr4) rather than 2 rows: each chunk's activations serve 4 rows, not 2.
-template <int T, int TR, int W>
-__device__ __forceinline__ void matvec_ring(const u8* w0, const u8* w1, const u8* w2, u64 rb, int n0, int n1, int n2, float* o0,
-                                            float* o1, float* o2, float* glu, const u8* xq, int k, int ns, u64* aslots, int* aout,
-                                            u32* acnt) {
+// The tiles of a matvec_ring block (after its wait; arguments as matvec_ring's, with its ring,
+// stage barriers, partial sums `red`, tile counts and the refill `issue`), computed with the tile's
+// rows in SETS sets, each walked by 32 W / SETS lanes (a lane takes ROWS = TR / SETS rows of its
+// chunks): the sums, the outputs (or the argmax), the refills.
+template <int T, int TR, int W, int SETS, class Issue>
+__device__ __forceinline__ void ring_tiles(const Issue& issue, const u8* ring, u64* full, float (*red)[W][TR], int mine, int tiles,
+                                           u64 rb, u64 tb, u32 stage, int n0, int n1, float* o0, float* o1, float* o2, float* glu,
+                                           const u8* xq, int k, int ns, u64* aslots, int* aout, u32* acnt) {
     constexpr int HALF = TR / 2;
-    extern __shared__ uint4 mvr_dyn[];
-    __shared__ __align__(8) u64 full[MVR_STAGES];
-    __shared__ float red[2][W][TR];
     const int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const u64 bpr = rb / Fmt<T>::bytes, tb = TR * bpr;
-    const u32 stage = (u32)(TR * rb);
-    const int tiles = glu ? n0 / HALF : (n0 + n1 + n2) / TR;
-    const int mine = (int)blockIdx.x < tiles ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
-    u8* ring = (u8*)mvr_dyn;
-    // Thread 0 asks for tile i into stage i % ns (after every warp has left the tile that held it).
-    auto issue = [&](int i) {
-        const int slot = i % ns, t = blockIdx.x + i * gridDim.x;
-        u8* dst = ring + (u64)slot * stage;
-        bar_expect(&full[slot], stage);
-        if (glu) {
-            ring_copy<T>(dst, w0, (u64)n0 * bpr, (u64)t * HALF * bpr, HALF * bpr, tb, 0, &full[slot]);
-            ring_copy<T>(dst, w1, (u64)n0 * bpr, (u64)t * HALF * bpr, HALF * bpr, tb, HALF * bpr, &full[slot]);
-        } else {
-            const int g = t * TR, mi = g < n0 ? 0 : g < n0 + n1 ? 1 : 2;
-            const int r0 = g - (mi > 0 ? n0 : 0) - (mi > 1 ? n1 : 0), nm = mi == 0 ? n0 : mi == 1 ? n1 : n2;
-            ring_copy<T>(dst, mi == 0 ? w0 : mi == 1 ? w1 : w2, (u64)nm * bpr, (u64)r0 * bpr, tb, tb, 0, &full[slot]);
-        }
-    };
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < ns; s++) bar_init(&full[s], 1);
-        bar_init_fence();
-        for (int i = 0; i < ns && i < mine; i++) issue(i);
-    }
-    __syncthreads();
-    pdl_wait();
-    const int chunks = k >> 5;
-    // Rows of at most one chunk per lane: the lane's activations are loaded once for all tiles.
-    const bool one = chunks <= 32 * W;
-    XGroup xc[2];
-    if (one && (int)threadIdx.x < chunks) {
-        xc[0] = xgroup(xq, k, Chunk<T>::xoff(threadIdx.x, 0));
-        xc[1] = xgroup(xq, k, Chunk<T>::xoff(threadIdx.x, 1));
-    }
+    constexpr int G = RingChunk<T>::G, ROWS = TR / SETS, LANES = 32 * W / SETS;
+    const int chunks = k / (16 * G);
     u64 best = 0;
     u32 bad = 0;
+    // Chunks whose activations a lane holds for all tiles (4 groups in all: 40 registers).
+    constexpr int HELD = 4 / G;
+    const int li = threadIdx.x % LANES, set = threadIdx.x / LANES;
+    const bool held = chunks <= HELD * LANES;
+    XGroup xc[HELD][G];
+    if (held) {
+#pragma unroll
+        for (int p = 0; p < HELD; p++)
+#pragma unroll
+            for (int g = 0; g < G; g++)
+                if (li + p * LANES < chunks) xc[p][g] = xgroup(xq, k, RingChunk<T>::xoff(li + p * LANES, g));
+    }
+    // The lane's ROWS rows of chunk c against activations xg.
+    auto chunk = [&](const Mat& st, float (&acc)[ROWS], int c, const XGroup* xg) {
+        // (At most four rows' loads at a time: eight rows' raw bytes and the sums overflow
+        // the registers.)
+        constexpr int GR = ROWS < 4 ? ROWS : 4;
+#pragma unroll
+        for (int r0 = 0; r0 < ROWS; r0 += GR) {
+            typename RingChunk<T>::Raw raw[GR];
+#pragma unroll
+            for (int r = 0; r < GR; r++) raw[r] = RingChunk<T>::load(st, set * ROWS + r0 + r, c);
+#pragma unroll
+            for (int r = 0; r < GR; r++) acc[r0 + r] += RingChunk<T>::dot(st, raw[r], c, xg);
+        }
+    };
     for (int i = 0; i < mine; i++) {
         const int slot = i % ns, t = blockIdx.x + i * gridDim.x;
         bar_wait(&full[slot], (i / ns) & 1);
         const Mat st{ring + (u64)slot * stage, rb, tb};
-        float acc[TR];
+        float acc[ROWS];
 #pragma unroll
-        for (int r = 0; r < TR; r++) acc[r] = 0.f;
-        for (int c = threadIdx.x; c < chunks; c += 32 * W) {
-            XGroup xg[2];
-            if (one) {
-                xg[0] = xc[0];
-                xg[1] = xc[1];
-            } else {
-                xg[0] = xgroup(xq, k, Chunk<T>::xoff(c, 0));
-                xg[1] = xgroup(xq, k, Chunk<T>::xoff(c, 1));
-            }
-            // (At most four rows' loads at a time: eight rows' raw bytes and the sums overflow the
-            // registers.)
-            constexpr int G = TR < 4 ? TR : 4;
+        for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
+        if (held) {
 #pragma unroll
-            for (int r0 = 0; r0 < TR; r0 += G) {
-                typename Chunk<T>::Raw raw[G];
+            for (int p = 0; p < HELD; p++)
+                if (li + p * LANES < chunks) chunk(st, acc, li + p * LANES, xc[p]);
+        } else {
+            for (int c = li; c < chunks; c += LANES) {
+                XGroup xg[G];
 #pragma unroll
-                for (int r = 0; r < G; r++) raw[r] = Chunk<T>::load(st, r0 + r, c);
-#pragma unroll
-                for (int r = 0; r < G; r++) acc[r0 + r] += Chunk<T>::dot(st, raw[r], c, xg);
+                for (int g = 0; g < G; g++) xg[g] = xgroup(xq, k, RingChunk<T>::xoff(c, g));
+                chunk(st, acc, c, xg);
             }
         }
-        if constexpr (TR == 8) {
+        // The warp's sums go to red[.][wi][row within its set].
+        if constexpr (ROWS == 8) {
             const float v = rows_sum8(acc, lane);
             if ((lane & 3) == 0) red[i & 1][wi][4 * ((lane >> 4) & 1) + 2 * ((lane >> 3) & 1) + ((lane >> 2) & 1)] = v;
         } else {
 #pragma unroll
-            for (int r = 0; r < TR; r++) {
+            for (int r = 0; r < ROWS; r++) {
                 const float v = warp_sum(acc[r]);
                 if (lane == 0) red[i & 1][wi][r] = v;
             }
         }
-        // Every warp has left the stage: refill it. (Two sets of partial sums: a warp can reach
-        // the next tile's barrier only after warp 0 has passed this one.)
+        // Every warp has left the stage: refill it. (Two sets of partial sums: a warp can
+        // reach the next tile's barrier only after warp 0 has passed this one.)
         __syncthreads();
         if (threadIdx.x == 0 && i + ns < mine) issue(i + ns);
         if (wi != 0) continue;
+        // Row r of the tile: the sums of the warps of its set.
         auto sum = [&](int r) {
             float s = 0.f;
 #pragma unroll
-            for (int w = 0; w < W; w++) s += red[i & 1][w][r];
+            for (int w = 0; w < W / SETS; w++) s += red[i & 1][(r / ROWS) * (W / SETS) + w][r % ROWS];
             return s;
         };
         if (glu) {
@@ -1087,6 +1117,70 @@ __device__ __forceinline__ void matvec_ring(const u8* w0, const u8* w1, const u8
         const u64 b[1] = {warp_max_key(best)};
         argmax_publish<1>(b, __any_sync(0xffffffffu, bad) ? 1u : 0u, blockIdx.x, min((int)gridDim.x, tiles), 1, aslots, aout, acnt, lane);
     }
+}
+
+
+// One activation row times up to three matrices of one format, the glu pair or the greedy argmax
+// (arguments as in `matvec`; no norm prologue or epilogue, no glu quantization) with the weights
+// streamed through shared memory (sm_90): the rows are cut in tiles of TR rows (8, 4 or 2; with glu,
+// TR / 2 rows of W_0 and the same rows of W_1), taken by the blocks in turn (block b:
+// tiles b, b + gridDim.x, ...). Thread 0 asks the copy engine for each tile into a ring of `ns`
+// stages of dynamic shared memory (ns <= MVR_STAGES; the first ones before waiting for the previous
+// kernel: no kernel writes weights; later ones as soon as every warp has left the stage), and the
+// W warps compute from there (ring_tiles): the tile's rows in one or two sets, lane l of a set's
+// 32 W / sets lanes takes chunks l, l + 32 W / sets, ... of every row of its set (the activations
+// loaded once per chunk for all those rows, and held in registers for all tiles where the row has
+// at most 64 elements per lane), then the tile's sums are reduced over the lanes and the warps. The host sizes the tiles so that every plane's
+// share of a tile is a multiple of 16 bytes (bulk copies) and no tile spans two matrices
+// (ring_geometry in exec.rs). Measured on an H200 at 12B shapes against matvec4 (bench/RESULTS.md
+// "issue 4i"): the Q6_K greedy head 328 -> 206 us (90% of the read bandwidth), gate/up 26.2 ->
+// 20.5 us, down 19.1 -> 17.6 us, o 6.2 -> 4.4 us, v 5.1 -> 3.9 us, q/k 7.6 -> 7.4 us. (A producer
+// warp waiting on "stage free" barriers took registers from the computing warps: 3 blocks of 4 + 1
+// warps per multiprocessor against 4 blocks of 4, head 218 against 206 us; a run-time row count
+// made each row's loads a branch: gate/up 23.0 against 20.6 us.) Rows too long for two 8-row
+// tiles in the ring (the down projection's 15,360) take tiles of 4 rows in blocks of 8 warps with
+// twice the ring (matvecr4) rather than 2 rows: each chunk's activations serve 4 rows, not 2.
+template <int T, int TR, int W>
+__device__ __forceinline__ void matvec_ring(const u8* w0, const u8* w1, const u8* w2, u64 rb, int n0, int n1, int n2, float* o0,
+                                            float* o1, float* o2, float* glu, const u8* xq, int k, int ns, u64* aslots, int* aout,
+                                            u32* acnt) {
+    constexpr int HALF = TR / 2;
+    extern __shared__ uint4 mvr_dyn[];
+    __shared__ __align__(8) u64 full[MVR_STAGES];
+    __shared__ float red[2][W][TR];
+    const u64 bpr = rb / Fmt<T>::bytes, tb = TR * bpr;
+    const u32 stage = (u32)(TR * rb);
+    const int tiles = glu ? n0 / HALF : (n0 + n1 + n2) / TR;
+    const int mine = (int)blockIdx.x < tiles ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+    u8* ring = (u8*)mvr_dyn;
+    // Thread 0 asks for tile i into stage i % ns (after every warp has left the tile that held it).
+    auto issue = [&](int i) {
+        const int slot = i % ns, t = blockIdx.x + i * gridDim.x;
+        u8* dst = ring + (u64)slot * stage;
+        bar_expect(&full[slot], stage);
+        if (glu) {
+            ring_copy<T>(dst, w0, (u64)n0 * bpr, (u64)t * HALF * bpr, HALF * bpr, tb, 0, &full[slot]);
+            ring_copy<T>(dst, w1, (u64)n0 * bpr, (u64)t * HALF * bpr, HALF * bpr, tb, HALF * bpr, &full[slot]);
+        } else {
+            const int g = t * TR, mi = g < n0 ? 0 : g < n0 + n1 ? 1 : 2;
+            const int r0 = g - (mi > 0 ? n0 : 0) - (mi > 1 ? n1 : 0), nm = mi == 0 ? n0 : mi == 1 ? n1 : n2;
+            ring_copy<T>(dst, mi == 0 ? w0 : mi == 1 ? w1 : w2, (u64)nm * bpr, (u64)r0 * bpr, tb, tb, 0, &full[slot]);
+        }
+    };
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < ns; s++) bar_init(&full[s], 1);
+        bar_init_fence();
+        for (int i = 0; i < ns && i < mine; i++) issue(i);
+    }
+    __syncthreads();
+    pdl_wait();
+    // Formats with chunks of 4 groups (Q4_K: 64 elements) take two sets where the row has at most
+    // one chunk per lane so (a lane still takes 8 x 32 elements of a tile of 8 rows), one otherwise.
+    const int chunks = k / (16 * RingChunk<T>::G);
+    if (RingChunk<T>::G == 4 && 2 * chunks <= 32 * W)
+        ring_tiles<T, TR, W, 2>(issue, ring, full, red, mine, tiles, rb, tb, stage, n0, n1, o0, o1, o2, glu, xq, k, ns, aslots, aout, acnt);
+    else
+        ring_tiles<T, TR, W, 1>(issue, ring, full, red, mine, tiles, rb, tb, stage, n0, n1, o0, o1, o2, glu, xq, k, ns, aslots, aout, acnt);
 }
 
 // Greedy head for one activation row over a planar Q8_0 matrix of n rows and k <= HEAD_MAX_K
