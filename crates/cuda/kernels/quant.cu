@@ -979,6 +979,11 @@ template <> struct Planes<F_Q6_K> {
 #define MVR_WARPS 4
 #define MVR4_WARPS 8
 #define MVR_STAGES 4
+// Tiles a matvecr block asks for before waiting for the previous kernel (the rest of its ring
+// after): a third early tile per block slowed the small kernels the launch waits on (the norms,
+// attention), whose loads queue behind the copies: 12B decode on an H200 332 tok/s with every
+// stage early, 338 with 2, 333 with 1, 309 with none (bench/RESULTS.md "issue 4k").
+#define MVR_EARLY 2
 
 // Asks the copy engine for blocks b0..b0+nb of a matrix of `nblk` blocks at w, into a tile of `tb`
 // blocks at dst (laid out as a matrix of its own) from its block `at` on, counted on `bar`.
@@ -1170,10 +1175,12 @@ __device__ __forceinline__ void matvec_ring(const u8* w0, const u8* w1, const u8
     if (threadIdx.x == 0) {
         for (int s = 0; s < ns; s++) bar_init(&full[s], 1);
         bar_init_fence();
-        for (int i = 0; i < ns && i < mine; i++) issue(i);
+        for (int i = 0; i < ns && i < mine && i < MVR_EARLY; i++) issue(i);
     }
     __syncthreads();
     pdl_wait();
+    if (threadIdx.x == 0)
+        for (int i = MVR_EARLY; i < ns && i < mine; i++) issue(i);
     // Formats with chunks of 4 groups (Q4_K: 64 elements) take two sets where the row has at most
     // one chunk per lane so (a lane still takes 8 x 32 elements of a tile of 8 rows), one otherwise.
     const int chunks = k / (16 * RingChunk<T>::G);
