@@ -1127,24 +1127,25 @@ __device__ __forceinline__ void ring_tiles(const Issue& issue, const u8* ring, u
 
 // One activation row times up to three matrices of one format, the glu pair or the greedy argmax
 // (arguments as in `matvec`; no norm prologue or epilogue, no glu quantization) with the weights
-// streamed through shared memory (sm_90): the rows are cut in tiles of TR rows (8, 4 or 2; with glu,
-// TR / 2 rows of W_0 and the same rows of W_1), taken by the blocks in turn (block b:
-// tiles b, b + gridDim.x, ...). Thread 0 asks the copy engine for each tile into a ring of `ns`
-// stages of dynamic shared memory (ns <= MVR_STAGES; the first ones before waiting for the previous
-// kernel: no kernel writes weights; later ones as soon as every warp has left the stage), and the
-// W warps compute from there (ring_tiles): the tile's rows in one or two sets, lane l of a set's
-// 32 W / sets lanes takes chunks l, l + 32 W / sets, ... of every row of its set (the activations
-// loaded once per chunk for all those rows, and held in registers for all tiles where the row has
-// at most 64 elements per lane), then the tile's sums are reduced over the lanes and the warps. The host sizes the tiles so that every plane's
-// share of a tile is a multiple of 16 bytes (bulk copies) and no tile spans two matrices
-// (ring_geometry in exec.rs). Measured on an H200 at 12B shapes against matvec4 (bench/RESULTS.md
-// "issue 4i"): the Q6_K greedy head 328 -> 206 us (90% of the read bandwidth), gate/up 26.2 ->
-// 20.5 us, down 19.1 -> 17.6 us, o 6.2 -> 4.4 us, v 5.1 -> 3.9 us, q/k 7.6 -> 7.4 us. (A producer
-// warp waiting on "stage free" barriers took registers from the computing warps: 3 blocks of 4 + 1
-// warps per multiprocessor against 4 blocks of 4, head 218 against 206 us; a run-time row count
-// made each row's loads a branch: gate/up 23.0 against 20.6 us.) Rows too long for two 8-row
-// tiles in the ring (the down projection's 15,360) take tiles of 4 rows in blocks of 8 warps with
-// twice the ring (matvecr4) rather than 2 rows: each chunk's activations serve 4 rows, not 2.
+// streamed through shared memory (sm_90): the rows are cut in tiles of TR rows (8, 4 or 2; with
+// glu, TR / 2 rows of W_0 and the same rows of W_1), taken by the blocks in turn (block b: tiles b,
+// b + gridDim.x, ...). Thread 0 asks the copy engine for each tile into a ring of `ns` stages of
+// dynamic shared memory (ns <= MVR_STAGES; the first MVR_EARLY before waiting for the previous
+// kernel: no kernel writes weights; later ones as soon as every warp has left the stage), and the W
+// warps compute from there (ring_tiles): the tile's rows in one or two sets, lane l of a set's 32
+// W/sets lanes takes chunks l, l + 32 W/sets, ... of every row of its set (the activations loaded
+// once per chunk for all those rows, and held in registers for all tiles where the row has at most
+// 64 elements per lane), then the tile's sums are reduced over the lanes and the warps. The host
+// sizes the tiles so that every plane's share of a tile is a multiple of 16 bytes (bulk copies) and
+// no tile spans two matrices (ring_geometry in exec.rs). Measured on an H200 at 12B shapes against
+// matvec4 (bench/RESULTS.md "issue 4i"): the Q6_K greedy head 328 -> 206 us (90% of the read
+// bandwidth), gate/up 26.2 -> 20.5 us, down 19.1 -> 17.6 us, o 6.2 -> 4.4 us, v 5.1 -> 3.9 us, q/k
+// 7.6 -> 7.4 us. (A producer warp waiting on "stage free" barriers took registers from the
+// computing warps: 3 blocks of 4 + 1 warps per multiprocessor against 4 blocks of 4, head 218
+// against 206 us; a run-time row count made each row's loads a branch: gate/up 23.0 against
+// 20.6 us.) Rows too long for two 8-row tiles in the ring (the down projection's 15,360) take tiles
+// of 4 rows in blocks of 8 warps with twice the ring (matvecr4) rather than 2 rows: each chunk's
+// activations serve 4 rows, not 2.
 template <int T, int TR, int W>
 __device__ __forceinline__ void matvec_ring(const u8* w0, const u8* w1, const u8* w2, u64 rb, int n0, int n1, int n2, float* o0,
                                             float* o1, float* o2, float* glu, const u8* xq, int k, int ns, u64* aslots, int* aout,
