@@ -1124,7 +1124,6 @@ __device__ __forceinline__ void ring_tiles(const Issue& issue, const u8* ring, u
     }
 }
 
-
 // One activation row times up to three matrices of one format, the glu pair or the greedy argmax
 // (arguments as in `matvec`; no norm prologue or epilogue, no glu quantization) with the weights
 // streamed through shared memory (sm_90): the rows are cut in tiles of TR rows (8, 4 or 2; with
@@ -1182,13 +1181,15 @@ __device__ __forceinline__ void matvec_ring(const u8* w0, const u8* w1, const u8
     pdl_wait();
     if (threadIdx.x == 0)
         for (int i = MVR_EARLY; i < ns && i < mine; i++) issue(i);
-    // Formats with chunks of 4 groups (Q4_K: 64 elements) take two sets where the row has at most
-    // one chunk per lane so (a lane still takes 8 x 32 elements of a tile of 8 rows), one otherwise.
-    const int chunks = k / (16 * RingChunk<T>::G);
-    if (RingChunk<T>::G == 4 && 2 * chunks <= 32 * W)
-        ring_tiles<T, TR, W, 2>(issue, ring, full, red, mine, tiles, rb, tb, stage, n0, n1, o0, o1, o2, glu, xq, k, ns, aslots, aout, acnt);
-    else
-        ring_tiles<T, TR, W, 1>(issue, ring, full, red, mine, tiles, rb, tb, stage, n0, n1, o0, o1, o2, glu, xq, k, ns, aslots, aout, acnt);
+    // Formats with chunks of 4 groups (Q4_K: 64 elements) take two sets where half the block's
+    // lanes cover a row in one chunk each (a lane still takes 8 x 32 elements of an 8-row tile).
+    if constexpr (RingChunk<T>::G == 4) {
+        if (2 * (k / 64) <= 32 * W) {
+            ring_tiles<T, TR, W, 2>(issue, ring, full, red, mine, tiles, rb, tb, stage, n0, n1, o0, o1, o2, glu, xq, k, ns, aslots, aout, acnt);
+            return;
+        }
+    }
+    ring_tiles<T, TR, W, 1>(issue, ring, full, red, mine, tiles, rb, tb, stage, n0, n1, o0, o1, o2, glu, xq, k, ns, aslots, aout, acnt);
 }
 
 // Greedy head for one activation row over a planar Q8_0 matrix of n rows and k <= HEAD_MAX_K
