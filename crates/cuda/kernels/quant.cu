@@ -1184,7 +1184,7 @@ __device__ __forceinline__ void matvec_ring(const u8* w0, const u8* w1, const u8
     // Formats with chunks of 4 groups (Q4_K: 64 elements) take two sets where half the block's
     // lanes cover a row in one chunk each (a lane still takes 8 x 32 elements of an 8-row tile).
     if constexpr (RingChunk<T>::G == 4) {
-        if (2 * (k / 64) <= 32 * W) {
+        if (2 * (k / (16 * RingChunk<T>::G)) <= 32 * W) {
             ring_tiles<T, TR, W, 2>(issue, ring, full, red, mine, tiles, rb, tb, stage, n0, n1, o0, o1, o2, glu, xq, k, ns, aslots, aout, acnt);
             return;
         }
