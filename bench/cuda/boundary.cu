@@ -5,21 +5,13 @@
 // writes the next; under load, a second stream keeps the device's memory busy meanwhile (a reader
 // of a 2 GB buffer on part of the multiprocessors), as the weight streaming of a decode step
 // would; the last table varies the bytes that reader keeps in flight. Build and run on the device
-// machine:
+// machine, from the checkout's root (or with bench/cuda/run.sh):
 //   nvcc -O3 -arch=sm_90 -std=c++17 -o /tmp/boundary bench/cuda/boundary.cu && /tmp/boundary
-#include <cuda_runtime.h>
-#include <algorithm>
-#include <cstdio>
-#include <vector>
-
-#define CHECK(x)                                                                            \
-    do {                                                                                    \
-        cudaError_t e = (x);                                                                \
-        if (e != cudaSuccess) {                                                             \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-            exit(1);                                                                        \
-        }                                                                                   \
-    } while (0)
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+#include "bench_util.cuh"
 
 constexpr int WIDTH = 3840, THREADS = 128, STEPS = 512;
 
@@ -75,60 +67,43 @@ __global__ void __launch_bounds__(512, 1) reader(const uint4* src, size_t words,
     if (acc.x == 0x12345678u) sink[0] = acc;
 }
 
-static float median(std::vector<float> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
-
 int main() {
     cudaDeviceProp prop;
-    CHECK(cudaGetDeviceProperties(&prop, 0));
+    CK(cudaGetDeviceProperties(&prop, 0));
     const int sms = prop.multiProcessorCount;
     printf("%s, %d SMs, L2 %d MB\n", prop.name, sms, prop.l2CacheSize >> 20);
     float* rows;
     unsigned* count;
-    CHECK(cudaMalloc(&rows, 2 * WIDTH * sizeof(float)));
-    CHECK(cudaMalloc(&count, sizeof(unsigned)));
-    CHECK(cudaMemset(rows, 0, 2 * WIDTH * sizeof(float)));
+    CK(cudaMalloc(&rows, 2 * WIDTH * sizeof(float)));
+    CK(cudaMalloc(&count, sizeof(unsigned)));
+    CK(cudaMemset(rows, 0, 2 * WIDTH * sizeof(float)));
     const size_t load_bytes = size_t(2) << 30;
     uint4 *src, *sink;
-    CHECK(cudaMalloc(&src, load_bytes));
-    CHECK(cudaMemset(src, 1, load_bytes));
-    CHECK(cudaMalloc(&sink, 16));
-
-
+    CK(cudaMalloc(&src, load_bytes));
+    CK(cudaMemset(src, 1, load_bytes));
+    CK(cudaMalloc(&sink, 16));
     cudaStream_t s, bg;
-    CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    CHECK(cudaStreamCreateWithFlags(&bg, cudaStreamNonBlocking));
-    cudaEvent_t e0, e1;
-    CHECK(cudaEventCreate(&e0));
-    CHECK(cudaEventCreate(&e1));
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    CK(cudaStreamCreateWithFlags(&bg, cudaStreamNonBlocking));
 
     // A graph of STEPS dependent chain steps on `grid` blocks.
     auto chain_graph = [&](int grid, int pdl) {
         cudaGraph_t g;
         cudaGraphExec_t ge;
-        CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+        CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
         for (int t = 0; t < STEPS; t++) {
-            cudaLaunchConfig_t cfg = {};
-            cfg.gridDim = dim3(grid);
-            cfg.blockDim = dim3(THREADS);
-            cfg.stream = s;
-            cudaLaunchAttribute attr;
-            attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            attr.val.programmaticStreamSerializationAllowed = 1;
-            cfg.attrs = &attr;
-            cfg.numAttrs = pdl ? 1 : 0;
-            CHECK(cudaLaunchKernelEx(&cfg, chain_step, (const float*)(rows + (t & 1) * WIDTH), rows + ((t + 1) & 1) * WIDTH, pdl));
+            PdlLaunch l(dim3(grid), dim3(THREADS), 0, s);
+            l.cfg.numAttrs = pdl ? 1 : 0;
+            CK(cudaLaunchKernelEx(&l.cfg, chain_step, (const float*)(rows + (t & 1) * WIDTH), rows + ((t + 1) & 1) * WIDTH, pdl));
         }
-        CHECK(cudaStreamEndCapture(s, &g));
-        CHECK(cudaGraphInstantiate(&ge, g, 0));
+        CK(cudaStreamEndCapture(s, &g));
+        CK(cudaGraphInstantiate(&ge, g, 0));
         return ge;
     };
     // The background load: `lblocks` reader blocks of 512 threads, `lunroll` loads each in flight,
     // sized to outlast the timed steps; load_gbs: what it reads alone.
     int lblocks = sms / 2, lunroll = 8;
-    float load_gbs = 0.f;
+    double load_gbs = 0.0;
     auto launch_reader = [&](int passes) {
         switch (lunroll) {
             case 1: reader<1><<<lblocks, 512, 0, bg>>>(src, load_bytes / 16, passes, sink); break;
@@ -137,67 +112,50 @@ int main() {
             case 8: reader<8><<<lblocks, 512, 0, bg>>>(src, load_bytes / 16, passes, sink); break;
             default: reader<16><<<lblocks, 512, 0, bg>>>(src, load_bytes / 16, passes, sink); break;
         }
-        CHECK(cudaGetLastError());
+        CK(cudaGetLastError());
     };
     // Microseconds per step of `run`, median of 7, with or without the background load.
     auto time = [&](auto run, bool load) {
         if (load) {
-            cudaEvent_t l0, l1;
-            CHECK(cudaEventCreate(&l0));
-            CHECK(cudaEventCreate(&l1));
-            CHECK(cudaEventRecord(l0, bg));
-            launch_reader(4);
-            CHECK(cudaEventRecord(l1, bg));
-            CHECK(cudaDeviceSynchronize());
-            float ms;
-            CHECK(cudaEventElapsedTime(&ms, l0, l1));
-            load_gbs = 4.f * (float)load_bytes / (ms * 1e6f);
-            // Long enough for 8 runs of the steps at 100 us each.
-            launch_reader((int)(8 * STEPS * 100e-3f / (ms / 4)) + 4);
+            double us = time_us(bg, 1, 1, [&] { launch_reader(4); });
+            load_gbs = 4.0 * (double)load_bytes / (us * 1e3);
+            // Long enough for 7 runs of the steps at 100 us each.
+            launch_reader((int)(7 * STEPS * 100.0 / (us / 4)) + 4);
         }
-        std::vector<float> us;
-        for (int r = 0; r < 8; r++) {
-            CHECK(cudaEventRecord(e0, s));
-            run();
-            CHECK(cudaEventRecord(e1, s));
-            CHECK(cudaEventSynchronize(e1));
-            float ms;
-            CHECK(cudaEventElapsedTime(&ms, e0, e1));
-            if (r > 0) us.push_back(1000.f * ms / STEPS);
-        }
+        double us = time_us(s, 7, STEPS, run);
         // (The reader must still be running: else the last runs were not under load.)
         if (load && cudaStreamQuery(bg) == cudaSuccess) printf("(the load ended before the steps)\n");
-        CHECK(cudaDeviceSynchronize());
-        return median(us);
+        CK(cudaDeviceSynchronize());
+        return us;
     };
     printf("us per dependent step (%d steps, %d threads per block; load = a reader on %d SMs streaming 2 GB)\n", STEPS, THREADS, sms / 2);
     printf("%-34s %10s %10s\n", "", "idle", "load");
     for (int grid : {1, sms, 4 * sms}) {
         for (int pdl : {0, 1}) {
             cudaGraphExec_t ge = chain_graph(grid, pdl);
-            auto run = [&] { CHECK(cudaGraphLaunch(ge, s)); };
-            float a = time(run, false), b = time(run, true);
+            auto run = [&] { CK(cudaGraphLaunch(ge, s)); };
+            double a = time(run, false), b = time(run, true);
             printf("graph of kernels, grid %4d, %-6s %10.2f %10.2f\n", grid, pdl ? "pdl" : "plain", a, b);
-            CHECK(cudaGraphExecDestroy(ge));
+            CK(cudaGraphExecDestroy(ge));
         }
     }
     for (int grid : {sms / 2, sms}) {
         auto run = [&] {
-            CHECK(cudaMemsetAsync(count, 0, sizeof(unsigned), s));
+            CK(cudaMemsetAsync(count, 0, sizeof(unsigned), s));
             persistent<<<grid, THREADS, 0, s>>>(rows, count);
         };
-        float a = time(run, false), b = time(run, true);
+        double a = time(run, false), b = time(run, true);
         printf("persistent, grid barrier, grid %4d  %10.2f %10.2f\n", grid, a, b);
     }
     // The same dependent steps (graph, pdl, one block per multiprocessor) against loads with more
     // or fewer bytes in flight: how long a step waits behind them, and what bandwidth they get.
     printf("\nload in flight (MB)   load GB/s   us per step under it (graph, pdl, grid %d)\n", sms);
     cudaGraphExec_t ge = chain_graph(sms, 1);
-    auto run = [&] { CHECK(cudaGraphLaunch(ge, s)); };
+    auto run = [&] { CK(cudaGraphLaunch(ge, s)); };
     for (auto [b, u] : std::vector<std::pair<int, int>>{{sms / 2, 1}, {sms / 2, 2}, {sms / 2, 4}, {sms / 2, 8}, {sms, 8}, {sms, 16}}) {
         lblocks = b;
         lunroll = u;
-        float t = time(run, true);
+        double t = time(run, true);
         printf("%18.1f %11.0f %10.2f\n", b * 512.0 * u * 16 / 1e6, load_gbs, t);
     }
     return 0;
