@@ -1,7 +1,7 @@
-// What one dependency between two steps of a decode costs on the device, with nothing else to do:
-// a chain of dependent kernels (a CUDA graph, with and without programmatic dependent launch) and
-// a persistent kernel whose blocks meet at a grid barrier (an arrival counter in global memory)
-// between the same steps. Each step reads what the step before wrote (a 3,840-float row) and
+// What one dependency between two steps of a decode costs on the device, idle and beside memory
+// traffic: a chain of dependent kernels (a CUDA graph, with and without programmatic dependent
+// launch) and a persistent kernel whose blocks meet at a grid barrier (an arrival counter in
+// global memory) between the same steps. Each step reads what the step before wrote (a 3,840-float row) and
 // writes the next; under load, a second stream keeps the device's memory busy meanwhile (a reader
 // of a 2 GB buffer on part of the multiprocessors), as the weight streaming of a decode step
 // would; the last table varies the bytes that reader keeps in flight. Build and run on the device
@@ -27,8 +27,10 @@ __device__ __forceinline__ void step_body(const float* in, float* out) {
 }
 
 __global__ void chain_step(const float* in, float* out, int pdl) {
-    if (pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
-    if (pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    if (pdl) {
+        asm volatile("griddepcontrol.wait;" ::: "memory");
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    }
     step_body(in, out);
 }
 
@@ -105,13 +107,9 @@ int main() {
     int lblocks = sms / 2, lunroll = 8;
     double load_gbs = 0.0;
     auto launch_reader = [&](int passes) {
-        switch (lunroll) {
-            case 1: reader<1><<<lblocks, 512, 0, bg>>>(src, load_bytes / 16, passes, sink); break;
-            case 2: reader<2><<<lblocks, 512, 0, bg>>>(src, load_bytes / 16, passes, sink); break;
-            case 4: reader<4><<<lblocks, 512, 0, bg>>>(src, load_bytes / 16, passes, sink); break;
-            case 8: reader<8><<<lblocks, 512, 0, bg>>>(src, load_bytes / 16, passes, sink); break;
-            default: reader<16><<<lblocks, 512, 0, bg>>>(src, load_bytes / 16, passes, sink); break;
-        }
+        // The reader with `lunroll` (1, 2, 4, 8 or 16) loads in flight.
+        void (*const readers[])(const uint4*, size_t, int, uint4*) = {reader<1>, reader<2>, reader<4>, reader<8>, reader<16>};
+        readers[__builtin_ctz(lunroll)]<<<lblocks, 512, 0, bg>>>(src, load_bytes / 16, passes, sink);
         CK(cudaGetLastError());
     };
     // Microseconds per step of `run`, median of 7, with or without the background load.
