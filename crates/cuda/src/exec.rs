@@ -21,7 +21,9 @@ const ARGMAX_BLOCKS: usize = 64;
 /// wider rows take the norm kernel, whose block is not the tail of a launch (measured on an H200
 /// at 12B shapes, rows of 3840: the last block's norm pair cost 7 µs after the output projection
 /// and 14 µs after the down projection; decode 3% faster without them, 15% more once the norm
-/// kernel loaded its rows as float4 in one round trip).
+/// kernel loaded its rows as float4 in one round trip; a streamed launch's last block, staging the
+/// row in its ring in one round trip, still cost ~15 µs more per launch: bench/RESULTS.md "issue
+/// 4m").
 const EPILOGUE_MAX: usize = 4 * 2 * 32 * MATVEC_WARPS;
 /// Partial maxima per row of the greedy head's fused argmax (`ARGMAX_SLOTS` in quant.cu).
 const ARGMAX_SLOTS: usize = 256;
