@@ -1,6 +1,7 @@
 // Causal attention over the device-resident KV cache plus the step's new rows, and the append of
-// the new rows. The past length is read from device memory (`step[0]`), so a captured graph
-// replays for any past length of its bucket.
+// the new rows. The past length is read from device memory (`step[0]`), and so are the layer's
+// key and value cache addresses (`cache[0]`, `cache[1]`, in the step buffer), so a captured graph
+// replays for any past length of its bucket and any session's cache.
 
 #define ATT_WARPS 16
 #define ATT_UNROLL 4
@@ -31,8 +32,8 @@
 // (attention_qk: the kernel with the q/k norms; `attention` has no code for them, whose registers
 // slowed 12B decode.)
 template <bool QK>
-__device__ __forceinline__ void attention_impl(const float* q, const float* k_new, const float* v_new, float* k_cache,
-                                               float* v_cache, float* out, const int* step, int q_heads, int kv_heads,
+__device__ __forceinline__ void attention_impl(const float* q, const float* k_new, const float* v_new, const u64* cache,
+                                               float* out, const int* step, int q_heads, int kv_heads,
                                                int d, int window, float scale, int append, u8* xq, const float* wq,
                                                const float* wk, const float2* rope, float eps, int splits, float* part,
                                                u32* cnt) {
@@ -45,6 +46,7 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
     int g = h / (q_heads / kv_heads);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int start = step[0];
+    float *k_cache = (float*)cache[0], *v_cache = (float*)cache[1];
     int p = start + i;
     int lo = window > 0 ? max(0, p + 1 - window) : 0;
     // This block's share of the positions lo..p: [b0, e0].
@@ -217,17 +219,18 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
 }
 
 #define ATT_ARGS                                                                                                   \
-    const float *q, const float *k_new, const float *v_new, float *k_cache, float *v_cache, float *out, const int *step, \
+    const float *q, const float *k_new, const float *v_new, const u64 *cache, float *out, const int *step,               \
         int q_heads, int kv_heads, int d, int window, float scale, int append, u8 *xq, const float *wq, const float *wk,  \
         const float2 *rope, float eps, int splits, float *part, u32 *cnt
-#define ATT_PASS q, k_new, v_new, k_cache, v_cache, out, step, q_heads, kv_heads, d, window, scale, append, xq, wq, wk, rope, eps, splits, part, cnt
+#define ATT_PASS q, k_new, v_new, cache, out, step, q_heads, kv_heads, d, window, scale, append, xq, wq, wk, rope, eps, splits, part, cnt
 extern "C" __global__ void attention(ATT_ARGS) { attention_impl<false>(ATT_PASS); }
 extern "C" __global__ void attention_qk(ATT_ARGS) { attention_impl<true>(ATT_PASS); }
 
 // Appends the step's new rows to one layer's cache (only the last `window` of them on a sliding
 // layer, so no two blocks write one slot). One block per new row.
-extern "C" __global__ void kv_append(const float* k_new, const float* v_new, float* k_cache, float* v_cache,
-                                     const int* step, int width, int window) {
+extern "C" __global__ void kv_append(const float* k_new, const float* v_new, const u64* cache, const int* step, int width,
+                                     int window) {
+    float *k_cache = (float*)cache[0], *v_cache = (float*)cache[1];
     pdl_wait();
     int r = blockIdx.x, rows = step[1];
     if (r >= rows || (window > 0 && r < rows - window)) return;

@@ -94,6 +94,8 @@ pub struct Device {
     pub(crate) launches: AtomicUsize,
     /// Kernels in the most recently captured decode graph.
     pub(crate) graph_kernels: AtomicUsize,
+    /// Decode graphs captured so far.
+    pub(crate) graph_captures: AtomicUsize,
     /// Whether kernels are launched with programmatic dependent launch (sm_90 and later).
     dependent_launch: bool,
     /// Multiprocessors.
@@ -164,6 +166,7 @@ impl Device {
             arch,
             launches: AtomicUsize::new(0),
             graph_kernels: AtomicUsize::new(0),
+            graph_captures: AtomicUsize::new(0),
             sms,
             dependent_launch: arch.0 >= 9,
         })

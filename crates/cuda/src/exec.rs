@@ -773,9 +773,11 @@ fn fuse_at(steps: &[Step], i: usize, weights: &dyn WeightShapes) -> Result<Optio
     Ok(None)
 }
 
-/// A captured decode step, for the KV cache whose addresses it bakes in.
+/// A captured decode step. It reads the KV cache's addresses from the step buffer, so it replays
+/// for every cache of the model, but bakes in the ring sizes of sliding layers, which depend on the
+/// cache's context.
 struct CapturedStep {
-    kv_id: u64,
+    context: usize,
     graph: CudaGraph,
 }
 
@@ -788,8 +790,13 @@ pub struct CudaExecutable {
     weights: Arc<CudaWeights>,
     device: Arc<Device>,
     arena: DeviceBuffer,
-    /// `[start, rows, token ids...]`, written before each step.
+    /// `[start, rows, token ids...]`, then from byte `kv_at` the key and value cache addresses of
+    /// each of `kv_layers` layers, written before each step (one copy): kernels read the cache's
+    /// addresses from here, so a captured graph serves every session's cache (a graph per cache
+    /// was captured again whenever another session stepped).
     step: DeviceBuffer,
+    kv_at: usize,
+    kv_layers: usize,
     /// Full products of greedy heads and the argmax partials (per executable: graphs bake them in).
     head: DeviceBuffer,
     head_values: usize,
@@ -914,7 +921,14 @@ impl CudaExecutable {
             }
         }
         let arena = DeviceBuffer::new(&device.ctx, plan.arena_words * 4)?;
-        let step = DeviceBuffer::new(&device.ctx, (2 + plan.rows()) * 4)?;
+        let kv_layers = plan
+            .steps
+            .iter()
+            .filter_map(|st| if let Kernel::Attention { layer, .. } = st.kernel { Some(layer + 1) } else { None })
+            .max()
+            .unwrap_or(0);
+        let kv_at = ((2 + plan.rows()) * 4).next_multiple_of(8);
+        let step = DeviceBuffer::new(&device.ctx, kv_at + 16 * kv_layers)?;
         let argmax_rows = plan.rows();
         let head = DeviceBuffer::new(&device.ctx, (head_values + 2 * ARGMAX_BLOCKS * argmax_rows) * 4)?;
         let launches = lower(&plan, &*weights)?;
@@ -958,6 +972,8 @@ impl CudaExecutable {
             device,
             arena,
             step,
+            kv_at,
+            kv_layers,
             head,
             head_values,
             vocab,
@@ -984,7 +1000,7 @@ impl CudaExecutable {
     }
 
     /// Enqueues every step of the plan for `n` active rows.
-    fn enqueue(&self, n: usize, kv: &CudaKvCache, scratch: &mut Scratch) -> Result<(), RuntimeError> {
+    fn enqueue(&self, n: usize, context: usize, scratch: &mut Scratch) -> Result<(), RuntimeError> {
         let d = &*self.device;
         let (tokens, positions_in) = (self.input("tokens"), self.input("positions"));
         let half = self.ropes.first().map_or(0, |r| r.1 / 2);
@@ -1007,13 +1023,13 @@ impl CudaExecutable {
         for l in &self.launches {
             let quant_out = l.quant_out.map_or(0, |b| self.xq[b].ptr());
             match &l.op {
-                Op::Step(i) => self.enqueue_step(*i, n, kv, scratch, quant_out, l.xq_in)?,
+                Op::Step(i) => self.enqueue_step(*i, n, context, scratch, quant_out, l.xq_in)?,
                 Op::MatVecs { steps, glu, epi, pro } => {
                     let rows = rows_of(self.plan.steps[steps[0]].rows, n);
                     if rows > MATVEC_ROWS {
                         let norms = pro.map_or(Vec::new(), |p| p.norm.steps());
                         for &i in norms.iter().chain(steps).chain(glu) {
-                            self.enqueue_step(i, n, kv, scratch, 0, None)?;
+                            self.enqueue_step(i, n, context, scratch, 0, None)?;
                         }
                         continue;
                     }
@@ -1085,7 +1101,7 @@ impl CudaExecutable {
                         ],
                     )?;
                 }
-                &Op::QkAttention { qk, att } => self.attention(att, n, kv, quant_out, Some(qk))?,
+                &Op::QkAttention { qk, att } => self.attention(att, n, context, quant_out, Some(qk))?,
                 &Op::QkNormRope([a, b, c, e]) => {
                     let s = &self.plan.steps;
                     let (
@@ -1295,7 +1311,7 @@ impl CudaExecutable {
         &self,
         i: usize,
         active: usize,
-        kv: &CudaKvCache,
+        context: usize,
         scratch: &mut Scratch,
         quant_out: u64,
         xq_in: Option<usize>,
@@ -1397,7 +1413,7 @@ impl CudaExecutable {
                     ],
                 )?;
             }
-            Kernel::Attention { .. } => self.attention(i, active, kv, quant_out, None)?,
+            Kernel::Attention { .. } => self.attention(i, active, context, quant_out, None)?,
             Kernel::Add { a, b, out, width } => self.elementwise(self.slot(a), self.slot(b), self.slot(out), rows * width, 0)?,
             Kernel::Mul { a, b, out, width } => self.elementwise(self.slot(a), self.slot(b), self.slot(out), rows * width, 1)?,
             Kernel::Gelu { x, out, width } => self.elementwise(self.slot(x), 0, self.slot(out), rows * width, 2)?,
@@ -1417,9 +1433,9 @@ impl CudaExecutable {
     }
 
     /// Attention step `i` over `active` new rows, its output also quantized into `quant_out` (0:
-    /// not), and the KV append; with `qk` (see `Op::QkAttention`), the q/k norm and RoPE steps
-    /// before it too.
-    fn attention(&self, i: usize, active: usize, kv: &CudaKvCache, quant_out: u64, qk: Option<[usize; 4]>) -> Result<(), RuntimeError> {
+    /// not), and the KV append into a cache of `context` positions (checked by `check_kv`); with
+    /// `qk` (see `Op::QkAttention`), the q/k norm and RoPE steps before it too.
+    fn attention(&self, i: usize, active: usize, context: usize, quant_out: u64, qk: Option<[usize; 4]>) -> Result<(), RuntimeError> {
         let Kernel::Attention { mut q, mut k, v, out, layer, q_heads, kv_heads, head_dim, window, scale } = self.plan.steps[i].kernel
         else {
             return Err(cuda_err("not an attention step"));
@@ -1439,11 +1455,9 @@ impl CudaExecutable {
             (q, k, wq, wk, eps) = (xq, xk, self.weights.vector(w1)?.ptr(), self.weights.vector(w2)?.ptr(), e);
         }
         let d = &*self.device;
-        let l = kv.layers.get(layer).ok_or_else(|| RuntimeError::StepShape(format!("the KV cache has no layer {layer}")))?;
-        if l.spec.k_width() != kv_heads * head_dim || l.spec.v_width() != kv_heads * head_dim || l.spec.window != window {
-            return Err(RuntimeError::StepShape(format!("KV cache layer {layer} does not match the plan")));
-        }
-        let ring = window.map_or(0, |w| w.min(kv.context)) as i32;
+        // The layer's key and value cache addresses, in the step buffer.
+        let cache = self.step.ptr() + (self.kv_at + 16 * layer) as u64;
+        let ring = window.map_or(0, |w| w.min(context)) as i32;
         // A one-row plan appends inside the attention kernel and splits each head's positions.
         let append = self.plan.rows() == 1;
         let splits = if append { attention_splits(q_heads, d.sms as usize) } else { 1 };
@@ -1456,8 +1470,7 @@ impl CudaExecutable {
                 Arg::U64(q),
                 Arg::U64(k),
                 Arg::U64(self.slot(v)),
-                Arg::U64(l.k.ptr()),
-                Arg::U64(l.v.ptr()),
+                Arg::U64(cache),
                 Arg::U64(self.slot(out)),
                 Arg::U64(self.step.ptr()),
                 Arg::I32(q_heads as i32),
@@ -1486,8 +1499,7 @@ impl CudaExecutable {
             &[
                 Arg::U64(k),
                 Arg::U64(self.slot(v)),
-                Arg::U64(l.k.ptr()),
-                Arg::U64(l.v.ptr()),
+                Arg::U64(cache),
                 Arg::U64(self.step.ptr()),
                 Arg::I32((kv_heads * head_dim) as i32),
                 Arg::I32(ring),
@@ -1495,20 +1507,35 @@ impl CudaExecutable {
         )
     }
 
-    /// Replays the captured decode step for `kv`, capturing it first if needed.
-    fn replay(&mut self, kv: &CudaKvCache, scratch: &mut Scratch) -> Result<(), RuntimeError> {
-        if self.graph.as_ref().is_none_or(|g| g.kv_id != kv.id) {
+    /// Checks that `kv` has the layers the plan's attention steps expect.
+    fn check_kv(&self, kv: &CudaKvCache) -> Result<(), RuntimeError> {
+        for st in &self.plan.steps {
+            if let Kernel::Attention { layer, kv_heads, head_dim, window, .. } = st.kernel {
+                let l = kv.layers.get(layer).ok_or_else(|| RuntimeError::StepShape(format!("the KV cache has no layer {layer}")))?;
+                if l.spec.k_width() != kv_heads * head_dim || l.spec.v_width() != kv_heads * head_dim || l.spec.window != window {
+                    return Err(RuntimeError::StepShape(format!("KV cache layer {layer} does not match the plan")));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Replays the captured decode step for a cache of `context` positions, capturing it first
+    /// if needed.
+    fn replay(&mut self, context: usize, scratch: &mut Scratch) -> Result<(), RuntimeError> {
+        if self.graph.as_ref().is_none_or(|g| g.context != context) {
             self.graph = None;
             let stream = self.device.stream.clone();
             stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(cuda_err)?;
             let before = self.device.launches.load(Ordering::Relaxed);
-            let enqueued = self.enqueue(1, kv, scratch);
+            let enqueued = self.enqueue(1, context, scratch);
             self.device.graph_kernels.store(self.device.launches.load(Ordering::Relaxed) - before, Ordering::Relaxed);
             let graph =
                 stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(|e| cuda_err(format!("capturing a decode graph: {e}")));
             enqueued?;
             let graph = graph?.ok_or_else(|| cuda_err("capturing a decode graph gave no graph"))?;
-            self.graph = Some(CapturedStep { kv_id: kv.id, graph });
+            self.graph = Some(CapturedStep { context, graph });
+            self.device.graph_captures.fetch_add(1, Ordering::Relaxed);
         }
         let g = self.graph.as_ref().map(|g| &g.graph).ok_or_else(|| cuda_err("no decode graph"))?;
         g.launch().map_err(|e| cuda_err(format!("launching the decode graph: {e}")))
@@ -1541,19 +1568,27 @@ impl Executable for CudaExecutable {
         if let Some(&bad) = inputs.tokens.iter().find(|&&t| t as usize >= self.vocab) {
             return Err(RuntimeError::TokenOutOfRange { id: bad, vocab: self.vocab });
         }
+        self.check_kv(kv)?;
         let device = self.device.clone();
         let mut scratch = device.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
         device.ctx.bind_to_thread().map_err(cuda_err)?;
-        let mut step = Vec::with_capacity(2 + n);
-        step.push(inputs.start_pos as i32);
-        step.push(n as i32);
-        step.extend(inputs.tokens.iter().map(|&t| t as i32));
-        // SAFETY: the step buffer holds 2 + rows words; pageable memory is staged before return.
+        let mut step = Vec::with_capacity(self.kv_at / 4 + 4 * self.kv_layers);
+        step.push(inputs.start_pos as u32);
+        step.push(n as u32);
+        step.extend(inputs.tokens);
+        step.resize(self.kv_at / 4, 0);
+        for l in &kv.layers[..self.kv_layers] {
+            for p in [l.k.ptr(), l.v.ptr()] {
+                step.extend([p as u32, (p >> 32) as u32]);
+            }
+        }
+        // SAFETY: the step buffer holds kv_at + 16 kv_layers bytes (the words above: rows <= the
+        // plan's); pageable memory is staged before return.
         unsafe { cudarc::driver::result::memcpy_htod_async(self.step.ptr(), &step, device.stream.cu_stream()) }.map_err(cuda_err)?;
         if self.use_graphs && self.plan.rows() == 1 {
-            self.replay(kv, &mut scratch)?;
+            self.replay(kv.context, &mut scratch)?;
         } else {
-            self.enqueue(n, kv, &mut scratch)?;
+            self.enqueue(n, kv.context, &mut scratch)?;
         }
         let mut outs = Vec::with_capacity(self.plan.outputs.len());
         for o in &self.plan.outputs {

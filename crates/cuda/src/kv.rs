@@ -1,16 +1,11 @@
 //! Device-resident KV cache: per layer, sliding-window layers as rings of `window` rows.
 
 use std::any::Any;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use kiln_runtime::{KvCache, KvLayout, LayerKv, RuntimeError};
 
 use crate::device::{Device, DeviceBuffer};
-
-/// Distinguishes caches, so a captured graph (which bakes in the cache's addresses) is replayed
-/// only with the cache it was captured for.
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// One layer's keys and values on the device: `rows` rows of `k_width`/`v_width` floats.
 pub(crate) struct DeviceLayer {
@@ -25,7 +20,6 @@ pub struct CudaKvCache {
     pub(crate) layers: Vec<DeviceLayer>,
     pub(crate) len: usize,
     pub(crate) context: usize,
-    pub(crate) id: u64,
 }
 
 impl CudaKvCache {
@@ -40,7 +34,7 @@ impl CudaKvCache {
                 v: DeviceBuffer::new(&device.ctx, rows * spec.v_width() * 4)?,
             });
         }
-        Ok(CudaKvCache { device, layers, len: 0, context: layout.context, id: NEXT_ID.fetch_add(1, Ordering::Relaxed) })
+        Ok(CudaKvCache { device, layers, len: 0, context: layout.context })
     }
 }
 

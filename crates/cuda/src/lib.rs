@@ -53,6 +53,12 @@ impl CudaBackend {
         self.device.graph_kernels.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Decode graphs captured so far (one per decode bucket and cache context, whichever session
+    /// runs it).
+    pub fn decode_graphs_captured(&self) -> usize {
+        self.device.graph_captures.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Measured device-memory read bandwidth in bytes per second (median of `reps` reads of a
     /// `bytes`-sized buffer).
     pub fn read_bandwidth(&self, bytes: usize, reps: usize) -> Result<f64, RuntimeError> {

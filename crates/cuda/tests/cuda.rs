@@ -226,7 +226,9 @@ fn q4_k_m_mix_greedy_tokens_match_cpu() {
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
 fn a_second_session_replays_correctly_and_reset_reuses_the_cache() {
     let m = gemma3(&small_shape(), FormatMix::Q4KM, 9);
-    let (c, g) = (load(&m, cpu()), load(&m, cuda()));
+    // (A backend of its own: the other tests capture graphs at the same time.)
+    let backend = Arc::new(CudaBackend::new(0).expect("CUDA device 0"));
+    let (c, g) = (load(&m, cpu()), load(&m, backend.clone()));
     let p = prompt(6, 1000);
     let mut sc = c.new_session().unwrap();
     let mut want = vec![next_token(&mut sc, &p)];
@@ -237,6 +239,7 @@ fn a_second_session_replays_correctly_and_reset_reuses_the_cache() {
     // Two sessions interleaved (two KV caches through the same plans), then one reset and rerun.
     let (mut a, mut b) = (g.new_session().unwrap(), g.new_session().unwrap());
     let (mut ta, mut tb) = (vec![next_token(&mut a, &p)], vec![next_token(&mut b, &p)]);
+    let captured = backend.decode_graphs_captured();
     for _ in 0..10 {
         let x = next_token(&mut a, &[*ta.last().unwrap()]);
         ta.push(x);
@@ -245,6 +248,10 @@ fn a_second_session_replays_correctly_and_reset_reuses_the_cache() {
     }
     assert_eq!(ta, want);
     assert_eq!(tb, want);
+    // The sessions share each bucket's graph (at most the two buckets these positions span), not
+    // one capture per switch of cache (20).
+    let captures = backend.decode_graphs_captured() - captured;
+    assert!(captures <= 2, "{captures} decode graphs captured for 20 interleaved steps of two sessions");
     a.reset();
     let mut again = vec![next_token(&mut a, &p)];
     for _ in 0..10 {
