@@ -1,7 +1,8 @@
 // Causal attention over the device-resident KV cache plus the step's new rows, and the append of
-// the new rows. The past length is read from device memory (`step[0]`), and so are the layer's
-// key and value cache addresses (`cache[0]`, `cache[1]`, in the step buffer), so a captured graph
-// replays for any past length of its bucket and any session's cache.
+// the new rows. Each row's position and sequence are read from the step buffer (common.cuh), and
+// so are the layer's key and value cache addresses of each sequence (`cache[2 s]`, `cache[2 s + 1]`),
+// so a captured graph replays for any past length of its bucket and any session's cache, and one
+// launch serves the rows of several sequences, each attending to its own cache.
 
 #define ATT_WARPS 16
 #define ATT_UNROLL 4
@@ -21,8 +22,9 @@
 // otherwise run on as many multiprocessors, each reading its head's whole cache (12B decode on an
 // H200, with the early launches of common.cuh: 283 -> 303 tokens/s). Sliding layers keep `window`
 // rows in a ring (slot = pos % window); global layers keep every position (slot = pos).
-// With `append` (one new row only), the first query head of each group also appends the row's
-// keys and values to the cache: the slot it writes holds a position no query of this step reads.
+// With `append` (a one-row plan, whose row is sequence 0), the first query head of each group also
+// appends the row's keys and values to the cache: the slot it writes holds a position no query of
+// this step reads. Plans of several rows append with `kv_append` after attention.
 // With `xq`, the output row is also written quantized for the next matrix-vector product.
 // With `wq` (one new row, d a multiple of 64): q and k_new are the projections before their per-head
 // RMS norms (weights wq, wk) and NeoX RoPE at the row's position, whose cosines and sines
@@ -45,9 +47,11 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
     int i = head / q_heads, h = head % q_heads;
     int g = h / (q_heads / kv_heads);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int start = step[0];
-    float *k_cache = (float*)cache[0], *v_cache = (float*)cache[1];
-    int p = start + i;
+    StepRow row = step_row(step, i);
+    int seq = append ? 0 : row.seq;
+    float *k_cache = (float*)cache[2 * seq], *v_cache = (float*)cache[2 * seq + 1];
+    // The sequence's cached positions are 0..start; its new rows first.. hold start...
+    int p = row.pos, start = p - (i - row.first);
     int lo = window > 0 ? max(0, p + 1 - window) : 0;
     // This block's share of the positions lo..p: [b0, e0].
     int len = p + 1 - lo, shares = len < ATT_SPLIT_FROM ? 1 : min(splits, (len + ATT_SPLIT_MIN - 1) / ATT_SPLIT_MIN);
@@ -75,8 +79,8 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
         }
     }
     // The cached rows were written by earlier steps: brought into L2 before waiting for this step's
-    // q, k and v (one 128-byte line per thread and turn; the blocks of the first row do it).
-    if (i == 0) {
+    // q, k and v (one 128-byte line per thread and turn; the blocks of a sequence's first row do it).
+    if (i == row.first) {
         int lines = d >> 5;
         for (int t = threadIdx.x; t < (min(e0 + 1, start) - b0) * lines; t += blockDim.x) {
             int pos = b0 + t / lines;
@@ -138,8 +142,9 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
                     kr = k_cache + slot * kvw + g * d;
                     vr = v_cache + slot * kvw + g * d;
                 } else {
-                    kr = wq ? s_qk[1] : k_new + (u64)(pos - start) * kvw + g * d;
-                    vr = v_new + (u64)(pos - start) * kvw + g * d;
+                    // (Position pos of the row's sequence is new row i + pos - p.)
+                    kr = wq ? s_qk[1] : k_new + (u64)(i + pos - p) * kvw + g * d;
+                    vr = v_new + (u64)(i + pos - p) * kvw + g * d;
                 }
 #pragma unroll
                 for (int t = 0; t < ATT_MAX_DIM / 32; t++) {
@@ -226,15 +231,17 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
 extern "C" __global__ void attention(ATT_ARGS) { attention_impl<false>(ATT_PASS); }
 extern "C" __global__ void attention_qk(ATT_ARGS) { attention_impl<true>(ATT_PASS); }
 
-// Appends the step's new rows to one layer's cache (only the last `window` of them on a sliding
-// layer, so no two blocks write one slot). One block per new row.
+// Appends the step's new rows to one layer's cache of their sequence (only a sequence's last
+// `window` rows on a sliding layer, so no two blocks write one slot). One block per new row.
 extern "C" __global__ void kv_append(const float* k_new, const float* v_new, const u64* cache, const int* step, int width,
                                      int window) {
-    float *k_cache = (float*)cache[0], *v_cache = (float*)cache[1];
+    int r = blockIdx.x;
     pdl_wait();
-    int r = blockIdx.x, rows = step[1];
-    if (r >= rows || (window > 0 && r < rows - window)) return;
-    int pos = step[0] + r;
+    if (r >= step[0]) return;
+    StepRow row = step_row(step, r);
+    if (window > 0 && r < row.end - window) return;
+    float *k_cache = (float*)cache[2 * row.seq], *v_cache = (float*)cache[2 * row.seq + 1];
+    int pos = row.pos;
     u64 slot = window > 0 ? (u64)(pos % window) : (u64)pos;
     for (int j = threadIdx.x; j < width; j += blockDim.x) {
         k_cache[slot * width + j] = k_new[(u64)r * width + j];

@@ -31,6 +31,22 @@ __device__ __forceinline__ void pdl_release() {
 #endif
 }
 
+// The step buffer, written by the host before each step (exec.rs, `StepLayout`), as 32-bit words:
+// [0] the active rows n, [1] the sequences, [2] the plan's rows R, [3] 0; from word 4, per row
+// {its position, its sequence, the sequence's first row, the row after its last} (at a fixed
+// offset: a row's record is one load, not two in a row); then the R token ids; then per sequence
+// its last row (the head's input in prefill). The rows of a sequence are consecutive, as are its
+// positions: the sequence's cache held `position - (row - first)` rows before the step. Past these
+// words (at a byte offset the host passes as a pointer) lie the cache addresses. Nothing in a step
+// writes it, so kernels may read it before `pdl_wait`.
+struct StepRow {
+    int pos, seq, first, end;
+};
+__device__ __forceinline__ StepRow step_row(const int* step, int r) { return ((const StepRow*)(step + 4))[r]; }
+// (`rows`: the plan's R, passed by the host so that these are one load, not two in a row.)
+__device__ __forceinline__ int step_token(const int* step, int rows, int r) { return step[4 + 4 * rows + r]; }
+__device__ __forceinline__ int step_last_row(const int* step, int rows, int s) { return step[4 + 5 * rows + s]; }
+
 // Asynchronous copies from global to shared memory (sm_80 and later; a plain copy before): each
 // thread's copies since its last `cp_async_commit` form a group; `cp_async_wait<N>` waits until at
 // most N of the thread's groups are still in flight, whose bytes the thread may then read.

@@ -1,23 +1,23 @@
 // Element-wise and row kernels: step inputs, RMS norm, RoPE, add/mul, GELU, last row, argmax.
 
-// Writes the step's token ids and positions into the arena: `step` = [start, rows, token...].
-// The past length lives in device memory, so a captured graph serves every step of its bucket.
-// For one-row steps also the RoPE cosines and sines of position `start` for `n_rope` (<= 2) bases
-// (theta0, theta1), `half` pairs each, into rope[c * half + i] (angles in double, as the CPU and
-// the rope kernel compute them).
-extern "C" __global__ void set_inputs(const int* step, int* tokens, int* positions, float2* rope, int n_rope, int half,
+// Writes the step's token ids and positions into the arena from the step buffer (common.cuh) of a
+// plan of `rows` rows. The positions live in device memory, so a captured graph serves every step
+// of its bucket. For one-row steps also the RoPE cosines and sines of the row's position for
+// `n_rope` (<= 2) bases (theta0, theta1), `half` pairs each, into rope[c * half + i] (angles in
+// double, as the CPU and the rope kernel compute them).
+extern "C" __global__ void set_inputs(const int* step, int rows, int* tokens, int* positions, float2* rope, int n_rope, int half,
                                       float theta0, float theta1) {
     pdl_wait();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n_rope * half) {
         int j = i % half;
         double inv_freq = 1.0 / pow((double)(i < half ? theta0 : theta1), (double)(2 * j) / (double)(2 * half));
-        double ang = (double)step[0] * inv_freq;
+        double ang = (double)step_row(step, 0).pos * inv_freq;
         rope[i] = make_float2((float)cos(ang), (float)sin(ang));
     }
-    if (i >= step[1]) return;
-    if (tokens) tokens[i] = step[2 + i];
-    if (positions) positions[i] = step[0] + i;
+    if (i >= step[0]) return;
+    if (tokens) tokens[i] = step_token(step, rows, i);
+    if (positions) positions[i] = step_row(step, i).pos;
 }
 
 // Norm kernels load every value of their row before the first reduction (up to NORM_PER per
@@ -124,7 +124,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm2(const float
 
 // Per-head RMS norms of q and k followed by NeoX RoPE, one block per (row, head) of q's heads
 // then k's: qn/kn = the normed heads, qr/kr = the rotated ones. Block size >= head_dim / 2.
-// With `step` (the positions are the step's: start + row), the rotation is computed before
+// With `step` (the positions are the step's), the rotation is computed before
 // waiting for the kernels that write q and k; else the positions are read from `positions`.
 extern "C" __global__ void qk_norm_rope(const float* q, const float* k, const float* wq, const float* wk,
                                         const int* positions, const int* step, float* qn, float* kn, float* qr, float* kr,
@@ -142,7 +142,7 @@ extern "C" __global__ void qk_norm_rope(const float* q, const float* k, const fl
     double inv_freq = 1.0 / pow((double)theta, (double)(2 * i) / (double)d);
     float c = 0.f, s = 0.f;
     if (step) {
-        double ang = (double)(step[0] + r) * inv_freq;
+        double ang = (double)step_row(step, r).pos * inv_freq;
         c = (float)cos(ang);
         s = (float)sin(ang);
     }
@@ -193,10 +193,13 @@ extern "C" __global__ void elementwise(const float* a, const float* b, float* ou
     out[i] = y;
 }
 
-extern "C" __global__ void copy_row(const float* x, float* out, int row, int width) {
+// out[s, :] = x[last row of sequence s, :] for the step's sequences (blockIdx.y: the sequence) of a
+// plan of `rows` rows.
+extern "C" __global__ void copy_last_rows(const float* x, float* out, const int* step, int rows, int width) {
     pdl_wait();
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < width) out[i] = x[(u64)row * width + i];
+    int s = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= step[1] || i >= width) return;
+    out[(u64)s * width + i] = x[(u64)step_last_row(step, rows, s) * width + i];
 }
 
 // Better of two (value, index) candidates: larger value, lower index on ties.

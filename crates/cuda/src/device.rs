@@ -403,9 +403,17 @@ mod tests {
         assert!(quant.contains(&"matvecr2_q6_k".to_string()));
         assert!(quant.contains(&"quantize_rows".to_string()));
         let ops = kernel_names(FAMILIES[1].1);
-        for k in
-            ["set_inputs", "rms_norm", "rms_norm2", "qk_norm_rope", "rope", "elementwise", "copy_row", "argmax_partial", "argmax_final"]
-        {
+        for k in [
+            "set_inputs",
+            "rms_norm",
+            "rms_norm2",
+            "qk_norm_rope",
+            "rope",
+            "elementwise",
+            "copy_last_rows",
+            "argmax_partial",
+            "argmax_final",
+        ] {
             assert!(ops.contains(&k.to_string()), "{k}");
         }
         assert_eq!(kernel_names(FAMILIES[2].1), vec!["attention".to_string(), "attention_qk".to_string(), "kv_append".to_string()]);

@@ -1,11 +1,12 @@
 //! Runs a [`Plan`] on the GPU: one device arena per executable, kernels launched step by step on
-//! the device's stream; decode plans are captured once per KV cache as a CUDA graph and replayed.
+//! the device's stream; decode steps of up to `MATVEC_ROWS` sequences are captured once per count
+//! of sequences as a CUDA graph and replayed.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaGraph};
-use kiln_ir::DType;
+use kiln_ir::{Bucket, DType};
 use kiln_quant::GgmlType;
 use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KvCache, Plan, Rows, RuntimeError, Slot, Step, StepInputs, WeightId};
 
@@ -773,10 +774,11 @@ fn fuse_at(steps: &[Step], i: usize, weights: &dyn WeightShapes) -> Result<Optio
     Ok(None)
 }
 
-/// A captured decode step. It reads the KV cache's addresses from the step buffer, so it replays
-/// for every cache of the model, but bakes in the ring sizes of sliding layers, which depend on the
-/// cache's context.
+/// A captured decode step of `rows` sequences. It reads the caches' addresses and the positions
+/// from the step buffer, so it replays for any sessions of the model, but bakes in the launches'
+/// grids (the row count) and the ring sizes of sliding layers, which depend on the caches' context.
 struct CapturedStep {
+    rows: usize,
     context: usize,
     graph: CudaGraph,
 }
@@ -784,25 +786,86 @@ struct CapturedStep {
 // SAFETY: the graph is launched only by its executable, under the device lock.
 unsafe impl Send for CapturedStep {}
 
+/// Where things lie in an executable's step buffer (read by the kernels through `step_row`,
+/// `step_token` and `step_last_row` in common.cuh): 32-bit words `[n, sequences, rows, 0]`, per row
+/// `{position, sequence, its first row, the row after its last}`, the `rows` token ids, per
+/// sequence its last row; then from byte `kv_at` (8-byte aligned), per layer and sequence, the key and value cache
+/// addresses. Kernels read the caches' addresses from here, so a captured graph serves every
+/// session's cache (before, a graph baked one cache's addresses in and was captured again
+/// whenever another session stepped) and one step serves several sequences.
+#[derive(Clone, Copy)]
+struct StepLayout {
+    rows: usize,
+    seqs: usize,
+    layers: usize,
+}
+
+impl StepLayout {
+    /// Byte offset of the cache addresses.
+    fn kv_at(&self) -> usize {
+        ((4 + 5 * self.rows + self.seqs) * 4).next_multiple_of(8)
+    }
+
+    /// Bytes of the buffer.
+    fn bytes(&self) -> usize {
+        self.kv_at() + 16 * self.layers * self.seqs
+    }
+
+    /// Byte offset of layer `layer`'s cache addresses (sequence s: the pair at `16 s` from it).
+    fn cache(&self, layer: usize) -> usize {
+        self.kv_at() + 16 * self.seqs * layer
+    }
+
+    /// The buffer's words for `tokens` in consecutive runs of `segments[i].1` rows per sequence
+    /// (`segments[i].0`: its cache, whose length is the run's first position).
+    fn words(&self, tokens: &[u32], segments: &[(&CudaKvCache, usize)]) -> Vec<u32> {
+        let mut w = Vec::with_capacity(self.bytes() / 4);
+        w.extend([tokens.len() as u32, segments.len() as u32, self.rows as u32, 0]);
+        let mut first = 0;
+        for (s, (kv, rows)) in segments.iter().enumerate() {
+            for r in 0..*rows {
+                w.extend([(kv.len + r) as u32, s as u32, first as u32, (first + rows) as u32]);
+            }
+            first += rows;
+        }
+        w.resize(4 + 4 * self.rows, 0);
+        w.extend(tokens);
+        w.resize(4 + 5 * self.rows, 0);
+        let mut end = 0;
+        for (_, rows) in segments {
+            end += rows;
+            w.push(end as u32 - 1);
+        }
+        w.resize(self.kv_at() / 4, 0);
+        let mut table = vec![0u64; 2 * self.layers * self.seqs];
+        for (s, (kv, _)) in segments.iter().enumerate() {
+            for (l, layer) in kv.layers.iter().take(self.layers).enumerate() {
+                table[2 * (l * self.seqs + s)] = layer.k.ptr();
+                table[2 * (l * self.seqs + s) + 1] = layer.v.ptr();
+            }
+        }
+        w.extend(table.iter().flat_map(|&p| [p as u32, (p >> 32) as u32]));
+        w
+    }
+}
+
 /// A plan bound to the device's weights, with its own arena and step buffer.
 pub struct CudaExecutable {
     plan: Arc<Plan>,
     weights: Arc<CudaWeights>,
     device: Arc<Device>,
     arena: DeviceBuffer,
-    /// `[start, rows, token ids...]`, then from byte `kv_at` the key and value cache addresses of
-    /// each of `kv_layers` layers, written before each step (one copy): kernels read the cache's
-    /// addresses from here, so a captured graph serves every session's cache (a graph per cache
-    /// was captured again whenever another session stepped).
+    /// The step's tokens, rows, sequences and cache addresses (`StepLayout`), written before each
+    /// step (one copy).
     step: DeviceBuffer,
-    kv_at: usize,
-    kv_layers: usize,
+    layout: StepLayout,
     /// Full products of greedy heads and the argmax partials (per executable: graphs bake them in).
     head: DeviceBuffer,
     head_values: usize,
     /// Vocabulary of the embedding (token ids are checked against it).
     vocab: usize,
-    graph: Option<CapturedStep>,
+    /// Captured steps, one per row count and context.
+    graphs: Vec<CapturedStep>,
     use_graphs: bool,
     /// The launches, fused where possible.
     launches: Vec<Launch>,
@@ -872,11 +935,20 @@ fn mats_k(weights: &CudaWeights, mats: &[(WeightId, u64)]) -> Result<usize, Runt
     Ok(weights.matrix(mats[0].0)?.k)
 }
 
-/// Rows of a step that runs over `active` rows.
-fn rows_of(rows: Rows, active: usize) -> usize {
+/// What one run of an executable covers: its active rows, their sequences, and the context of
+/// the sequences' caches (which sets the ring size of sliding layers).
+#[derive(Clone, Copy)]
+struct Active {
+    rows: usize,
+    seqs: usize,
+    context: usize,
+}
+
+/// Rows of a step in a run over `active` rows of `seqs` sequences.
+fn rows_of(rows: Rows, active: usize, seqs: usize) -> usize {
     match rows {
         Rows::Active => active,
-        Rows::One => 1,
+        Rows::One => seqs,
     }
 }
 
@@ -895,7 +967,7 @@ impl CudaExecutable {
                 }
                 Kernel::MatMulArgmax { w, .. } => {
                     let n = weights.matrix(*w)?.n;
-                    head_values = head_values.max(rows_of(step.rows, plan.rows()) * n);
+                    head_values = head_values.max(rows_of(step.rows, plan.rows(), plan.bucket.seqs().max(1)) * n);
                 }
                 Kernel::RmsNorm { weight, .. } => {
                     let width = weights.vector(*weight)?.bytes() / 4;
@@ -921,14 +993,14 @@ impl CudaExecutable {
             }
         }
         let arena = DeviceBuffer::new(&device.ctx, plan.arena_words * 4)?;
-        let kv_layers = plan
+        let layers = plan
             .steps
             .iter()
             .filter_map(|st| if let Kernel::Attention { layer, .. } = st.kernel { Some(layer + 1) } else { None })
             .max()
             .unwrap_or(0);
-        let kv_at = ((2 + plan.rows()) * 4).next_multiple_of(8);
-        let step = DeviceBuffer::new(&device.ctx, kv_at + 16 * kv_layers)?;
+        let layout = StepLayout { rows: plan.rows(), seqs: plan.bucket.seqs().max(1), layers };
+        let step = DeviceBuffer::new(&device.ctx, layout.bytes())?;
         let argmax_rows = plan.rows();
         let head = DeviceBuffer::new(&device.ctx, (head_values + 2 * ARGMAX_BLOCKS * argmax_rows) * 4)?;
         let launches = lower(&plan, &*weights)?;
@@ -972,12 +1044,11 @@ impl CudaExecutable {
             device,
             arena,
             step,
-            kv_at,
-            kv_layers,
+            layout,
             head,
             head_values,
             vocab,
-            graph: None,
+            graphs: Vec::new(),
             use_graphs,
             launches,
             xq,
@@ -1000,7 +1071,8 @@ impl CudaExecutable {
     }
 
     /// Enqueues every step of the plan for `n` active rows.
-    fn enqueue(&self, n: usize, context: usize, scratch: &mut Scratch) -> Result<(), RuntimeError> {
+    fn enqueue(&self, run: Active, scratch: &mut Scratch) -> Result<(), RuntimeError> {
+        let n = run.rows;
         let d = &*self.device;
         let (tokens, positions_in) = (self.input("tokens"), self.input("positions"));
         let half = self.ropes.first().map_or(0, |r| r.1 / 2);
@@ -1011,6 +1083,7 @@ impl CudaExecutable {
             256,
             &[
                 Arg::U64(self.step.ptr()),
+                Arg::I32(self.layout.rows as i32),
                 Arg::U64(tokens),
                 Arg::U64(positions_in),
                 Arg::U64(self.rope.ptr()),
@@ -1023,13 +1096,13 @@ impl CudaExecutable {
         for l in &self.launches {
             let quant_out = l.quant_out.map_or(0, |b| self.xq[b].ptr());
             match &l.op {
-                Op::Step(i) => self.enqueue_step(*i, n, context, scratch, quant_out, l.xq_in)?,
+                Op::Step(i) => self.enqueue_step(*i, run, scratch, quant_out, l.xq_in)?,
                 Op::MatVecs { steps, glu, epi, pro } => {
-                    let rows = rows_of(self.plan.steps[steps[0]].rows, n);
+                    let rows = rows_of(self.plan.steps[steps[0]].rows, n, run.seqs);
                     if rows > MATVEC_ROWS {
                         let norms = pro.map_or(Vec::new(), |p| p.norm.steps());
                         for &i in norms.iter().chain(steps).chain(glu) {
-                            self.enqueue_step(i, n, context, scratch, 0, None)?;
+                            self.enqueue_step(i, run, scratch, 0, None)?;
                         }
                         continue;
                     }
@@ -1083,7 +1156,7 @@ impl CudaExecutable {
                     else {
                         return Err(cuda_err("a fused norm pair is not two norms"));
                     };
-                    let rows = rows_of(self.plan.steps[a].rows, n);
+                    let rows = rows_of(self.plan.steps[a].rows, n, run.seqs);
                     d.launch(
                         "rms_norm2",
                         (rows as u32, 1),
@@ -1101,7 +1174,7 @@ impl CudaExecutable {
                         ],
                     )?;
                 }
-                &Op::QkAttention { qk, att } => self.attention(att, n, context, quant_out, Some(qk))?,
+                &Op::QkAttention { qk, att } => self.attention(att, run, quant_out, Some(qk))?,
                 &Op::QkNormRope([a, b, c, e]) => {
                     let s = &self.plan.steps;
                     let (
@@ -1113,7 +1186,7 @@ impl CudaExecutable {
                     else {
                         return Err(cuda_err("a fused q/k norm and RoPE is not two norms and two RoPEs"));
                     };
-                    let rows = rows_of(s[a].rows, n);
+                    let rows = rows_of(s[a].rows, n, run.seqs);
                     // The plan's positions input is the step's (`set_inputs`): the kernel computes
                     // them from the step buffer, before its predecessor ends.
                     let step = if self.slot(*positions) == positions_in { self.step.ptr() } else { 0 };
@@ -1307,17 +1380,10 @@ impl CudaExecutable {
     /// Enqueues plan step `i` for `active` rows.
     /// `quant_out`: the buffer its output is also written to quantized (0: none); `xq_in`: for a
     /// matrix product, the buffer holding its input quantized.
-    fn enqueue_step(
-        &self,
-        i: usize,
-        active: usize,
-        context: usize,
-        scratch: &mut Scratch,
-        quant_out: u64,
-        xq_in: Option<usize>,
-    ) -> Result<(), RuntimeError> {
+    fn enqueue_step(&self, i: usize, run: Active, scratch: &mut Scratch, quant_out: u64, xq_in: Option<usize>) -> Result<(), RuntimeError> {
         let step = &self.plan.steps[i];
-        let (kernel, rows) = (&step.kernel, rows_of(step.rows, active));
+        let active = run.rows;
+        let (kernel, rows) = (&step.kernel, rows_of(step.rows, active, run.seqs));
         let d = &*self.device;
         let w = &*self.weights;
         #[allow(unreachable_patterns)]
@@ -1413,7 +1479,7 @@ impl CudaExecutable {
                     ],
                 )?;
             }
-            Kernel::Attention { .. } => self.attention(i, active, context, quant_out, None)?,
+            Kernel::Attention { .. } => self.attention(i, run, quant_out, None)?,
             Kernel::Add { a, b, out, width } => self.elementwise(self.slot(a), self.slot(b), self.slot(out), rows * width, 0)?,
             Kernel::Mul { a, b, out, width } => self.elementwise(self.slot(a), self.slot(b), self.slot(out), rows * width, 1)?,
             Kernel::Gelu { x, out, width } => self.elementwise(self.slot(x), 0, self.slot(out), rows * width, 2)?,
@@ -1421,10 +1487,16 @@ impl CudaExecutable {
                 self.elementwise(self.slot(gate), self.slot(up), self.slot(out), rows * width, 3)?
             }
             Kernel::LastRow { x, out, width } => d.launch(
-                "copy_row",
-                (width.div_ceil(256) as u32, 1),
+                "copy_last_rows",
+                (width.div_ceil(256) as u32, run.seqs as u32),
                 256,
-                &[Arg::U64(self.slot(x)), Arg::U64(self.slot(out)), Arg::I32(active as i32 - 1), Arg::I32(width as i32)],
+                &[
+                    Arg::U64(self.slot(x)),
+                    Arg::U64(self.slot(out)),
+                    Arg::U64(self.step.ptr()),
+                    Arg::I32(self.layout.rows as i32),
+                    Arg::I32(width as i32),
+                ],
             )?,
             Kernel::Argmax { x, out, width } => self.argmax(self.slot(x), self.slot(out), rows, width)?,
             ref other => return Err(cuda_err(format!("the CUDA backend has no kernel for {other:?}"))),
@@ -1433,9 +1505,10 @@ impl CudaExecutable {
     }
 
     /// Attention step `i` over `active` new rows, its output also quantized into `quant_out` (0:
-    /// not), and the KV append into a cache of `context` positions (checked by `check_kv`); with
-    /// `qk` (see `Op::QkAttention`), the q/k norm and RoPE steps before it too.
-    fn attention(&self, i: usize, active: usize, context: usize, quant_out: u64, qk: Option<[usize; 4]>) -> Result<(), RuntimeError> {
+    /// not), and the KV append into each sequence's cache (checked by `check_kv`); with `qk` (see
+    /// `Op::QkAttention`), the q/k norm and RoPE steps before it too.
+    fn attention(&self, i: usize, run: Active, quant_out: u64, qk: Option<[usize; 4]>) -> Result<(), RuntimeError> {
+        let active = run.rows;
         let Kernel::Attention { mut q, mut k, v, out, layer, q_heads, kv_heads, head_dim, window, scale } = self.plan.steps[i].kernel
         else {
             return Err(cuda_err("not an attention step"));
@@ -1456,8 +1529,8 @@ impl CudaExecutable {
         }
         let d = &*self.device;
         // The layer's key and value cache addresses, in the step buffer.
-        let cache = self.step.ptr() + (self.kv_at + 16 * layer) as u64;
-        let ring = window.map_or(0, |w| w.min(context)) as i32;
+        let cache = self.step.ptr() + self.layout.cache(layer) as u64;
+        let ring = window.map_or(0, |w| w.min(run.context)) as i32;
         // A one-row plan appends inside the attention kernel and splits each head's positions.
         let append = self.plan.rows() == 1;
         let splits = if append { attention_splits(q_heads, d.sms as usize) } else { 1 };
@@ -1520,25 +1593,30 @@ impl CudaExecutable {
         Ok(())
     }
 
-    /// Replays the captured decode step for a cache of `context` positions, capturing it first
-    /// if needed.
-    fn replay(&mut self, context: usize, scratch: &mut Scratch) -> Result<(), RuntimeError> {
-        if self.graph.as_ref().is_none_or(|g| g.context != context) {
-            self.graph = None;
+    /// Whether a run of `rows` rows replays a captured graph: a one-row plan, or a decode plan
+    /// whose rows all take the matrix-vector kernels (wider ones call cuBLAS and allocate its
+    /// scratch, which a capture does not allow).
+    fn graphed(&self, rows: usize) -> bool {
+        self.use_graphs && (self.plan.rows() == 1 || matches!(self.plan.bucket, Bucket::Decode { .. }) && rows <= MATVEC_ROWS)
+    }
+
+    /// Replays the captured step for `run` (one row per sequence), capturing it first if needed.
+    fn replay(&mut self, run: Active, scratch: &mut Scratch) -> Result<(), RuntimeError> {
+        if !self.graphs.iter().any(|g| g.rows == run.rows && g.context == run.context) {
             let stream = self.device.stream.clone();
             stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(cuda_err)?;
             let before = self.device.launches.load(Ordering::Relaxed);
-            let enqueued = self.enqueue(1, context, scratch);
+            let enqueued = self.enqueue(run, scratch);
             self.device.graph_kernels.store(self.device.launches.load(Ordering::Relaxed) - before, Ordering::Relaxed);
             let graph =
                 stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(|e| cuda_err(format!("capturing a decode graph: {e}")));
             enqueued?;
             let graph = graph?.ok_or_else(|| cuda_err("capturing a decode graph gave no graph"))?;
-            self.graph = Some(CapturedStep { context, graph });
+            self.graphs.push(CapturedStep { rows: run.rows, context: run.context, graph });
             self.device.graph_captures.fetch_add(1, Ordering::Relaxed);
         }
-        let g = self.graph.as_ref().map(|g| &g.graph).ok_or_else(|| cuda_err("no decode graph"))?;
-        g.launch().map_err(|e| cuda_err(format!("launching the decode graph: {e}")))
+        let g = self.graphs.iter().find(|g| g.rows == run.rows && g.context == run.context).ok_or_else(|| cuda_err("no decode graph"))?;
+        g.graph.launch().map_err(|e| cuda_err(format!("launching the decode graph: {e}")))
     }
 }
 
@@ -1548,51 +1626,90 @@ impl Executable for CudaExecutable {
     }
 
     fn run(&mut self, inputs: StepInputs<'_>, kv: &mut dyn KvCache) -> Result<Vec<HostTensor>, RuntimeError> {
-        let n = inputs.tokens.len();
-        if n == 0 || n > self.plan.rows() {
-            return Err(RuntimeError::StepShape(format!("{n} tokens for a plan of {} rows", self.plan.rows())));
-        }
-        let kv = kv
-            .as_any_mut()
-            .downcast_mut::<CudaKvCache>()
-            .ok_or_else(|| RuntimeError::StepShape("the KV cache does not belong to the CUDA backend".into()))?;
-        if !Arc::ptr_eq(&kv.device, &self.device) {
-            return Err(RuntimeError::StepShape("the KV cache lives on another CUDA device".into()));
-        }
+        let kv = cuda_kv(kv)?;
         if kv.len != inputs.start_pos {
             return Err(RuntimeError::StepShape(format!("step starts at {} but the KV cache holds {}", inputs.start_pos, kv.len)));
         }
-        if inputs.start_pos + n > kv.context {
-            return Err(RuntimeError::KvFull { capacity: kv.context, needed: inputs.start_pos + n });
+        self.execute(inputs.tokens, &[inputs.tokens.len()], &mut [kv])
+    }
+
+    fn run_batch(&mut self, tokens: &[u32], rows: &[usize], kvs: &mut [&mut dyn KvCache]) -> Result<Vec<HostTensor>, RuntimeError> {
+        let fits = match self.plan.bucket {
+            Bucket::Decode { seqs, .. } => rows.len() <= seqs && rows.iter().all(|&r| r == 1),
+            Bucket::Prefill { seqs, .. } => rows.len() <= seqs && rows.iter().all(|&r| r >= 1),
+        };
+        if !fits || kvs.len() != rows.len() || rows.iter().sum::<usize>() != tokens.len() {
+            return Err(RuntimeError::StepShape(format!(
+                "{} tokens in sequences of {rows:?} rows for {} caches do not fit a {:?} plan",
+                tokens.len(),
+                kvs.len(),
+                self.plan.bucket
+            )));
         }
-        if let Some(&bad) = inputs.tokens.iter().find(|&&t| t as usize >= self.vocab) {
+        let mut caches = kvs.iter_mut().map(|kv| cuda_kv(&mut **kv)).collect::<Result<Vec<_>, _>>()?;
+        self.execute(tokens, rows, &mut caches)
+    }
+}
+
+/// The CUDA cache behind `kv`.
+fn cuda_kv(kv: &mut dyn KvCache) -> Result<&mut CudaKvCache, RuntimeError> {
+    kv.as_any_mut()
+        .downcast_mut::<CudaKvCache>()
+        .ok_or_else(|| RuntimeError::StepShape("the KV cache does not belong to the CUDA backend".into()))
+}
+
+impl CudaExecutable {
+    /// Runs the plan over `tokens`, consecutive runs of `rows[i]` rows for the sequence whose
+    /// cache is `kvs[i]` (at positions from its length on), appends their keys and values, and
+    /// copies the outputs back (one row per sequence where the plan keeps their last rows).
+    fn execute(&mut self, tokens: &[u32], rows: &[usize], kvs: &mut [&mut CudaKvCache]) -> Result<Vec<HostTensor>, RuntimeError> {
+        let n = tokens.len();
+        if n == 0 || n > self.plan.rows() {
+            return Err(RuntimeError::StepShape(format!("{n} tokens for a plan of {} rows", self.plan.rows())));
+        }
+        if kvs.is_empty() || kvs.len() > self.layout.seqs || kvs.len() != rows.len() || rows.iter().sum::<usize>() != n {
+            return Err(RuntimeError::StepShape(format!(
+                "{n} tokens in sequences of {rows:?} rows for {} caches do not fit a plan of {} sequences",
+                kvs.len(),
+                self.layout.seqs
+            )));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.vocab) {
             return Err(RuntimeError::TokenOutOfRange { id: bad, vocab: self.vocab });
         }
-        self.check_kv(kv)?;
+        let context = kvs[0].context;
+        for (kv, &r) in kvs.iter().zip(rows) {
+            if !Arc::ptr_eq(&kv.device, &self.device) {
+                return Err(RuntimeError::StepShape("the KV cache lives on another CUDA device".into()));
+            }
+            if kv.context != context {
+                return Err(RuntimeError::StepShape(format!(
+                    "the caches of one step must have one context size (got {context} and {})",
+                    kv.context
+                )));
+            }
+            if kv.len + r > kv.context {
+                return Err(RuntimeError::KvFull { capacity: kv.context, needed: kv.len + r });
+            }
+            self.check_kv(kv)?;
+        }
         let device = self.device.clone();
         let mut scratch = device.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
         device.ctx.bind_to_thread().map_err(cuda_err)?;
-        let mut step = Vec::with_capacity(self.kv_at / 4 + 4 * self.kv_layers);
-        step.push(inputs.start_pos as u32);
-        step.push(n as u32);
-        step.extend(inputs.tokens);
-        step.resize(self.kv_at / 4, 0);
-        for l in &kv.layers[..self.kv_layers] {
-            for p in [l.k.ptr(), l.v.ptr()] {
-                step.extend([p as u32, (p >> 32) as u32]);
-            }
-        }
-        // SAFETY: the step buffer holds kv_at + 16 kv_layers bytes (the words above: rows <= the
-        // plan's); pageable memory is staged before return.
+        let segments: Vec<(&CudaKvCache, usize)> = kvs.iter().map(|kv| &**kv).zip(rows.iter().copied()).collect();
+        let step = self.layout.words(tokens, &segments);
+        // SAFETY: the step buffer holds layout.bytes() bytes, as many as the words (n <= the
+        // plan's rows, sequences <= its sequences); pageable memory is staged before return.
         unsafe { cudarc::driver::result::memcpy_htod_async(self.step.ptr(), &step, device.stream.cu_stream()) }.map_err(cuda_err)?;
-        if self.use_graphs && self.plan.rows() == 1 {
-            self.replay(kv.context, &mut scratch)?;
+        let run = Active { rows: n, seqs: kvs.len(), context };
+        if self.graphed(n) {
+            self.replay(run, &mut scratch)?;
         } else {
-            self.enqueue(n, kv.context, &mut scratch)?;
+            self.enqueue(run, &mut scratch)?;
         }
         let mut outs = Vec::with_capacity(self.plan.outputs.len());
         for o in &self.plan.outputs {
-            let rows = if o.rows == Rows::One { 1 } else { n };
+            let rows = if o.rows == Rows::One { kvs.len() } else { n };
             let len = rows * o.width;
             let src = self.slot(o.slot);
             let data = match o.dtype {
@@ -1612,7 +1729,9 @@ impl Executable for CudaExecutable {
             outs.push(HostTensor { name: o.name.clone(), shape: [rows, o.width], data });
         }
         device.sync()?;
-        kv.len += n;
+        for (kv, &r) in kvs.iter_mut().zip(rows) {
+            kv.len += r;
+        }
         Ok(outs)
     }
 }

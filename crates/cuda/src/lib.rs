@@ -87,6 +87,10 @@ impl Backend for CudaBackend {
     fn new_kv_cache(&self, layout: &KvLayout) -> Result<Box<dyn KvCache>, RuntimeError> {
         Ok(Box::new(CudaKvCache::new(self.device.clone(), layout)?))
     }
+
+    fn runs_batches(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

@@ -222,6 +222,70 @@ fn q4_k_m_mix_greedy_tokens_match_cpu() {
     }
 }
 
+/// Several sequences in one step, each over its own cache at its own positions, give what each
+/// gives alone on the CPU (with decode graphs and with host launches): a batched prefill of three
+/// prompts of different lengths, batched decode steps (logits, 3 rows; then greedy tokens), and a
+/// step where one sequence decodes while a new one prefills (as the server schedules them); sliding
+/// layers wrap their rings on the way.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+fn batched_steps_match_each_sequence_alone() {
+    batched_steps_match(cuda());
+    batched_steps_match(cuda_host_launches());
+}
+
+fn batched_steps_match(backend: Arc<CudaBackend>) {
+    let m = gemma3(&small_shape(), FormatMix::Q4KM, 13);
+    let (c, g) = (load(&m, cpu()), load(&m, backend));
+    let prompts: Vec<Vec<u32>> = [5, 11, 2].iter().enumerate().map(|(i, &n)| prompt(n + 3 * i, 1000 - 97 * i)).collect();
+    let mut cpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| c.new_session().unwrap()).collect();
+    let mut gpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| g.new_session().unwrap()).collect();
+    let want: Vec<Vec<f32>> = cpu_seqs.iter_mut().zip(&prompts).map(|(s, p)| logits(s, p)).collect();
+    let chunks: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    let mut refs: Vec<&mut Session<'_>> = gpu_seqs.iter_mut().collect();
+    let got = g.forward_batch(&mut refs, &chunks, OutputMode::Logits).unwrap();
+    let mut tokens = Vec::new();
+    for (i, (got, want)) in got.into_iter().zip(&want).enumerate() {
+        let StepOutput::Logits(got) = got.unwrap() else { panic!("batched prefill gave no logits") };
+        let e = rel_l2(&got, want);
+        assert!(e < 1e-3, "batched prefill, sequence {i}: relative L2 {e:.2e}");
+        tokens.push(argmax(want));
+    }
+    for step in 0..10 {
+        let want: Vec<Vec<f32>> = cpu_seqs.iter_mut().zip(&tokens).map(|(s, &t)| logits(s, &[t])).collect();
+        let mut refs: Vec<&mut Session<'_>> = gpu_seqs.iter_mut().collect();
+        let got = g.decode_batch(&mut refs, &tokens, OutputMode::Logits).unwrap();
+        for (i, (got, want)) in got.into_iter().zip(&want).enumerate() {
+            let StepOutput::Logits(got) = got.unwrap() else { panic!("batched decode gave no logits") };
+            let e = rel_l2(&got, want);
+            assert!(e < 1e-3, "batched decode step {step}, sequence {i}: relative L2 {e:.2e}");
+        }
+        tokens = want.iter().map(|w| argmax(w)).collect();
+    }
+    let want: Vec<u32> = cpu_seqs.iter_mut().zip(&tokens).map(|(s, &t)| next_token(s, &[t])).collect();
+    let mut refs: Vec<&mut Session<'_>> = gpu_seqs.iter_mut().collect();
+    let got: Vec<u32> = g
+        .decode_batch(&mut refs, &tokens, OutputMode::NextToken)
+        .unwrap()
+        .into_iter()
+        .map(|t| match t.unwrap() {
+            StepOutput::Token(t) => t,
+            other => panic!("a greedy batched step gave {other:?}"),
+        })
+        .collect();
+    assert_eq!(got, want, "greedy batched decode");
+    // Sequence 0 decodes while a new sequence prefills, in one step.
+    let fresh = prompt(7, 900);
+    let (mut cpu_new, mut gpu_new) = (c.new_session().unwrap(), g.new_session().unwrap());
+    let want = [logits(&mut cpu_seqs[0], &[want[0]]), logits(&mut cpu_new, &fresh)];
+    let got = g.forward_batch(&mut [&mut gpu_seqs[0], &mut gpu_new], &[&[got[0]], &fresh], OutputMode::Logits).unwrap();
+    for (i, (got, want)) in got.into_iter().zip(&want).enumerate() {
+        let StepOutput::Logits(got) = got.unwrap() else { panic!("mixed step gave no logits") };
+        let e = rel_l2(&got, want);
+        assert!(e < 1e-3, "decode beside a prefill, sequence {i}: relative L2 {e:.2e}");
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
 fn a_second_session_replays_correctly_and_reset_reuses_the_cache() {

@@ -30,6 +30,13 @@ impl Bucket {
         }
     }
 
+    /// Sequences a plan compiled for this bucket takes in one step.
+    pub fn seqs(&self) -> usize {
+        match *self {
+            Bucket::Prefill { seqs, .. } | Bucket::Decode { seqs, .. } => seqs,
+        }
+    }
+
     /// Upper bound on the number of positions already in the KV cache when this plan runs.
     pub fn max_past(&self, context: usize) -> usize {
         match *self {
