@@ -63,8 +63,8 @@ impl Backend for CpuBackend {
         Ok(Box::new(CpuKvCache::new(layout)))
     }
 
-    fn runs_batches(&self) -> bool {
-        true
+    fn batches_from(&self) -> usize {
+        2
     }
 }
 

@@ -223,10 +223,10 @@ fn q4_k_m_mix_greedy_tokens_match_cpu() {
 }
 
 /// Several sequences in one step, each over its own cache at its own positions, give what each
-/// gives alone on the CPU (with decode graphs and with host launches): a batched prefill of three
-/// prompts of different lengths, batched decode steps (logits, 3 rows; then greedy tokens), and a
-/// step where one sequence decodes while a new one prefills (as the server schedules them); sliding
-/// layers wrap their rings on the way.
+/// gives alone on the CPU (with decode graphs and with host launches): a batched prefill of four
+/// prompts of different lengths, batched decode steps (logits, 4 rows; then greedy tokens), and a
+/// step where three sequences decode while a new one prefills (as the server schedules them);
+/// sliding layers wrap their rings on the way. (Four: the backend batches from 4 sequences.)
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
 fn batched_steps_match_each_sequence_alone() {
@@ -236,8 +236,9 @@ fn batched_steps_match_each_sequence_alone() {
 
 fn batched_steps_match(backend: Arc<CudaBackend>) {
     let m = gemma3(&small_shape(), FormatMix::Q4KM, 13);
+    assert_eq!(backend.batches_from(), 4);
     let (c, g) = (load(&m, cpu()), load(&m, backend));
-    let prompts: Vec<Vec<u32>> = [5, 11, 2].iter().enumerate().map(|(i, &n)| prompt(n + 3 * i, 1000 - 97 * i)).collect();
+    let prompts: Vec<Vec<u32>> = [5, 11, 2, 9].iter().enumerate().map(|(i, &n)| prompt(n + 3 * i, 1000 - 97 * i)).collect();
     let mut cpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| c.new_session().unwrap()).collect();
     let mut gpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| g.new_session().unwrap()).collect();
     let want: Vec<Vec<f32>> = cpu_seqs.iter_mut().zip(&prompts).map(|(s, p)| logits(s, p)).collect();
@@ -274,11 +275,15 @@ fn batched_steps_match(backend: Arc<CudaBackend>) {
         })
         .collect();
     assert_eq!(got, want, "greedy batched decode");
-    // Sequence 0 decodes while a new sequence prefills, in one step.
+    // Sequences 0-2 decode while a new sequence prefills, in one step.
     let fresh = prompt(7, 900);
     let (mut cpu_new, mut gpu_new) = (c.new_session().unwrap(), g.new_session().unwrap());
-    let want = [logits(&mut cpu_seqs[0], &[want[0]]), logits(&mut cpu_new, &fresh)];
-    let got = g.forward_batch(&mut [&mut gpu_seqs[0], &mut gpu_new], &[&[got[0]], &fresh], OutputMode::Logits).unwrap();
+    let mut want: Vec<Vec<f32>> = cpu_seqs.iter_mut().zip(&want).take(3).map(|(s, &t)| logits(s, &[t])).collect();
+    want.push(logits(&mut cpu_new, &fresh));
+    let mut refs: Vec<&mut Session<'_>> = gpu_seqs.iter_mut().take(3).collect();
+    refs.push(&mut gpu_new);
+    let chunks: Vec<&[u32]> = got.iter().take(3).map(std::slice::from_ref).chain([fresh.as_slice()]).collect();
+    let got = g.forward_batch(&mut refs, &chunks, OutputMode::Logits).unwrap();
     for (i, (got, want)) in got.into_iter().zip(&want).enumerate() {
         let StepOutput::Logits(got) = got.unwrap() else { panic!("mixed step gave no logits") };
         let e = rel_l2(&got, want);

@@ -125,8 +125,8 @@ impl Model {
     /// once for all of them): one new token each runs a batched decode plan, longer chunks a
     /// prefill plan over all their rows. Each session attends to its own KV cache at its own
     /// positions. Returns each session's output for `mode` (`Logits` or `NextToken`, for its
-    /// last new token); a non-finite row is an error for its session only. On a backend whose
-    /// plans cannot run several sequences at once, the sessions run one after another.
+    /// last new token); a non-finite row is an error for its session only. Fewer sessions than
+    /// the backend batches from ([`kiln_runtime::Backend::batches_from`]) run one after another.
     pub fn forward_batch(
         &self,
         sessions: &mut [&mut Session<'_>],
@@ -160,7 +160,7 @@ impl Model {
                 self.config.max_prefill_rows
             )));
         }
-        if !self.backend.runs_batches() {
+        if sessions.len() < self.backend.batches_from() {
             return Ok(sessions.iter_mut().zip(chunks).map(|(s, c)| s.forward(c, mode)).collect());
         }
         // Position of each session's last new token.

@@ -70,7 +70,7 @@ pub trait Executable: Send {
     /// positions from `kvs[i].len()` on and attend to that cache only. Outputs have one row per
     /// row of a decode plan, and one row per sequence (its last) where a prefill plan keeps the
     /// last rows. Backends that cannot do this keep the default, an `Unsupported` error (and the
-    /// default [`Backend::runs_batches`]).
+    /// default [`Backend::batches_from`]).
     fn run_batch(&mut self, tokens: &[u32], rows: &[usize], kvs: &mut [&mut dyn KvCache]) -> Result<Vec<HostTensor>, RuntimeError> {
         let _ = (tokens, rows, kvs);
         Err(RuntimeError::Unsupported("running several sequences in one step".into()))
@@ -87,9 +87,10 @@ pub trait Backend: Send + Sync {
     fn prepare(&self, plan: Arc<Plan>, weights: &Arc<dyn DeviceWeights>) -> Result<Box<dyn Executable>, RuntimeError>;
     /// An empty KV cache with `layout`.
     fn new_kv_cache(&self, layout: &KvLayout) -> Result<Box<dyn KvCache>, RuntimeError>;
-    /// Whether this backend's executables implement [`Executable::run_batch`]; where not, callers
-    /// run several sequences one by one and never compile a plan for a batch.
-    fn runs_batches(&self) -> bool {
-        false
+    /// The fewest sequences that callers run as one batched step ([`Executable::run_batch`]);
+    /// fewer run one after another, without a plan for a batch. `usize::MAX` (the default): this
+    /// backend's executables do not run batches.
+    fn batches_from(&self) -> usize {
+        usize::MAX
     }
 }
