@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use kiln_ir::{Bucket, DType, RopeMode, RopeSpec};
+use kiln_ir::{DType, RopeMode, RopeSpec};
 use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KernelPrecision, KvCache, Plan, Rows, RuntimeError, Slot, StepInputs};
 
 use crate::fast;
@@ -102,18 +102,7 @@ impl Executable for CpuExecutable {
     }
 
     fn run_batch(&mut self, tokens: &[u32], rows: &[usize], kvs: &mut [&mut dyn KvCache]) -> Result<Vec<HostTensor>, RuntimeError> {
-        let fits = match self.plan.bucket {
-            Bucket::Decode { .. } => rows.iter().all(|&r| r == 1),
-            Bucket::Prefill { seqs, .. } => rows.len() <= seqs && rows.iter().all(|&r| r >= 1),
-        };
-        if !fits || kvs.len() != rows.len() || rows.iter().sum::<usize>() != tokens.len() {
-            return Err(RuntimeError::StepShape(format!(
-                "{} tokens in sequences of {rows:?} rows for {} caches do not fit a {:?} plan",
-                tokens.len(),
-                kvs.len(),
-                self.plan.bucket
-            )));
-        }
+        self.plan.check_batch(tokens.len(), rows, kvs.len())?;
         let mut segments = Vec::with_capacity(kvs.len());
         for (kv, &rows) in kvs.iter_mut().zip(rows) {
             let kv = cpu_kv(&mut **kv)?;

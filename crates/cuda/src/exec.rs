@@ -1634,18 +1634,7 @@ impl Executable for CudaExecutable {
     }
 
     fn run_batch(&mut self, tokens: &[u32], rows: &[usize], kvs: &mut [&mut dyn KvCache]) -> Result<Vec<HostTensor>, RuntimeError> {
-        let fits = match self.plan.bucket {
-            Bucket::Decode { seqs, .. } => rows.len() <= seqs && rows.iter().all(|&r| r == 1),
-            Bucket::Prefill { seqs, .. } => rows.len() <= seqs && rows.iter().all(|&r| r >= 1),
-        };
-        if !fits || kvs.len() != rows.len() || rows.iter().sum::<usize>() != tokens.len() {
-            return Err(RuntimeError::StepShape(format!(
-                "{} tokens in sequences of {rows:?} rows for {} caches do not fit a {:?} plan",
-                tokens.len(),
-                kvs.len(),
-                self.plan.bucket
-            )));
-        }
+        self.plan.check_batch(tokens.len(), rows, kvs.len())?;
         let mut caches = kvs.iter_mut().map(|kv| cuda_kv(&mut **kv)).collect::<Result<Vec<_>, _>>()?;
         self.execute(tokens, rows, &mut caches)
     }

@@ -2,7 +2,7 @@
 
 use kiln_ir::{Bucket, DType, RopeSpec};
 
-use crate::WeightId;
+use crate::{RuntimeError, WeightId};
 
 /// A region of the plan's arena, in 4-byte words (f32 or i32 elements).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -194,5 +194,45 @@ impl Plan {
     /// Most rows one run may process.
     pub fn rows(&self) -> usize {
         self.bucket.rows()
+    }
+
+    /// Checks that a batched step of `tokens` tokens, in consecutive runs of `rows[i]` rows for
+    /// `caches` sequences, fits this plan (`Executable::run_batch`): at most the bucket's
+    /// sequences, one row each in decode, at least one in prefill.
+    pub fn check_batch(&self, tokens: usize, rows: &[usize], caches: usize) -> Result<(), RuntimeError> {
+        let fits = match self.bucket {
+            Bucket::Decode { seqs, .. } => rows.len() <= seqs && rows.iter().all(|&r| r == 1),
+            Bucket::Prefill { seqs, .. } => rows.len() <= seqs && rows.iter().all(|&r| r >= 1),
+        };
+        if !fits || caches != rows.len() || rows.iter().sum::<usize>() != tokens {
+            return Err(RuntimeError::StepShape(format!(
+                "{tokens} tokens in sequences of {rows:?} rows for {caches} caches do not fit a {:?} plan",
+                self.bucket
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(bucket: Bucket) -> Plan {
+        Plan { bucket, steps: Vec::new(), arena_words: 0, inputs: Vec::new(), outputs: Vec::new() }
+    }
+
+    #[test]
+    fn batched_steps_are_checked_against_the_bucket() {
+        let decode = plan(Bucket::Decode { past: 64, seqs: 4 });
+        assert!(decode.check_batch(3, &[1, 1, 1], 3).is_ok());
+        for (tokens, rows, caches) in [(5, vec![1; 5], 5), (3, vec![1, 2], 2), (2, vec![1, 1], 3), (3, vec![1, 1], 2)] {
+            let e = decode.check_batch(tokens, &rows, caches).unwrap_err().to_string();
+            assert!(e.contains("do not fit") && e.contains("Decode"), "{e}");
+        }
+        let prefill = plan(Bucket::Prefill { rows: 16, seqs: 2 });
+        assert!(prefill.check_batch(9, &[1, 8], 2).is_ok());
+        assert!(prefill.check_batch(9, &[0, 9], 2).is_err());
+        assert!(prefill.check_batch(9, &[3, 3, 3], 3).is_err());
     }
 }
