@@ -1634,7 +1634,6 @@ impl Executable for CudaExecutable {
     }
 
     fn run_batch(&mut self, tokens: &[u32], rows: &[usize], kvs: &mut [&mut dyn KvCache]) -> Result<Vec<HostTensor>, RuntimeError> {
-        self.plan.check_batch(tokens.len(), rows, kvs.len())?;
         let mut caches = kvs.iter_mut().map(|kv| cuda_kv(&mut **kv)).collect::<Result<Vec<_>, _>>()?;
         self.execute(tokens, rows, &mut caches)
     }
@@ -1656,13 +1655,7 @@ impl CudaExecutable {
         if n == 0 || n > self.plan.rows() {
             return Err(RuntimeError::StepShape(format!("{n} tokens for a plan of {} rows", self.plan.rows())));
         }
-        if kvs.is_empty() || kvs.len() > self.layout.seqs || kvs.len() != rows.len() || rows.iter().sum::<usize>() != n {
-            return Err(RuntimeError::StepShape(format!(
-                "{n} tokens in sequences of {rows:?} rows for {} caches do not fit a plan of {} sequences",
-                kvs.len(),
-                self.layout.seqs
-            )));
-        }
+        self.plan.check_batch(n, rows, kvs.len())?;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.vocab) {
             return Err(RuntimeError::TokenOutOfRange { id: bad, vocab: self.vocab });
         }
