@@ -48,6 +48,8 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
     int g = h / (q_heads / kv_heads);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     StepRow row = step_row(step, i);
+    // (A one-row plan's row is sequence 0: its cache addresses are loaded beside its record, not
+    // after it.)
     int seq = append ? 0 : row.seq;
     float *k_cache = (float*)cache[2 * seq], *v_cache = (float*)cache[2 * seq + 1];
     // The sequence's cached positions are 0..start; its new rows first.. hold start...

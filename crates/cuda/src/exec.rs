@@ -956,6 +956,8 @@ impl CudaExecutable {
     /// Binds `plan` to `weights`, checking every kernel and weight it uses.
     pub(crate) fn new(plan: Arc<Plan>, weights: Arc<CudaWeights>, use_graphs: bool) -> Result<Self, RuntimeError> {
         let device = weights.device.clone();
+        // Sequences one run of the plan takes (a one-sequence bucket: 1).
+        let seqs = plan.bucket.seqs().max(1);
         let mut head_values = 0;
         let mut vocab = usize::MAX;
         for step in &plan.steps {
@@ -967,7 +969,7 @@ impl CudaExecutable {
                 }
                 Kernel::MatMulArgmax { w, .. } => {
                     let n = weights.matrix(*w)?.n;
-                    head_values = head_values.max(rows_of(step.rows, plan.rows(), plan.bucket.seqs().max(1)) * n);
+                    head_values = head_values.max(rows_of(step.rows, plan.rows(), seqs) * n);
                 }
                 Kernel::RmsNorm { weight, .. } => {
                     let width = weights.vector(*weight)?.bytes() / 4;
@@ -999,7 +1001,7 @@ impl CudaExecutable {
             .filter_map(|st| if let Kernel::Attention { layer, .. } = st.kernel { Some(layer + 1) } else { None })
             .max()
             .unwrap_or(0);
-        let layout = StepLayout { rows: plan.rows(), seqs: plan.bucket.seqs().max(1), layers };
+        let layout = StepLayout { rows: plan.rows(), seqs, layers };
         let step = DeviceBuffer::new(&device.ctx, layout.bytes())?;
         let argmax_rows = plan.rows();
         let head = DeviceBuffer::new(&device.ctx, (head_values + 2 * ARGMAX_BLOCKS * argmax_rows) * 4)?;
@@ -1602,7 +1604,10 @@ impl CudaExecutable {
 
     /// Replays the captured step for `run` (one row per sequence), capturing it first if needed.
     fn replay(&mut self, run: Active, scratch: &mut Scratch) -> Result<(), RuntimeError> {
-        if !self.graphs.iter().any(|g| g.rows == run.rows && g.context == run.context) {
+        let captured = self.graphs.iter().position(|g| g.rows == run.rows && g.context == run.context);
+        let at = if let Some(at) = captured {
+            at
+        } else {
             let stream = self.device.stream.clone();
             stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(cuda_err)?;
             let before = self.device.launches.load(Ordering::Relaxed);
@@ -1614,9 +1619,9 @@ impl CudaExecutable {
             let graph = graph?.ok_or_else(|| cuda_err("capturing a decode graph gave no graph"))?;
             self.graphs.push(CapturedStep { rows: run.rows, context: run.context, graph });
             self.device.graph_captures.fetch_add(1, Ordering::Relaxed);
-        }
-        let g = self.graphs.iter().find(|g| g.rows == run.rows && g.context == run.context).ok_or_else(|| cuda_err("no decode graph"))?;
-        g.graph.launch().map_err(|e| cuda_err(format!("launching the decode graph: {e}")))
+            self.graphs.len() - 1
+        };
+        self.graphs[at].graph.launch().map_err(|e| cuda_err(format!("launching the decode graph: {e}")))
     }
 }
 
