@@ -1331,6 +1331,296 @@ extern "C" __global__ void quantize_rows(const float* x, u8* xq, int k, int rows
     quantize32(x[e], xq + r * xq_bytes(k), k, i);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Tensor-core products of many activation rows (`mmq`, sm_80 and later): out[r, o] = x[r, :] .
+// W[o, :] for the rows of a batched decode step or a prompt, x given quantized (quantize_rows).
+// Integer mma with the two byte levels of an activation as two rows of A (A rows 0-7: hi of 8
+// activation rows, rows 8-15: lo) and 8 weight rows' integer levels as B, 32 (or 16) elements a
+// product: lane (g, t) then holds row g's hi and lo sums against weight rows 2t and 2t + 1, exact,
+// which the sub-block's scales turn into floats as the matrix-vector kernels do (same activations,
+// same numbers up to the order of the float sums).
+// ---------------------------------------------------------------------------------------------
+
+// d[4] = A (16 x 32 signed bytes: a0 = row g, elements 4t..; a1 = row g + 8; a2, a3 the same 16
+// elements on) times B (32 x 8 signed bytes: b0 = column g, elements 4t..; b1 16 on).
+__device__ __forceinline__ void mma_k32(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+#endif
+}
+// The same over 16 elements (a0 = row g, a1 = row g + 8, b0 = column g; elements 4t..).
+__device__ __forceinline__ void mma_k16(int (&d)[4], u32 a0, u32 a1, u32 b0) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b0), "r"(0));
+#endif
+}
+
+// A 4-byte aligned word.
+__device__ __forceinline__ u32 ld32(const u8* p) { return *(const u32*)p; }
+
+// Bits 0-3 of `bits` to bit 0 of bytes 0-3.
+__device__ __forceinline__ u32 spread4(u32 bits) { return ((bits & 15u) * 0x00204081u) & 0x01010101u; }
+
+// Per format, a lane's share of one sub-block s of 8 weight rows: `load` fetches the bytes (its B
+// fragment row's level words and the scale bytes of its two output rows; nothing computed, so the
+// next sub-block's loads are in flight while this one's products run, as in `Chunk`), `levels`
+// turns them into the B fragment (elements 4t..4t + 3 of the sub-block in b0, 16 later in b1,
+// signed bytes) and `scales` into each output row's scale and offset (w = d * level - mn; per
+// 16-element half: .x the first, .y the second; HALVES: the halves have scales of their own, so
+// the products are taken 16 elements at a time).
+template <int T> struct Mmq;
+// The 2-byte scales of block s of rows srow and srow + 1 (each where `sin`) of a planar legacy
+// format whose scale plane starts at byte `off` per block.
+template <int T>
+__device__ __forceinline__ void plane_scales(const Mat& m, int off, u64 srow, int s, bool sin0, bool sin1, u32 (&d)[2]) {
+    const u8* p = m.w + (u64)off * m.nblk;
+    if (sin0) d[0] = *(const u16*)(p + 2 * block_of<T>(m, srow, s));
+    if (sin1) d[1] = *(const u16*)(p + 2 * block_of<T>(m, srow + 1, s));
+}
+template <> struct Mmq<F_Q4_K> {
+    static const bool HALVES = false;
+    struct Raw {
+        u32 w0, w1;
+        uint4 h[2];
+    };
+    static __device__ __forceinline__ Raw load(const Mat& m, u64 lrow, u64 srow, int s, int t, bool lin, bool sin0, bool sin1) {
+        Raw r{0, 0, {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)}};
+        const u64 off = 144 * (u64)(s >> 3);
+        if (lin) {
+            const u8* b = m.w + lrow * m.rb + off + 16 + 32 * ((s & 7) >> 1) + 4 * t;
+            r.w0 = ld32(b);
+            r.w1 = ld32(b + 16);
+        }
+        if (sin0) r.h[0] = *(const uint4*)(m.w + srow * m.rb + off);
+        if (sin1) r.h[1] = *(const uint4*)(m.w + (srow + 1) * m.rb + off);
+        return r;
+    }
+    static __device__ __forceinline__ void levels(const Raw& r, int s, u32& b0, u32& b1) {
+        const int sh = 4 * (s & 1);
+        b0 = (r.w0 >> sh) & 0x0f0f0f0fu;
+        b1 = (r.w1 >> sh) & 0x0f0f0f0fu;
+    }
+    static __device__ __forceinline__ void scales(const Raw& r, int s, int i, float2& d, float2& mn) {
+        u32 sc2, mn2;
+        q4k_pair_scales(r.h[i], (s & 7) >> 1, &sc2, &mn2);
+        const int sh = 8 * (s & 1);
+        const float dd = half_u16(r.h[i].x & 0xffff) * (float)((sc2 >> sh) & 0xff);
+        const float mm = half_u16(r.h[i].x >> 16) * (float)((mn2 >> sh) & 0xff);
+        d = make_float2(dd, dd);
+        mn = make_float2(mm, mm);
+    }
+};
+template <> struct Mmq<F_Q8_0> {
+    static const bool HALVES = false;
+    struct Raw {
+        u32 w0, w1, d[2];
+    };
+    static __device__ __forceinline__ Raw load(const Mat& m, u64 lrow, u64 srow, int s, int t, bool lin, bool sin0, bool sin1) {
+        Raw r{0, 0, {0, 0}};
+        if (lin) {
+            const u8* q = m.w + 32 * block_of<F_Q8_0>(m, lrow, s) + 4 * t;
+            r.w0 = ld32(q);
+            r.w1 = ld32(q + 16);
+        }
+        plane_scales<F_Q8_0>(m, 32, srow, s, sin0, sin1, r.d);
+        return r;
+    }
+    static __device__ __forceinline__ void levels(const Raw& r, int, u32& b0, u32& b1) {
+        b0 = r.w0;
+        b1 = r.w1;
+    }
+    static __device__ __forceinline__ void scales(const Raw& r, int, int i, float2& d, float2& mn) {
+        const float dd = half_u16(r.d[i]);
+        d = make_float2(dd, dd);
+        mn = make_float2(0.f, 0.f);
+    }
+};
+template <> struct Mmq<F_Q5_0> {
+    static const bool HALVES = false;
+    // (Levels 0..31, the offset of 16 in mn.)
+    struct Raw {
+        u32 w, qh, d[2];
+    };
+    static __device__ __forceinline__ Raw load(const Mat& m, u64 lrow, u64 srow, int s, int t, bool lin, bool sin0, bool sin1) {
+        Raw r{0, 0, {0, 0}};
+        if (lin) {
+            const u64 g = block_of<F_Q5_0>(m, lrow, s);
+            r.w = ld32(m.w + 16 * g + 4 * t);
+            r.qh = ld32(m.w + 16 * m.nblk + 4 * g);
+        }
+        plane_scales<F_Q5_0>(m, 20, srow, s, sin0, sin1, r.d);
+        return r;
+    }
+    static __device__ __forceinline__ void levels(const Raw& r, int, u32& b0, u32& b1) {
+        // (Each lane holds elements 4t.. and 16 + 4t..: qh bits 4t.. and 16 + 4t.., t from the words.)
+        b0 = r.w & 0x0f0f0f0fu;
+        b1 = (r.w >> 4) & 0x0f0f0f0fu;
+        const int t = threadIdx.x & 3;
+        b0 |= spread4(r.qh >> (4 * t)) << 4;
+        b1 |= spread4(r.qh >> (16 + 4 * t)) << 4;
+    }
+    static __device__ __forceinline__ void scales(const Raw& r, int, int i, float2& d, float2& mn) {
+        const float dd = half_u16(r.d[i]);
+        d = make_float2(dd, dd);
+        mn = make_float2(16.f * dd, 16.f * dd);
+    }
+};
+template <> struct Mmq<F_Q6_K> {
+    static const bool HALVES = true;
+    // (Levels 0..63, the offset of 32 in mn; see sub32<F_Q6_K>.)
+    struct Raw {
+        u32 l0, l1, h0, h1, sc[2], d[2];
+    };
+    static __device__ __forceinline__ Raw load(const Mat& m, u64 lrow, u64 srow, int s, int t, bool lin, bool sin0, bool sin1) {
+        Raw r{0, 0, 0, 0, {0, 0}, {0, 0}};
+        const int sub = s & 7, n = sub >> 2, gg = sub & 3;
+        if (lin) {
+            const u64 g = block_of<F_Q6_K>(m, lrow, s >> 3);
+            const u8* ql = m.w + 128 * g + 64 * n + 32 * (gg & 1) + 4 * t;
+            const u8* qh = m.w + 128 * m.nblk + 64 * g + 32 * n + 4 * t;
+            r.l0 = ld32(ql);
+            r.l1 = ld32(ql + 16);
+            r.h0 = ld32(qh);
+            r.h1 = ld32(qh + 16);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            if (i ? sin1 : sin0) {
+                const u64 g = block_of<F_Q6_K>(m, srow + i, s >> 3);
+                // (Scales 8n + 2gg and 8n + 2gg + 1: one 2-byte word.)
+                r.sc[i] = *(const u16*)(m.w + 192 * m.nblk + 16 * g + 8 * n + 2 * gg);
+                r.d[i] = *(const u16*)(m.w + 208 * m.nblk + 2 * g);
+            }
+        }
+        return r;
+    }
+    static __device__ __forceinline__ void levels(const Raw& r, int s, u32& b0, u32& b1) {
+        const int gg = s & 3, nib = 4 * (gg >> 1), hs = 2 * gg;
+        b0 = ((r.l0 >> nib) & 0x0f0f0f0fu) | (((r.h0 >> hs) & 0x03030303u) << 4);
+        b1 = ((r.l1 >> nib) & 0x0f0f0f0fu) | (((r.h1 >> hs) & 0x03030303u) << 4);
+    }
+    static __device__ __forceinline__ void scales(const Raw& r, int, int i, float2& d, float2& mn) {
+        const float dd = half_u16(r.d[i]);
+        d = make_float2(dd * (float)(i8)(r.sc[i] & 0xff), dd * (float)(i8)(r.sc[i] >> 8));
+        mn = make_float2(32.f * d.x, 32.f * d.y);
+    }
+};
+
+// Warps of an mmq block, and groups of 8 activation rows a block takes (MMQ_GROUPS * 8 rows;
+// measured on an H200, 270M shapes: 4 groups against 8 (fewer registers, 3 blocks per
+// multiprocessor instead of 2), batched decode of 16 sequences 9,000 against 8,100 tokens/s, of
+// 64 21,100 against 14,200).
+#define MMQ_WARPS 4
+#define MMQ_GROUPS 4
+
+// out[r, o] (row-major, n wide) for activation rows r < rows of xq (quantize_rows' layout, k
+// wide): block (x, y) takes weight rows 8 (MMQ_WARPS / ksplit) x.. and activation rows
+// 8 MMQ_GROUPS y..; its warps form teams of `ksplit` (1, 2 or 4) that share 8 weight rows, each
+// warp taking every ksplit-th sub-block, summed over the team at the end. Per sub-block a lane
+// loads its B fragment and the scales of its two output rows once for all its activation groups.
+template <int T>
+__device__ __forceinline__ void mmq(const Mat& m, int n, const u8* xq, int k, int rows, int ksplit, float* out) {
+    __shared__ float red[MMQ_WARPS][MMQ_GROUPS][32][2];
+    const int lane = threadIdx.x & 31, wi = threadIdx.x >> 5, gid = lane >> 2, tid = lane & 3;
+    const int part = wi % ksplit, o0 = 8 * ((int)blockIdx.x * (MMQ_WARPS / ksplit) + wi / ksplit);
+    const int a0 = 8 * MMQ_GROUPS * (int)blockIdx.y, groups = min(MMQ_GROUPS, (rows - a0 + 7) / 8);
+    const u64 xqb = xq_bytes(k);
+    const int lrow = o0 + gid, srow = o0 + 2 * tid;
+    pdl_wait();
+    float acc[MMQ_GROUPS][2];
+#pragma unroll
+    for (int g = 0; g < MMQ_GROUPS; g++) acc[g][0] = acc[g][1] = 0.f;
+    const int subs = o0 < n ? k >> 5 : 0;
+    const bool lin = lrow < n, sin0 = srow < n, sin1 = srow + 1 < n;
+    typename Mmq<T>::Raw raw;
+    if (part < subs) raw = Mmq<T>::load(m, (u64)lrow, (u64)srow, part, tid, lin, sin0, sin1);
+    for (int s = part; s < subs; s += ksplit) {
+        u32 b0, b1;
+        float2 d0, m0, d1, m1;
+        Mmq<T>::levels(raw, s, b0, b1);
+        Mmq<T>::scales(raw, s, 0, d0, m0);
+        Mmq<T>::scales(raw, s, 1, d1, m1);
+        // The next sub-block's bytes are asked for before this one's products.
+        if (s + ksplit < subs) raw = Mmq<T>::load(m, (u64)lrow, (u64)srow, s + ksplit, tid, lin, sin0, sin1);
+        const int k0 = 32 * s;
+        // Every group's activations are asked for before the first product.
+        u32 ax[MMQ_GROUPS][4];
+        float4 axs[MMQ_GROUPS];
+#pragma unroll
+        for (int g = 0; g < MMQ_GROUPS; g++) {
+            const int a = a0 + 8 * g + gid;
+            ax[g][0] = ax[g][1] = ax[g][2] = ax[g][3] = 0;
+            axs[g] = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (g < groups && a < rows) {
+                const u8* xr = xq + (u64)a * xqb + k0 + 4 * tid;
+                ax[g][0] = ld32(xr);
+                ax[g][1] = ld32(xr + k);
+                ax[g][2] = ld32(xr + 16);
+                ax[g][3] = ld32(xr + k + 16);
+                // {d, level sum} of the sub-block's two halves.
+                axs[g] = *(const float4*)(xq + (u64)a * xqb + 2 * (u64)k + 16 * s);
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < MMQ_GROUPS; g++) {
+            if (g >= groups) break;
+            const u32 h0 = ax[g][0], l0 = ax[g][1], h1 = ax[g][2], l1 = ax[g][3];
+            const float4 ds = axs[g];
+            const int sa0 = __float_as_int(ds.y), sa1 = __float_as_int(ds.w);
+            if constexpr (Mmq<T>::HALVES) {
+                int p[4], q[4];
+                mma_k16(p, h0, l0, b0);
+                mma_k16(q, h1, l1, b1);
+                acc[g][0] += ds.x * (d0.x * (float)(254 * p[0] + p[2]) - m0.x * (float)sa0 + d0.y * (float)(254 * q[0] + q[2]) - m0.y * (float)sa1);
+                acc[g][1] += ds.x * (d1.x * (float)(254 * p[1] + p[3]) - m1.x * (float)sa0 + d1.y * (float)(254 * q[1] + q[3]) - m1.y * (float)sa1);
+            } else {
+                int p[4];
+                mma_k32(p, h0, l0, h1, l1, b0, b1);
+                const float sa = (float)(sa0 + sa1);
+                acc[g][0] += ds.x * (d0.x * (float)(254 * p[0] + p[2]) - m0.x * sa);
+                acc[g][1] += ds.x * (d1.x * (float)(254 * p[1] + p[3]) - m1.x * sa);
+            }
+        }
+    }
+    if (ksplit > 1) {
+#pragma unroll
+        for (int g = 0; g < MMQ_GROUPS; g++) {
+            red[wi][g][lane][0] = acc[g][0];
+            red[wi][g][lane][1] = acc[g][1];
+        }
+        __syncthreads();
+        if (part != 0) return;
+#pragma unroll
+        for (int g = 0; g < MMQ_GROUPS; g++)
+            for (int w = 1; w < ksplit; w++) {
+                acc[g][0] += red[wi + w][g][lane][0];
+                acc[g][1] += red[wi + w][g][lane][1];
+            }
+    }
+#pragma unroll
+    for (int g = 0; g < MMQ_GROUPS; g++) {
+        const int a = a0 + 8 * g + gid;
+        if (g < groups && a < rows) {
+            if (srow < n) out[(u64)a * n + srow] = acc[g][0];
+            if (srow + 1 < n) out[(u64)a * n + srow + 1] = acc[g][1];
+        }
+    }
+}
+
+#define KILN_MMQ(NAME, T)                                                                                                \
+    extern "C" __global__ void __launch_bounds__(32 * MMQ_WARPS) mmq_##NAME(const u8* w, u64 rb, u64 nb, int n, const u8* xq, int k, \
+                                                                             int rows, int ksplit, float* out) {                 \
+        mmq<T>(Mat{w, rb, nb}, n, xq, k, rows, ksplit, out);                                                                     \
+    }
+KILN_MMQ(q4_k, F_Q4_K)
+KILN_MMQ(q6_k, F_Q6_K)
+KILN_MMQ(q8_0, F_Q8_0)
+KILN_MMQ(q5_0, F_Q5_0)
+
 // Per format: matvec (2 output rows per warp, up to MV_ROWS activation rows), matvec1 (the same for
 // one activation row, with the norm prologue), matvec4 (4 output rows per warp, one activation row:
 // large matrices; chunks staged through MV_STAGES shared-memory stages where the format can),

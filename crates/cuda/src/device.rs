@@ -63,20 +63,32 @@ impl Drop for DeviceBuffer {
     }
 }
 
-/// Scratch of the GEMM path (not used inside captured graphs, so it may grow).
+/// Scratch of the many-row matrix paths (not used inside captured graphs, so it may grow).
 pub(crate) struct Scratch {
     /// Dequantized weights (f32) for cuBLAS.
     pub(crate) dequant: Option<DeviceBuffer>,
+    /// Quantized activation rows for the tensor-core (`mmq`) kernels.
+    pub(crate) quantized: Option<DeviceBuffer>,
+}
+
+/// The address of `buf`, first replaced by a buffer of `bytes` if it is smaller.
+fn grown(buf: &mut Option<DeviceBuffer>, ctx: &Arc<CudaContext>, bytes: usize) -> Result<u64, RuntimeError> {
+    if buf.as_ref().is_none_or(|b| b.bytes() < bytes) {
+        *buf = None;
+        *buf = Some(DeviceBuffer::new(ctx, bytes)?);
+    }
+    Ok(buf.as_ref().map_or(0, |b| b.ptr()))
 }
 
 impl Scratch {
-    /// A scratch buffer of at least `bytes`.
+    /// A scratch buffer of at least `bytes` for dequantized weights.
     pub(crate) fn dequant(&mut self, ctx: &Arc<CudaContext>, bytes: usize) -> Result<u64, RuntimeError> {
-        if self.dequant.as_ref().is_none_or(|b| b.bytes() < bytes) {
-            self.dequant = None;
-            self.dequant = Some(DeviceBuffer::new(ctx, bytes)?);
-        }
-        Ok(self.dequant.as_ref().map_or(0, |b| b.ptr()))
+        grown(&mut self.dequant, ctx, bytes)
+    }
+
+    /// A scratch buffer of at least `bytes` for quantized activations.
+    pub(crate) fn quantized(&mut self, ctx: &Arc<CudaContext>, bytes: usize) -> Result<u64, RuntimeError> {
+        grown(&mut self.quantized, ctx, bytes)
     }
 }
 
@@ -161,7 +173,7 @@ impl Device {
             stream,
             blas,
             functions,
-            lock: Mutex::new(Scratch { dequant: None }),
+            lock: Mutex::new(Scratch { dequant: None, quantized: None }),
             name,
             arch,
             launches: AtomicUsize::new(0),
@@ -247,8 +259,8 @@ pub(crate) enum Arg {
     F32(f32),
 }
 
-/// Every `extern "C" __global__ void NAME(` of a source, with `KILN_FORMAT(name, ...)` and
-/// `KILN_RING(name, ...)` expanded.
+/// Every `extern "C" __global__ void NAME(` of a source, with `KILN_FORMAT(name, ...)`,
+/// `KILN_RING(name, ...)` and `KILN_MMQ(name, ...)` expanded.
 fn kernel_names(src: &str) -> Vec<String> {
     let mut names = Vec::new();
     for line in src.lines() {
@@ -266,6 +278,8 @@ fn kernel_names(src: &str) -> Vec<String> {
         } else if let Some(rest) = line.strip_prefix("KILN_RING(") {
             let fmt = rest.split(',').next().unwrap_or_default().trim();
             names.extend(["matvecr8", "matvecr4", "matvecr2"].map(|k| format!("{k}_{fmt}")));
+        } else if let Some(rest) = line.strip_prefix("KILN_MMQ(") {
+            names.push(format!("mmq_{}", rest.split(',').next().unwrap_or_default().trim()));
         }
     }
     names
@@ -399,8 +413,8 @@ mod tests {
     fn kernel_names_are_found_in_every_family() {
         let quant = kernel_names(FAMILIES[0].1);
         assert!(quant.contains(&"matvec_q4_k".to_string()) && quant.contains(&"dequant_q8_0".to_string()));
-        assert_eq!(quant.len(), 13 * 6 + 2 + 4 * 3);
-        assert!(quant.contains(&"matvecr2_q6_k".to_string()));
+        assert_eq!(quant.len(), 13 * 6 + 2 + 4 * 3 + 4);
+        assert!(quant.contains(&"matvecr2_q6_k".to_string()) && quant.contains(&"mmq_q5_0".to_string()));
         assert!(quant.contains(&"quantize_rows".to_string()));
         let ops = kernel_names(FAMILIES[1].1);
         for k in [

@@ -80,11 +80,12 @@ fn prompt(n: usize, vocab: usize) -> Vec<u32> {
 }
 
 /// CPU and CUDA (graphs and host launches) agree on a model whose matrices are all `ty`: prefill
-/// through cuBLAS (20 rows) and the matrix-vector kernels (5 rows), then decode steps past the window.
+/// through cuBLAS (150 rows), the tensor-core `mmq` kernels where the format has them, else
+/// cuBLAS (20 rows), and the matrix-vector kernels (5 rows), then decode steps past the window.
 fn matches_cpu(ty: GgmlType) {
     let m = gemma3(&small_shape(), FormatMix::All(ty), 42);
     let (c, g, h) = (load(&m, cpu()), load(&m, cuda()), load(&m, cuda_host_launches()));
-    for n in [20, 5] {
+    for n in [150, 20, 5] {
         let p = prompt(n, 1000);
         let (mut sc, mut sg, mut sh) = (c.new_session().unwrap(), g.new_session().unwrap(), h.new_session().unwrap());
         let want = logits(&mut sc, &p);
