@@ -334,6 +334,9 @@ template <> struct Chunk<F_Q8_0> {
     }
 };
 
+// Bits 0-3 of `bits` to bit 0 of bytes 0-3.
+__device__ __forceinline__ u32 spread4(u32 bits) { return ((bits & 15u) * 0x00204081u) & 0x01010101u; }
+
 template <> struct Chunk<F_Q5_0> {
     static const int NP = 2;
     static const int G = 2;
@@ -366,8 +369,7 @@ template <> struct Chunk<F_Q5_0> {
 #pragma unroll
             for (int t = 0; t < 4; t++) {
                 u32 nib = g ? (q[t] >> 4) & 0x0f0f0f0fu : q[t] & 0x0f0f0f0fu;
-                u32 bits = (r.h >> (16 * g + 4 * t)) & 15u;
-                w[t] = nib | (((bits * 0x00204081u) & 0x01010101u) << 4);
+                w[t] = nib | (spread4(r.h >> (16 * g + 4 * t)) << 4);
             }
             s += dotq16(w, x[g]) - 16 * x[g].s;
         }
@@ -1362,9 +1364,6 @@ __device__ __forceinline__ void mma_k16(int (&d)[4], u32 a0, u32 a1, u32 b0) {
 // A 4-byte aligned word.
 __device__ __forceinline__ u32 ld32(const u8* p) { return *(const u32*)p; }
 
-// Bits 0-3 of `bits` to bit 0 of bytes 0-3.
-__device__ __forceinline__ u32 spread4(u32 bits) { return ((bits & 15u) * 0x00204081u) & 0x01010101u; }
-
 // Per format, a lane's share of one sub-block s of 8 weight rows: `load` fetches the bytes (its B
 // fragment row's level words and the scale bytes of its two output rows; nothing computed, so the
 // next sub-block's loads are in flight while this one's products run, as in `Chunk`), `levels`
@@ -1441,7 +1440,7 @@ template <> struct Mmq<F_Q8_0> {
 };
 template <> struct Mmq<F_Q5_0> {
     static const bool HALVES = false;
-    // (Levels 0..31, the offset of 16 in mn.)
+    // (Levels 0..31, the offset of 16 in mn; qh shifted to the lane's first element.)
     struct Raw {
         u32 w, qh, d[2];
     };
@@ -1450,18 +1449,14 @@ template <> struct Mmq<F_Q5_0> {
         if (lin) {
             const u64 g = block_of<F_Q5_0>(m, lrow, s);
             r.w = ld32(m.w + 16 * g + 4 * t);
-            r.qh = ld32(m.w + 16 * m.nblk + 4 * g);
+            r.qh = ld32(m.w + 16 * m.nblk + 4 * g) >> (4 * t);
         }
         plane_scales<F_Q5_0>(m, 20, srow, s, sin0, sin1, r.d);
         return r;
     }
     static __device__ __forceinline__ void levels(const Raw& r, int, u32& b0, u32& b1) {
-        // (Each lane holds elements 4t.. and 16 + 4t..: qh bits 4t.. and 16 + 4t.., t from the words.)
-        b0 = r.w & 0x0f0f0f0fu;
-        b1 = (r.w >> 4) & 0x0f0f0f0fu;
-        const int t = threadIdx.x & 3;
-        b0 |= spread4(r.qh >> (4 * t)) << 4;
-        b1 |= spread4(r.qh >> (16 + 4 * t)) << 4;
+        b0 = (r.w & 0x0f0f0f0fu) | (spread4(r.qh) << 4);
+        b1 = ((r.w >> 4) & 0x0f0f0f0fu) | (spread4(r.qh >> 16) << 4);
     }
     static __device__ __forceinline__ void scales(const Raw& r, int, int i, float2& d, float2& mn) {
         const float dd = half_u16(r.d[i]);

@@ -69,6 +69,9 @@ pub(crate) struct Scratch {
     pub(crate) dequant: Option<DeviceBuffer>,
     /// Quantized activation rows for the tensor-core (`mmq`) kernels.
     pub(crate) quantized: Option<DeviceBuffer>,
+    /// The activations `quantized` holds (address, width, rows) while no step since can have
+    /// rewritten them: matrix products that share an input (q/k/v, gate/up) quantize it once.
+    pub(crate) quantized_of: Option<(u64, usize, usize)>,
 }
 
 /// The address of `buf`, first replaced by a buffer of `bytes` if it is smaller.
@@ -173,7 +176,7 @@ impl Device {
             stream,
             blas,
             functions,
-            lock: Mutex::new(Scratch { dequant: None, quantized: None }),
+            lock: Mutex::new(Scratch { dequant: None, quantized: None, quantized_of: None }),
             name,
             arch,
             launches: AtomicUsize::new(0),

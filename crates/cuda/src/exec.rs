@@ -1118,8 +1118,13 @@ impl CudaExecutable {
                 Arg::F32(theta(1)),
             ],
         )?;
+        scratch.quantized_of = None;
         for l in &self.launches {
             let quant_out = l.quant_out.map_or(0, |b| self.xq[b].ptr());
+            if !matches!(l.op, Op::Step(_) | Op::MatVecs { .. }) {
+                // (Steps through `enqueue_step` say themselves what they leave valid.)
+                scratch.quantized_of = None;
+            }
             match &l.op {
                 Op::Step(i) => self.enqueue_step(*i, run, scratch, quant_out, l.xq_in)?,
                 Op::MatVecs { steps, glu, epi, pro } => {
@@ -1350,7 +1355,10 @@ impl CudaExecutable {
         let fmt = format_name(m.ty).ok_or_else(|| cuda_err(format!("no kernels for {:?}", m.ty)))?;
         if MMQ_FORMATS.contains(&m.ty) && d.arch.0 >= 8 && rows <= MMQ_MAX_ROWS {
             let xq = scratch.quantized(&d.ctx, rows * xq_bytes(m.k))?;
-            self.quantize_into(x, xq, m.k, rows)?;
+            if scratch.quantized_of != Some((x, m.k, rows)) {
+                self.quantize_into(x, xq, m.k, rows)?;
+                scratch.quantized_of = Some((x, m.k, rows));
+            }
             let (grid, split) = mmq_geometry(m.n, rows, d.sms as usize);
             return d.launch(
                 &format!("mmq_{fmt}"),
@@ -1437,6 +1445,10 @@ impl CudaExecutable {
         let (kernel, rows) = (&step.kernel, rows_of(step.rows, active, run.seqs));
         let d = &*self.device;
         let w = &*self.weights;
+        if !matches!(kernel, Kernel::MatMul { .. }) {
+            // Only a matrix product (whose output is not its input) leaves the quantized input valid.
+            scratch.quantized_of = None;
+        }
         #[allow(unreachable_patterns)]
         match *kernel {
             Kernel::Embed { table, ids, out, width, scale } => {
@@ -1645,8 +1657,8 @@ impl CudaExecutable {
     }
 
     /// Whether a run of `rows` rows replays a captured graph: a one-row plan, or a decode plan
-    /// whose rows all take the matrix-vector kernels (wider ones call cuBLAS and allocate its
-    /// scratch, which a capture does not allow).
+    /// whose rows all take the matrix-vector kernels (wider ones take scratch that may grow while
+    /// they run, `mmq`'s and cuBLAS's, which a capture does not allow).
     fn graphed(&self, rows: usize) -> bool {
         self.use_graphs && (self.plan.rows() == 1 || matches!(self.plan.bucket, Bucket::Decode { .. }) && rows <= MATVEC_ROWS)
     }
