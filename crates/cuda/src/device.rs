@@ -72,6 +72,9 @@ pub(crate) struct Scratch {
     /// The activations `quantized` holds (address, width, rows) while no step since can have
     /// rewritten them: matrix products that share an input (q/k/v, gate/up) quantize it once.
     pub(crate) quantized_of: Option<(u64, usize, usize)>,
+    /// Sized once for captured steps: a request for more is an error, not a new buffer (a graph
+    /// keeps the addresses it was captured with).
+    pub(crate) fixed: bool,
 }
 
 /// The address of `buf`, first replaced by a buffer of `bytes` if it is smaller.
@@ -84,15 +87,36 @@ fn grown(buf: &mut Option<DeviceBuffer>, ctx: &Arc<CudaContext>, bytes: usize) -
 }
 
 impl Scratch {
+    /// An empty scratch that grows as the steps need.
+    pub(crate) fn growing() -> Scratch {
+        Scratch { dequant: None, quantized: None, quantized_of: None, fixed: false }
+    }
+
+    /// A scratch of `quantized` bytes of quantized activations and no dequantized weights that
+    /// never grows.
+    pub(crate) fn fixed(ctx: &Arc<CudaContext>, quantized: usize) -> Result<Scratch, RuntimeError> {
+        Ok(Scratch { dequant: None, quantized: Some(DeviceBuffer::new(ctx, quantized)?), quantized_of: None, fixed: true })
+    }
+
     /// A scratch buffer of at least `bytes` for dequantized weights.
     pub(crate) fn dequant(&mut self, ctx: &Arc<CudaContext>, bytes: usize) -> Result<u64, RuntimeError> {
+        check_fits(self.fixed, &self.dequant, bytes)?;
         grown(&mut self.dequant, ctx, bytes)
     }
 
     /// A scratch buffer of at least `bytes` for quantized activations.
     pub(crate) fn quantized(&mut self, ctx: &Arc<CudaContext>, bytes: usize) -> Result<u64, RuntimeError> {
+        check_fits(self.fixed, &self.quantized, bytes)?;
         grown(&mut self.quantized, ctx, bytes)
     }
+}
+
+/// An error where a fixed scratch's `buf` holds fewer than `bytes`.
+fn check_fits(fixed: bool, buf: &Option<DeviceBuffer>, bytes: usize) -> Result<(), RuntimeError> {
+    if fixed && buf.as_ref().is_none_or(|b| b.bytes() < bytes) {
+        return Err(cuda_err(format!("a captured step asked for {bytes} bytes of scratch beyond what its plan sized")));
+    }
+    Ok(())
 }
 
 /// One CUDA device as kiln uses it.
@@ -176,7 +200,7 @@ impl Device {
             stream,
             blas,
             functions,
-            lock: Mutex::new(Scratch { dequant: None, quantized: None, quantized_of: None }),
+            lock: Mutex::new(Scratch::growing()),
             name,
             arch,
             launches: AtomicUsize::new(0),

@@ -465,6 +465,23 @@ fn max_matmul_k(plan: &Plan) -> usize {
         .fold(32, usize::max)
 }
 
+/// Whether the decode steps of `plan` of more than `MATVEC_ROWS` rows can be captured: every
+/// product takes `mmq` (no cuBLAS, whose scratch grows), so the only scratch they need is the
+/// quantized activations of at most `plan.rows()` rows.
+fn capturable_mmq(plan: &Plan, weights: &impl WeightShapes, arch: (i32, i32)) -> Result<bool, RuntimeError> {
+    if !matches!(plan.bucket, Bucket::Decode { .. }) || plan.rows() <= MATVEC_ROWS || plan.rows() > MMQ_MAX_ROWS || arch.0 < 8 {
+        return Ok(false);
+    }
+    for st in &plan.steps {
+        if let Kernel::MatMul { w, .. } | Kernel::MatMulArgmax { w, .. } = st.kernel {
+            if !MMQ_FORMATS.contains(&weights.matrix_ty(w)?) {
+                return Ok(false);
+            }
+        }
+    }
+    Ok(true)
+}
+
 /// Elements per row of the value a producer launch may quantize.
 fn launch_width(plan: &Plan, op: &Op) -> usize {
     let last = match op {
@@ -890,6 +907,9 @@ pub struct CudaExecutable {
     /// Captured steps, one per row count and context.
     graphs: Vec<CapturedStep>,
     use_graphs: bool,
+    /// The scratch of captured steps of more than `MATVEC_ROWS` rows: decode plans whose products
+    /// all take `mmq`, sized at creation (a graph keeps the addresses it was captured with).
+    graph_scratch: Option<Scratch>,
     /// The launches, fused where possible.
     launches: Vec<Launch>,
     /// Two buffers of quantized matrix-vector inputs (`MATVEC_ROWS` rows of the widest input).
@@ -1034,6 +1054,11 @@ impl CudaExecutable {
         let max_n =
             plan.steps.iter().filter_map(|st| if let Kernel::MatMul { n, .. } = st.kernel { Some(n) } else { None }).fold(32, usize::max);
         let xq = (0..2).map(|_| DeviceBuffer::new(&device.ctx, MATVEC_ROWS * xq_bytes(max_k))).collect::<Result<Vec<_>, _>>()?;
+        let graph_scratch = if capturable_mmq(&plan, &*weights, device.arch)? {
+            Some(Scratch::fixed(&device.ctx, plan.rows() * xq_bytes(max_k))?)
+        } else {
+            None
+        };
         let sync_attention = (SYNC_GLU as usize + 4 * MATVEC_ROWS * max_n.div_ceil(32)) as u64;
         let (mut heads, mut parts) = (0, 0);
         for st in &plan.steps {
@@ -1075,6 +1100,7 @@ impl CudaExecutable {
             vocab,
             graphs: Vec::new(),
             use_graphs,
+            graph_scratch,
             launches,
             xq,
             private,
@@ -1657,10 +1683,13 @@ impl CudaExecutable {
     }
 
     /// Whether a run of `rows` rows replays a captured graph: a one-row plan, or a decode plan
-    /// whose rows all take the matrix-vector kernels (wider ones take scratch that may grow while
-    /// they run, `mmq`'s and cuBLAS's, which a capture does not allow).
+    /// whose rows all take the matrix-vector kernels or whose products all take `mmq` with the
+    /// executable's own fixed scratch (cuBLAS's scratch may grow while it runs, which a capture
+    /// does not allow).
     fn graphed(&self, rows: usize) -> bool {
-        self.use_graphs && (self.plan.rows() == 1 || matches!(self.plan.bucket, Bucket::Decode { .. }) && rows <= MATVEC_ROWS)
+        self.use_graphs
+            && (self.plan.rows() == 1
+                || matches!(self.plan.bucket, Bucket::Decode { .. }) && (rows <= MATVEC_ROWS || self.graph_scratch.is_some()))
     }
 
     /// Replays the captured step for `run` (one row per sequence), capturing it first if needed.
@@ -1750,7 +1779,13 @@ impl CudaExecutable {
         // plan's rows, sequences <= its sequences); pageable memory is staged before return.
         unsafe { cudarc::driver::result::memcpy_htod_async(self.step.ptr(), &step, device.stream.cu_stream()) }.map_err(cuda_err)?;
         let run = Active { rows: n, seqs: kvs.len(), context };
-        if self.graphed(n) {
+        if self.graphed(n) && n > MATVEC_ROWS {
+            // (Taken out for the call, so that it and the executable can be borrowed apart.)
+            let mut own = self.graph_scratch.take().ok_or_else(|| cuda_err("a many-row captured step without its scratch"))?;
+            let replayed = self.replay(run, &mut own);
+            self.graph_scratch = Some(own);
+            replayed?;
+        } else if self.graphed(n) {
             self.replay(run, &mut scratch)?;
         } else {
             self.enqueue(run, &mut scratch)?;
@@ -1818,6 +1853,13 @@ mod tests {
 
     /// The launches of a Gemma 3 plan of `shape` and `bucket`.
     fn launches_of(shape: &Gemma3Shape, bucket: Bucket, mix: FormatMix) -> (Plan, Vec<Launch>) {
+        let (plan, store) = plan_of(shape, bucket, mix);
+        let l = lower(&plan, &store).unwrap();
+        (plan, l)
+    }
+
+    /// A Gemma 3 plan of `shape` and `bucket` and the weights it reads.
+    fn plan_of(shape: &Gemma3Shape, bucket: Bucket, mix: FormatMix) -> (Plan, WeightStore) {
         let dir = std::env::temp_dir().join(format!("kiln-cuda-lower-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         // One file per call: the tests run in parallel.
@@ -1829,8 +1871,26 @@ mod tests {
         let arch = kiln_models::architecture_from_gguf(&file).unwrap();
         let store = WeightStore::new(file).unwrap();
         let plan = kiln_runtime::compile(&arch.build_graph(bucket, OutputMode::NextToken).unwrap(), &store).unwrap();
-        let l = lower(&plan, &store).unwrap();
-        (plan, l)
+        (plan, store)
+    }
+
+    #[test]
+    fn many_row_decode_steps_are_captured_where_every_product_takes_mmq() {
+        let shape =
+            Gemma3Shape { hidden: 512, layers: 2, q_heads: 4, kv_heads: 1, head_dim: 128, ffn: 1024, vocab: 1000, window: 8, context: 64 };
+        let capturable = |bucket, mix, arch| {
+            let (plan, store) = plan_of(&shape, bucket, mix);
+            capturable_mmq(&plan, &store, arch).unwrap()
+        };
+        let decode = |seqs| Bucket::Decode { past: 16, seqs };
+        assert!(capturable(decode(16), FormatMix::Q4KM, (9, 0)));
+        assert!(capturable(decode(MMQ_MAX_ROWS), FormatMix::All(GgmlType::Q8_0), (8, 0)));
+        // Few rows take the matrix-vector kernels (captured without this scratch); Q5_K and
+        // prompts take cuBLAS; mma needs sm_80.
+        assert!(!capturable(decode(MATVEC_ROWS), FormatMix::Q4KM, (9, 0)));
+        assert!(!capturable(decode(16), FormatMix::All(GgmlType::Q5_K), (9, 0)));
+        assert!(!capturable(Bucket::Prefill { rows: 16, seqs: 1 }, FormatMix::Q4KM, (9, 0)));
+        assert!(!capturable(decode(16), FormatMix::Q4KM, (7, 5)));
     }
 
     #[test]

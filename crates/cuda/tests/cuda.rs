@@ -224,22 +224,26 @@ fn q4_k_m_mix_greedy_tokens_match_cpu() {
 }
 
 /// Several sequences in one step, each over its own cache at its own positions, give what each
-/// gives alone on the CPU (with decode graphs and with host launches): a batched prefill of four
-/// prompts of different lengths, batched decode steps (logits, 4 rows; then greedy tokens), and a
+/// gives alone on the CPU (with decode graphs and with host launches): a batched prefill of
+/// prompts of different lengths, batched decode steps (logits, then greedy tokens), and a
 /// step where three sequences decode while a new one prefills (as the server schedules them);
-/// sliding layers wrap their rings on the way. (Four: the backend batches from 4 sequences.)
+/// sliding layers wrap their rings on the way. Four sequences (the backend batches from 4) take
+/// the matrix-vector kernels, twelve the tensor-core (`mmq`) products, captured too.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
 fn batched_steps_match_each_sequence_alone() {
-    batched_steps_match(cuda());
-    batched_steps_match(cuda_host_launches());
+    let twelve: Vec<usize> = (0..12).map(|i| 2 + (7 * i) % 11).collect();
+    for lengths in [&[5, 11, 2, 9][..], &twelve] {
+        batched_steps_match(cuda(), lengths);
+        batched_steps_match(cuda_host_launches(), lengths);
+    }
 }
 
-fn batched_steps_match(backend: Arc<CudaBackend>) {
+fn batched_steps_match(backend: Arc<CudaBackend>, lengths: &[usize]) {
     let m = gemma3(&small_shape(), FormatMix::Q4KM, 13);
     assert_eq!(backend.batches_from(), 4);
     let (c, g) = (load(&m, cpu()), load(&m, backend));
-    let prompts: Vec<Vec<u32>> = [5, 11, 2, 9].iter().enumerate().map(|(i, &n)| prompt(n + 3 * i, 1000 - 97 * i)).collect();
+    let prompts: Vec<Vec<u32>> = lengths.iter().enumerate().map(|(i, &n)| prompt(n + 3 * i, 1000 - 37 * i)).collect();
     let mut cpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| c.new_session().unwrap()).collect();
     let mut gpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| g.new_session().unwrap()).collect();
     let want: Vec<Vec<f32>> = cpu_seqs.iter_mut().zip(&prompts).map(|(s, p)| logits(s, p)).collect();
