@@ -306,7 +306,8 @@ fn kernel_names(src: &str) -> Vec<String> {
             let fmt = rest.split(',').next().unwrap_or_default().trim();
             names.extend(["matvecr8", "matvecr4", "matvecr2"].map(|k| format!("{k}_{fmt}")));
         } else if let Some(rest) = line.strip_prefix("KILN_MMQ(") {
-            names.push(format!("mmq_{}", rest.split(',').next().unwrap_or_default().trim()));
+            let fmt = rest.split(',').next().unwrap_or_default().trim();
+            names.extend(["mmq", "mmq2"].map(|k| format!("{k}_{fmt}")));
         }
     }
     names
@@ -440,8 +441,9 @@ mod tests {
     fn kernel_names_are_found_in_every_family() {
         let quant = kernel_names(FAMILIES[0].1);
         assert!(quant.contains(&"matvec_q4_k".to_string()) && quant.contains(&"dequant_q8_0".to_string()));
-        assert_eq!(quant.len(), 13 * 6 + 2 + 4 * 3 + 4);
+        assert_eq!(quant.len(), 13 * 6 + 2 + 4 * 3 + 4 * 2);
         assert!(quant.contains(&"matvecr2_q6_k".to_string()) && quant.contains(&"mmq_q5_0".to_string()));
+        assert!(quant.contains(&"mmq2_q4_k".to_string()));
         assert!(quant.contains(&"quantize_rows".to_string()));
         let ops = kernel_names(FAMILIES[1].1);
         for k in [

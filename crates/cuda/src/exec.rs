@@ -168,14 +168,27 @@ const _: () = assert!(MMQ_MAX_ROWS > MATVEC_ROWS, "mmq takes the rows the matrix
 const MMQ_ROWS: usize = 32;
 const MMQ_WARPS: usize = 4;
 
-/// The grid of an `mmq` launch over `n` weight rows and `rows` activation rows, and how many warps
-/// share 8 weight rows (splitting the sub-blocks: 1, 2 or 4): the fewest that give every one of the
-/// `sms` multiprocessors two blocks.
-fn mmq_geometry(n: usize, rows: usize, sms: usize) -> ((u32, u32), usize) {
+/// How an `mmq` launch covers `n` weight rows and `rows` activation rows.
+#[derive(Debug, PartialEq, Eq)]
+struct MmqGeometry {
+    grid: (u32, u32),
+    /// Warps sharing a warp tile of weight rows (splitting the sub-blocks: 1, 2 or 4).
+    split: usize,
+    /// Warp tiles of 16 weight rows (`mmq2`) instead of 8 (`mmq`).
+    wide: bool,
+}
+
+/// The `mmq` launch over `n` weight rows and `rows` activation rows on `sms` multiprocessors:
+/// 16-row warp tiles where there are still two tiles per multiprocessor (half the activation
+/// reads per weight byte), else 8; then the fewest warps per tile that give every multiprocessor
+/// two blocks.
+fn mmq_geometry(n: usize, rows: usize, sms: usize) -> MmqGeometry {
     let by = rows.div_ceil(MMQ_ROWS);
-    let bx = |split: usize| n.div_ceil(8 * MMQ_WARPS / split);
+    let wide = n.div_ceil(16) * by >= 2 * sms;
+    let tile = if wide { 16 } else { 8 };
+    let bx = |split: usize| n.div_ceil(tile * MMQ_WARPS / split);
     let split = [1, 2, 4].into_iter().find(|&s| bx(s) * by >= 2 * sms).unwrap_or(4);
-    ((bx(split) as u32, by as u32), split)
+    MmqGeometry { grid: (bx(split) as u32, by as u32), split, wide }
 }
 
 /// Widest row the norm kernels take (`NORM_PER * NORM_THREADS` in ops.cu).
@@ -1385,9 +1398,9 @@ impl CudaExecutable {
                 self.quantize_into(x, xq, m.k, rows)?;
                 scratch.quantized_of = Some((x, m.k, rows));
             }
-            let (grid, split) = mmq_geometry(m.n, rows, d.sms as usize);
+            let MmqGeometry { grid, split, wide } = mmq_geometry(m.n, rows, d.sms as usize);
             return d.launch(
-                &format!("mmq_{fmt}"),
+                &format!("{}_{fmt}", if wide { "mmq2" } else { "mmq" }),
                 grid,
                 (32 * MMQ_WARPS) as u32,
                 &[
@@ -2007,15 +2020,17 @@ mod tests {
 
     #[test]
     fn mmq_launches_split_the_sub_blocks_only_for_few_weight_rows() {
-        // The 270M's head for 64 rows: 8192 x 2 blocks of 4 warps, each warp 8 rows alone.
-        assert_eq!(mmq_geometry(262144, 64, 132), ((8192, 2), 1));
-        // Its key rows for 16 sequences: 256 rows, 4 warps to every 8 rows, still under 2 blocks a
-        // multiprocessor.
-        assert_eq!(mmq_geometry(256, 16, 132), ((32, 1), 4));
-        assert_eq!(mmq_geometry(2048, 64, 132), ((256, 2), 4));
-        assert_eq!(mmq_geometry(15360, 16, 132), ((480, 1), 1));
+        let g = |grid, split, wide| MmqGeometry { grid, split, wide };
+        // The 270M's head for 64 rows: 4096 x 2 blocks of 4 warps, each warp 16 rows alone.
+        assert_eq!(mmq_geometry(262144, 64, 132), g((4096, 2), 1, true));
+        // Its key rows for 16 sequences: 256 rows in 8-row tiles, 4 warps to every tile, still
+        // under 2 blocks a multiprocessor.
+        assert_eq!(mmq_geometry(256, 16, 132), g((32, 1), 4, false));
+        assert_eq!(mmq_geometry(2048, 64, 132), g((256, 2), 4, false));
+        // A 12B gate: 960 16-row tiles, 2 warps to each.
+        assert_eq!(mmq_geometry(15360, 16, 132), g((480, 1), 2, true));
         // Partial tiles: 1000 rows (the tests' vocabulary), 20 activation rows.
-        assert_eq!(mmq_geometry(1000, 20, 132), ((125, 1), 4));
+        assert_eq!(mmq_geometry(1000, 20, 132), g((125, 1), 4, false));
     }
 
     #[test]

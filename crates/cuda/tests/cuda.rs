@@ -139,7 +139,8 @@ formats!(
 /// 65,536-token vocabulary over 2,048 columns, in every ring format (logits, and the greedy argmax
 /// where the format has no head kernel of its own); the down projection's 32,768-wide rows go
 /// through matvec4 (for Q5_0 its shared-memory stages, many turns per lane), its 15,360-wide rows
-/// through 4-row tiles (`matvecr4`; Q8_0's through matvec4).
+/// through 4-row tiles (`matvecr4`; Q8_0's through matvec4). The prompt's 20 rows take `mmq`, the
+/// wide gate/up products in 32-row warp tiles (`mmq4`).
 fn streamed_launches_match_cpu(ty: GgmlType) {
     for ffn in [32768, 15360] {
         streamed_launches_match_cpu_at(ty, ffn);
@@ -150,10 +151,12 @@ fn streamed_launches_match_cpu_at(ty: GgmlType, ffn: usize) {
     let shape = Gemma3Shape { hidden: 2048, layers: 1, q_heads: 8, kv_heads: 1, head_dim: 256, ffn, vocab: 65536, window: 8, context: 64 };
     let m = gemma3(&shape, FormatMix::All(ty), 11);
     let (c, g) = (load(&m, cpu()), load(&m, cuda()));
-    let p = prompt(5, shape.vocab);
+    let p = prompt(20, shape.vocab);
     let (mut sc, mut sg) = (c.new_session().unwrap(), g.new_session().unwrap());
-    let mut tok = argmax(&logits(&mut sc, &p));
-    logits(&mut sg, &p);
+    let (want, got) = (logits(&mut sc, &p), logits(&mut sg, &p));
+    let e = rel_l2(&got, &want);
+    assert!(e < 1e-3, "{ty:?} (MLP {ffn}) prefill: relative L2 {e:.2e}");
+    let mut tok = argmax(&want);
     for step in 0..4 {
         let (want, got) = (logits(&mut sc, &[tok]), logits(&mut sg, &[tok]));
         let e = rel_l2(&got, &want);
