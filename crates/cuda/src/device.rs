@@ -77,9 +77,13 @@ pub(crate) struct Scratch {
     pub(crate) fixed: bool,
 }
 
-/// The address of `buf`, first replaced by a buffer of `bytes` if it is smaller.
-fn grown(buf: &mut Option<DeviceBuffer>, ctx: &Arc<CudaContext>, bytes: usize) -> Result<u64, RuntimeError> {
+/// The address of `buf`, first replaced by a buffer of `bytes` if it is smaller (an error where
+/// the scratch is `fixed`).
+fn grown(buf: &mut Option<DeviceBuffer>, ctx: &Arc<CudaContext>, bytes: usize, fixed: bool) -> Result<u64, RuntimeError> {
     if buf.as_ref().is_none_or(|b| b.bytes() < bytes) {
+        if fixed {
+            return Err(cuda_err(format!("a captured step asked for {bytes} bytes of scratch beyond what its plan sized")));
+        }
         *buf = None;
         *buf = Some(DeviceBuffer::new(ctx, bytes)?);
     }
@@ -100,23 +104,13 @@ impl Scratch {
 
     /// A scratch buffer of at least `bytes` for dequantized weights.
     pub(crate) fn dequant(&mut self, ctx: &Arc<CudaContext>, bytes: usize) -> Result<u64, RuntimeError> {
-        check_fits(self.fixed, &self.dequant, bytes)?;
-        grown(&mut self.dequant, ctx, bytes)
+        grown(&mut self.dequant, ctx, bytes, self.fixed)
     }
 
     /// A scratch buffer of at least `bytes` for quantized activations.
     pub(crate) fn quantized(&mut self, ctx: &Arc<CudaContext>, bytes: usize) -> Result<u64, RuntimeError> {
-        check_fits(self.fixed, &self.quantized, bytes)?;
-        grown(&mut self.quantized, ctx, bytes)
+        grown(&mut self.quantized, ctx, bytes, self.fixed)
     }
-}
-
-/// An error where a fixed scratch's `buf` holds fewer than `bytes`.
-fn check_fits(fixed: bool, buf: &Option<DeviceBuffer>, bytes: usize) -> Result<(), RuntimeError> {
-    if fixed && buf.as_ref().is_none_or(|b| b.bytes() < bytes) {
-        return Err(cuda_err(format!("a captured step asked for {bytes} bytes of scratch beyond what its plan sized")));
-    }
-    Ok(())
 }
 
 /// One CUDA device as kiln uses it.

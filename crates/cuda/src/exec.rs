@@ -164,6 +164,12 @@ const MMQ_FORMATS: [GgmlType; 4] = [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8
 /// against 19,500 and 35,200 through cuBLAS, of 512 48,400 against 60,200; 12B 820 against 1,610).
 const MMQ_MAX_ROWS: usize = 128;
 const _: () = assert!(MMQ_MAX_ROWS > MATVEC_ROWS, "mmq takes the rows the matrix-vector kernels do not");
+/// Whether a product of `rows` activation rows by a `ty` matrix takes `mmq` on a device of `arch`
+/// (rows beyond the matrix-vector kernels are the caller's test).
+fn takes_mmq(ty: GgmlType, rows: usize, arch: (i32, i32)) -> bool {
+    MMQ_FORMATS.contains(&ty) && arch.0 >= 8 && rows <= MMQ_MAX_ROWS
+}
+
 /// Activation rows of an `mmq` block (`8 * MMQ_GROUPS` in quant.cu) and its warps (`MMQ_WARPS`).
 const MMQ_ROWS: usize = 32;
 const MMQ_WARPS: usize = 4;
@@ -482,12 +488,12 @@ fn max_matmul_k(plan: &Plan) -> usize {
 /// product takes `mmq` (no cuBLAS, whose scratch grows), so the only scratch they need is the
 /// quantized activations of at most `plan.rows()` rows.
 fn capturable_mmq(plan: &Plan, weights: &impl WeightShapes, arch: (i32, i32)) -> Result<bool, RuntimeError> {
-    if !matches!(plan.bucket, Bucket::Decode { .. }) || plan.rows() <= MATVEC_ROWS || plan.rows() > MMQ_MAX_ROWS || arch.0 < 8 {
+    if !matches!(plan.bucket, Bucket::Decode { .. }) || plan.rows() <= MATVEC_ROWS {
         return Ok(false);
     }
     for st in &plan.steps {
         if let Kernel::MatMul { w, .. } | Kernel::MatMulArgmax { w, .. } = st.kernel {
-            if !MMQ_FORMATS.contains(&weights.matrix_ty(w)?) {
+            if !takes_mmq(weights.matrix_ty(w)?, plan.rows(), arch) {
                 return Ok(false);
             }
         }
@@ -1392,7 +1398,7 @@ impl CudaExecutable {
         let d = &*self.device;
         let m = self.weights.matrix(w)?;
         let fmt = format_name(m.ty).ok_or_else(|| cuda_err(format!("no kernels for {:?}", m.ty)))?;
-        if MMQ_FORMATS.contains(&m.ty) && d.arch.0 >= 8 && rows <= MMQ_MAX_ROWS {
+        if takes_mmq(m.ty, rows, d.arch) {
             let xq = scratch.quantized(&d.ctx, rows * xq_bytes(m.k))?;
             if scratch.quantized_of != Some((x, m.k, rows)) {
                 self.quantize_into(x, xq, m.k, rows)?;
@@ -1792,16 +1798,16 @@ impl CudaExecutable {
         // plan's rows, sequences <= its sequences); pageable memory is staged before return.
         unsafe { cudarc::driver::result::memcpy_htod_async(self.step.ptr(), &step, device.stream.cu_stream()) }.map_err(cuda_err)?;
         let run = Active { rows: n, seqs: kvs.len(), context };
-        if self.graphed(n) && n > MATVEC_ROWS {
+        if !self.graphed(n) {
+            self.enqueue(run, &mut scratch)?;
+        } else if n > MATVEC_ROWS {
             // (Taken out for the call, so that it and the executable can be borrowed apart.)
             let mut own = self.graph_scratch.take().ok_or_else(|| cuda_err("a many-row captured step without its scratch"))?;
             let replayed = self.replay(run, &mut own);
             self.graph_scratch = Some(own);
             replayed?;
-        } else if self.graphed(n) {
-            self.replay(run, &mut scratch)?;
         } else {
-            self.enqueue(run, &mut scratch)?;
+            self.replay(run, &mut scratch)?;
         }
         let mut outs = Vec::with_capacity(self.plan.outputs.len());
         for o in &self.plan.outputs {
