@@ -1,0 +1,602 @@
+// Can one persistent kernel run a Gemma 3 12B decode layer at the read bandwidth? L layers of
+// 12B shapes (q/k/v 8192 x 3840, o 3840 x 4096, gate and up 15360 x 3840, down 3840 x 15360, all
+// Q4_K; attention over a past of P f32 positions; the norm pairs of Gemma 3) in ONE launch of one
+// block of 16 warps per multiprocessor: every tile of every matrix of every layer the block takes
+// streams through a shared-memory ring (TMA bulk copies), each stage refilled with the tile NS
+// later as soon as it is consumed, whatever matrix or layer that tile belongs to, so the stream
+// goes on while the block waits at a dependency, as far as the ring reaches; 4 groups of 4 warps
+// take alternate tiles (each its own stages). The blocks meet at an arrival counter in global
+// memory after each of a layer's 5 stages (q/k/v, attention, o, gate/up, down); each block computes
+// the norms and the quantized input itself. Modes: full; no tile asked for across a stage boundary;
+// no dependency waits (what the same work costs without them; results wrong); stream only (the
+// copies alone). The full mode is checked against a chain of plain kernels (kiln's norm_row,
+// quantize32 and chunk decoders); block 0's clock at 15 points of each layer shows where a layer
+// goes. Results: bench/RESULTS.md, 2026-12-02, issue 4q. Build and run on the device machine from
+// the checkout's root (arguments: layers, past):
+//   bench/cuda/prep.sh /tmp/pk && nvcc -O3 -arch=sm_90 -std=c++17 -I/tmp/pk -o /tmp/pk/persistent bench/cuda/persistent.cu && /tmp/pk/persistent 8 512
+#include "common.cuh"
+#include "quant_f.cu"
+#include "bench_util.cuh"
+
+constexpr int D = 3840, QD = 4096, KVD = 2048, QKV = QD + 2 * KVD, FF = 15360, HD = 256, NH = 16, NKV = 8;
+constexpr int NC = 16, CT = NC * 32;  // consumer warps and threads
+constexpr int NSTG = 5;               // dependency counters per layer: qkv, attention, o, gate/up, down
+constexpr int SHARES = 16;            // attention: position shares per kv head (blocks 0..127)
+constexpr int SLOT = 18432;           // ring stage bytes (8 rows of o's 4096 Q4_K columns)
+constexpr int XQ_MAX = FF * 5 / 2;    // quantized input of the down projection
+constexpr int MAXL = 8;
+
+struct Layer {
+    const u8 *wqkv, *wo, *wg, *wu, *wd;
+    const float *n_in, *n_pa, *n_pf, *n_po;  // input, post-attention, pre-FFN, post-FFN norm weights
+    const float *kc, *vc;                    // [NKV][P][HD]
+};
+struct Prm {
+    Layer ly[MAXL];
+    const float* x0;
+    float *qkv, *att, *o, *glu, *dn, *res_a, *res_in, *part;  // per layer
+    u32* cnt;                                                 // [L][NSTG], then [L][NKV]
+    long long* stamps;                                        // block 0's clock at 15 points a layer
+    int L, P, mode;
+};
+
+__device__ __forceinline__ void cbar() { asm volatile("bar.sync 1, %0;" ::"n"(CT) : "memory"); }
+constexpr int GROUPS = 4, GW = NC / GROUPS, GT = GW * 32;  // consumer groups: warps, threads each
+__device__ __forceinline__ void gbar(int g) { asm volatile("bar.sync %0, %1;" ::"r"(2 + g), "n"(GT) : "memory"); }
+__device__ __forceinline__ u32 ld_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+// Sum over the consumer threads (every one gets it).
+__device__ __forceinline__ float csum(float v, float* scr) {
+    v = warp_sum(v);
+    cbar();
+    if ((threadIdx.x & 31) == 0) scr[threadIdx.x >> 5] = v;
+    cbar();
+    return warp_sum((threadIdx.x & 31) < NC ? scr[threadIdx.x & 31] : 0.f);
+}
+
+// Matrix m of a layer: 0 q/k/v, 1 o, 2 gate/up (tiles of 4 gate rows then the same 4 up rows), 3 down.
+struct Geo {
+    int tiles, tr, k;
+    u32 rb;
+};
+__host__ __device__ constexpr Geo geo(int m) {
+    return m == 0 ? Geo{QKV / 8, 8, D, (u32)(D / 256 * 144)}
+         : m == 1 ? Geo{D / 8, 8, QD, (u32)(QD / 256 * 144)}
+         : m == 2 ? Geo{FF / 4, 8, D, (u32)(D / 256 * 144)}
+                  : Geo{D / 2, 2, FF, (u32)(FF / 256 * 144)};
+}
+
+// The block's tiles of each matrix in a layer (block b: tiles b, b + gridDim.x, ...): its tile
+// sequence, the same every layer, is what the ring streams.
+struct Order {
+    int n[4], per;
+};
+__device__ Order order() {
+    Order o;
+    o.per = 0;
+    for (int m = 0; m < 4; m++) {
+        const int tiles = geo(m).tiles;
+        o.n[m] = (int)blockIdx.x < tiles ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+        o.per += o.n[m];
+    }
+    return o;
+}
+// The ring: group g (see consume) owns stages g NS / 4 .. (g + 1) NS / 4 - 1 and takes the tiles
+// sq = g mod 4 of the block's sequence, tile sq into its stage (sq / 4) mod (NS / 4).
+template <int NS> __device__ __forceinline__ u32 slot_of(u32 sq) { return (sq % GROUPS) * (NS / GROUPS) + (sq / GROUPS) % (NS / GROUPS); }
+template <int NS> __device__ __forceinline__ u32 phase_of(u32 sq) { return (sq / GROUPS / (NS / GROUPS)) & 1; }
+// Asks the copy engine for the block's tile `sq` (of all layers) into its stage.
+template <int NS>
+__device__ void issue(const Prm& p, const Order& o, u8* ring, u64* full, u32 sq) {
+    const int l = sq / o.per;
+    if (l >= p.L) return;
+    int j = sq % o.per, m = 0;
+    while (j >= o.n[m]) j -= o.n[m++];
+    const Geo g = geo(m);
+    const Layer& y = p.ly[l];
+    const int t = blockIdx.x + j * gridDim.x;
+    const u32 slot = slot_of<NS>(sq), bytes = g.tr * g.rb;
+    u8* dst = ring + slot * SLOT;
+    bar_expect(&full[slot], bytes);
+    if (m == 2) {
+        bulk_copy(dst, y.wg + (u64)t * 4 * g.rb, 4 * g.rb, &full[slot]);
+        bulk_copy(dst + 4 * g.rb, y.wu + (u64)t * 4 * g.rb, 4 * g.rb, &full[slot]);
+    } else {
+        const u8* w = m == 0 ? y.wqkv : m == 1 ? y.wo : y.wd;
+        bulk_copy(dst, w + (u64)t * bytes, bytes, &full[slot]);
+    }
+}
+
+// The block's tiles of matrix M (consumers): group gi of 4 warps takes the block's tiles whose
+// sequence number is gi mod 4 (4 tiles in flight per block, as 4 blocks of 4 warps would); in a
+// tile, lane li of a set of LANES lanes takes the 64-element chunks li, li + LANES, ... of the
+// set's ROWS rows (their activations held for the whole matrix), then the group meets, its warp 0
+// writes the sums, its thread 0 refills the stage with the group's tile NS / 4 later (sq + NS).
+template <int NS, int M>
+__device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u32& seq, const u8* xq, float* out, float (*red)[2][GW][8],
+                        bool compute) {
+    constexpr Geo g = geo(M);
+    constexpr int CHUNKS = g.k / 64, SETS = CHUNKS <= 64 ? 2 : 1, ROWS = g.tr / SETS, LANES = GT / SETS;
+    constexpr int CH = (CHUNKS + LANES - 1) / LANES;
+    const int gi = threadIdx.x / GT, tig = threadIdx.x % GT, wg = tig >> 5, lane = threadIdx.x & 31;
+    const int set = tig / LANES, li = tig % LANES;
+    XGroup xg[CH][4];
+    if (compute)
+#pragma unroll
+        for (int q = 0; q < CH; q++)
+            if (li + q * LANES < CHUNKS)
+#pragma unroll
+                for (int e = 0; e < 4; e++) xg[q][e] = xgroup(xq, g.k, 64 * (li + q * LANES) + 16 * e);
+    const u32 s0 = seq;
+    const int mine = o.n[M];
+    // Mode 3: the matrix's first tiles are asked for only now (after its prologue).
+    if (p.mode == 3 && threadIdx.x == 0)
+        for (int j = 0; j < NS && j < mine; j++) issue<NS>(p, o, ring, full, s0 + j);
+    int par = 0;
+    for (int j = (int)((gi - s0 % GROUPS + GROUPS) % GROUPS); j < mine; j += GROUPS, par ^= 1) {
+        const u32 sq = s0 + j, slot = slot_of<NS>(sq);
+        const int t = blockIdx.x + j * gridDim.x;
+        bar_wait(&full[slot], phase_of<NS>(sq));
+        float acc[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
+        if (compute) {
+            const Mat st{ring + slot * SLOT, g.rb, 0};
+#pragma unroll
+            for (int q = 0; q < CH; q++) {
+                const int c = li + q * LANES;
+                if (c < CHUNKS) {
+                    constexpr int GR = ROWS < 4 ? ROWS : 4;
+#pragma unroll
+                    for (int r0 = 0; r0 < ROWS; r0 += GR) {
+                        typename RingChunk<F_Q4_K>::Raw raw[GR];
+#pragma unroll
+                        for (int r = 0; r < GR; r++) raw[r] = RingChunk<F_Q4_K>::load(st, set * ROWS + r0 + r, c);
+#pragma unroll
+                        for (int r = 0; r < GR; r++) acc[r0 + r] += RingChunk<F_Q4_K>::dot(st, raw[r], c, xg[q]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                const float v = warp_sum(acc[r]);
+                if (lane == 0) red[gi][par][wg][r] = v;
+            }
+        }
+        gbar(gi);
+        if (tig == 0 && (p.mode != 3 || sq + NS < s0 + mine)) issue<NS>(p, o, ring, full, sq + NS);
+        if (!compute || wg != 0) continue;
+        // Row r of the tile: set r / ROWS, the sums of that set's warps.
+        auto sum = [&](int r) {
+            float s = 0.f;
+#pragma unroll
+            for (int w = 0; w < GW / SETS; w++) s += red[gi][par][(r / ROWS) * (GW / SETS) + w][r % ROWS];
+            return s;
+        };
+        if (M == 2) {
+            if (lane < 4) out[t * 4 + lane] = gelu_tanh(sum(lane)) * sum(lane + 4);
+        } else if (lane < g.tr)
+            out[t * g.tr + lane] = sum(lane);
+    }
+    seq = s0 + mine;
+}
+
+// y = (res + a / rms(a) * w1) / rms(.) * w2 (res null: y = a / rms(a) * w1; w1 null: y = a),
+// quantized into xq; h (the residual after a) written by block 0 when given.
+template <int PER>
+__device__ void prologue(const float* a, const float* res, const float* w1, const float* w2, float* h, u8* xq, int k, float* scr) {
+    if (!w1) {
+#pragma unroll 6
+        for (int j = 0; j < PER; j++) {
+            const int i = threadIdx.x + j * CT;
+            if (i - (threadIdx.x & 31) < k) quantize32(i < k ? __ldcg(a + i) : 0.f, xq, k, i);
+        }
+        cbar();
+        return;
+    }
+    float v[PER];
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int i = threadIdx.x + j * CT;
+        v[j] = i < k ? __ldcg(a + i) : 0.f;
+    }
+    if (w1) {
+        float ss = 0.f;
+#pragma unroll
+        for (int j = 0; j < PER; j++) ss += v[j] * v[j];
+        float inv = 1.f / sqrtf(csum(ss, scr) / (float)k + 1e-6f);
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            const int i = threadIdx.x + j * CT;
+            v[j] = i < k ? (res ? __ldcg(res + i) : 0.f) + v[j] * inv * w1[i] : 0.f;
+        }
+        if (w2) {
+            ss = 0.f;
+#pragma unroll
+            for (int j = 0; j < PER; j++) ss += v[j] * v[j];
+            inv = 1.f / sqrtf(csum(ss, scr) / (float)k + 1e-6f);
+#pragma unroll
+            for (int j = 0; j < PER; j++) {
+                const int i = threadIdx.x + j * CT;
+                if (h && blockIdx.x == 0 && i < k) h[i] = v[j];
+                v[j] = i < k ? v[j] * inv * w2[i] : 0.f;
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int i = threadIdx.x + j * CT;
+        if (i - (threadIdx.x & 31) < k) quantize32(v[j], xq, k, i);
+    }
+    cbar();
+}
+
+// Attention of layer l for block b < 128: kv head b % 8, positions of share b / 8, both of its
+// query heads; the last share of a kv head merges the shares.
+__device__ void attention(const Prm& p, int l, float* scr, float (*sc)[64], u32* flag) {
+    const int b = blockIdx.x, g = b % NKV, s = b / NKV, np = p.P / SHARES, p0 = s * np;
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float* q = p.qkv + (u64)l * QKV;
+    const Layer& y = p.ly[l];
+    float qa[2][8];
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int e = 0; e < 8; e++) qa[h][e] = __ldcg(q + (2 * g + h) * HD + lane * 8 + e);
+    for (int j = w; j < np; j += NC) {
+        const float4* kr = (const float4*)(y.kc + ((u64)g * p.P + p0 + j) * HD + lane * 8);
+        const float4 k0 = kr[0], k1 = kr[1];
+        const float kk[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float d = 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; e++) d += qa[h][e] * kk[e];
+            d = warp_sum(d);
+            if (lane == 0) sc[h][j] = d * 0.0625f;
+        }
+    }
+    cbar();
+    const int h = threadIdx.x >> 8, d = threadIdx.x & 255, head = 2 * g + h;
+    float m = -INFINITY;
+    for (int j = 0; j < np; j++) m = fmaxf(m, sc[h][j]);
+    float sum = 0.f, acc = 0.f;
+    for (int j = 0; j < np; j++) {
+        const float e = __expf(sc[h][j] - m);
+        sum += e;
+        acc += e * y.vc[((u64)g * p.P + p0 + j) * HD + d];
+    }
+    float* pt = p.part + (((u64)l * NH + head) * SHARES + s) * (HD + 2);
+    if (d == 0) {
+        pt[0] = m;
+        pt[1] = sum;
+    }
+    pt[2 + d] = acc;
+    cbar();
+    if (threadIdx.x == 0) {
+        const bool last = arrive(p.cnt + p.L * NSTG + l * NKV + g, 1) == SHARES - 1;
+        if (last) acquire();
+        *flag = last;
+    }
+    cbar();
+    if (!*flag) return;
+    const float* ph = p.part + ((u64)l * NH + head) * SHARES * (HD + 2);
+    float mm = -INFINITY;
+    for (int t = 0; t < SHARES; t++) mm = fmaxf(mm, __ldcg(ph + t * (HD + 2)));
+    float ls = 0.f, as = 0.f;
+    for (int t = 0; t < SHARES; t++) {
+        const float f = __expf(__ldcg(ph + t * (HD + 2)) - mm);
+        ls += f * __ldcg(ph + t * (HD + 2) + 1);
+        as += f * __ldcg(ph + t * (HD + 2) + 2 + d);
+    }
+    p.att[(u64)l * QD + head * HD + d] = as / ls;
+    cbar();
+    if (threadIdx.x == 0) arrive(p.cnt + l * NSTG + 1, 1);
+}
+
+template <int NS>
+__global__ void __launch_bounds__(CT, 1) layers(const __grid_constant__ Prm p) {
+    extern __shared__ __align__(128) u8 dyn[];
+    __shared__ __align__(8) u64 full[NS];
+    __shared__ float red[GROUPS][2][GW][8], scr[32], sc[2][64];
+    __shared__ u32 flag;
+    u8* ring = dyn;
+    u8* xq = dyn + NS * SLOT;
+    const Order o = order();
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < NS; s++) bar_init(&full[s], 1);
+        bar_init_fence();
+        for (int s = 0; s < NS && p.mode != 3; s++) issue<NS>(p, o, ring, full, s);
+    }
+    __syncthreads();
+    const bool compute = p.mode != 2, waits = p.mode == 0 || p.mode == 3;
+    const u32 G = gridDim.x;
+    auto wait_for = [&](const u32* c, u32 n) {
+        if (waits && threadIdx.x == 0)
+            while (ld_acquire(c) < n) {
+            }
+        cbar();
+    };
+    auto done = [&](u32* c) {
+        cbar();
+        if (threadIdx.x == 0) arrive(c, 1);
+    };
+    u32 seq = 0;
+    for (int l = 0; l < p.L; l++) {
+        const Layer& y = p.ly[l];
+        u32* cnt = p.cnt + l * NSTG;
+        auto stamp = [&](int i) {
+            if (blockIdx.x == 0 && threadIdx.x == 0) p.stamps[l * 16 + i] = clock64();
+        };
+        // q/k/v: the residual into the layer (the last layer's down projection after its norm),
+        // its input norm.
+        stamp(0);
+        if (l > 0) wait_for(cnt - NSTG + 4, G);
+        stamp(1);
+        if (compute) {
+            if (l == 0)
+                prologue<8>(p.x0, nullptr, y.n_in, nullptr, nullptr, xq, D, scr);
+            else
+                prologue<8>(p.dn + (u64)(l - 1) * D, p.res_a + (u64)(l - 1) * D, p.ly[l - 1].n_po, y.n_in, p.res_in + (u64)l * D, xq, D,
+                            scr);
+        }
+        stamp(2);
+        consume<NS, 0>(p, o, ring, full, seq, xq, p.qkv + (u64)l * QKV, red, compute);
+        done(cnt + 0);
+        stamp(3);
+        if (compute && blockIdx.x < NKV * SHARES) {
+            wait_for(cnt + 0, G);
+            stamp(4);
+            attention(p, l, scr, sc, &flag);
+        }
+        stamp(5);
+        wait_for(cnt + 1, NKV);
+        stamp(6);
+        if (compute) prologue<8>(p.att + (u64)l * QD, nullptr, nullptr, nullptr, nullptr, xq, QD, scr);
+        stamp(7);
+        consume<NS, 1>(p, o, ring, full, seq, xq, p.o + (u64)l * D, red, compute);
+        done(cnt + 2);
+        stamp(8);
+        wait_for(cnt + 2, G);
+        stamp(9);
+        if (compute)
+            prologue<8>(p.o + (u64)l * D, l == 0 ? p.x0 : p.res_in + (u64)l * D, y.n_pa, y.n_pf, p.res_a + (u64)l * D, xq, D, scr);
+        stamp(10);
+        consume<NS, 2>(p, o, ring, full, seq, xq, p.glu + (u64)l * FF, red, compute);
+        done(cnt + 3);
+        stamp(11);
+        wait_for(cnt + 3, G);
+        stamp(12);
+        if (compute) prologue<FF / CT>(p.glu + (u64)l * FF, nullptr, nullptr, nullptr, nullptr, xq, FF, scr);
+        stamp(13);
+        consume<NS, 3>(p, o, ring, full, seq, xq, p.dn + (u64)l * D, red, compute);
+        done(cnt + 4);
+        stamp(14);
+    }
+}
+
+// Reads `words` 16-byte words (the read bandwidth, as kiln's read_bandwidth measures it).
+__global__ void read_sink(const uint4* src, u64 words, uint4* sink) {
+    uint4 acc = make_uint4(0, 0, 0, 0);
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x) {
+        const uint4 v = src[i];
+        acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
+    }
+    if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) sink[0] = acc;
+}
+
+// ----- the reference: the same layers as a chain of plain kernels -----
+__global__ void fill_f(float* p, int n, u32 seed, float base, float amp) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        u32 x = (u32)i * 2654435761u ^ seed;
+        x ^= x >> 13;
+        x *= 3266489917u;
+        x ^= x >> 16;
+        p[i] = base + amp * ((float)(x & 0xffff) / 65536.f - 0.5f);
+    }
+}
+__global__ void r_norm(const float* a, const float* w1, const float* res, const float* w2, int k, u8* xq, float* h) {
+    __shared__ float scratch[32];
+    norm_row<8>(a, w1, res, w2, 1e-6f, k, xq, h, nullptr, scratch);
+}
+__global__ void r_quant(const float* x, u8* xq, int k) {
+    int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e - (threadIdx.x & 31) < k) quantize32(e < k ? x[e] : 0.f, xq, k, e);
+}
+__global__ void r_mv(const u8* w, u64 rb, int n, const u8* xq, int k, float* out) {
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= n) return;
+    Mat m{w, rb, (u64)n * (rb / 144)};
+    float acc = 0.f;
+    for (int c = lane; c < (k >> 5); c += 32) {
+        XGroup xg[2] = {xgroup(xq, k, Chunk<F_Q4_K>::xoff(c, 0)), xgroup(xq, k, Chunk<F_Q4_K>::xoff(c, 1))};
+        acc += Chunk<F_Q4_K>::dot(m, Chunk<F_Q4_K>::load(m, row, c), c, xg);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) out[row] = acc;
+}
+__global__ void r_glu(const float* g, const float* u, float* out, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = gelu_tanh(g[i]) * u[i];
+}
+// One block per query head, one thread per dimension.
+__global__ void r_attn(const float* q, const float* kc, const float* vc, int P, float* out) {
+    extern __shared__ float s[];
+    const int head = blockIdx.x, g = head / 2, d = threadIdx.x;
+    for (int j = d; j < P; j += blockDim.x) {
+        float a = 0.f;
+        for (int e = 0; e < HD; e++) a += q[head * HD + e] * kc[((u64)g * P + j) * HD + e];
+        s[j] = a * 0.0625f;
+    }
+    __syncthreads();
+    float m = -INFINITY;
+    for (int j = 0; j < P; j++) m = fmaxf(m, s[j]);
+    float sum = 0.f, acc = 0.f;
+    for (int j = 0; j < P; j++) {
+        const float e = __expf(s[j] - m);
+        sum += e;
+        acc += e * vc[((u64)g * P + j) * HD + d];
+    }
+    out[head * HD + d] = acc / sum;
+}
+
+static double rel_l2(const float* a, const float* b, int n) {
+    std::vector<float> x(n), y(n);
+    CK(cudaMemcpy(x.data(), a, 4 * n, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(y.data(), b, 4 * n, cudaMemcpyDeviceToHost));
+    double e = 0, r = 0;
+    for (int i = 0; i < n; i++) {
+        e += (double)(x[i] - y[i]) * (x[i] - y[i]);
+        r += (double)y[i] * y[i];
+    }
+    return sqrt(e / r);
+}
+
+int main(int argc, char** argv) {
+    const int L = argc > 1 ? atoi(argv[1]) : 8, P = argc > 2 ? atoi(argv[2]) : 512;
+    if (L < 1 || L > MAXL || P % SHARES || P / SHARES > 64) {
+        fprintf(stderr, "usage: persistent [layers 1-8] [past: a multiple of 16, at most 1024]\n");
+        return 2;
+    }
+    cudaDeviceProp dp;
+    CK(cudaGetDeviceProperties(&dp, 0));
+    const int sms = dp.multiProcessorCount;
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    double bw;
+    {
+        u64 bytes = 4ull << 30;
+        uint4 *src, *sink;
+        CK(cudaMalloc(&src, bytes));
+        CK(cudaMalloc(&sink, 64));
+        fill_rand<<<1024, 256>>>((u32*)src, bytes / 4, 5);
+        bw = bytes / (time_us(st, 9, 1, [&] { read_sink<<<sms * 4, 512, 0, st>>>(src, bytes / 16, sink); }) * 1e-6);
+        CK(cudaFree(src));
+        CK(cudaFree(sink));
+    }
+    Prm p = {};
+    p.L = L;
+    p.P = P;
+    u64 wbytes = 0;
+    auto vec = [&](int n, float base, float amp) {
+        float* v;
+        CK(cudaMalloc(&v, 4ull * n));
+        static u32 seed = 77;
+        fill_f<<<(n + 255) / 256, 256>>>(v, n, seed++, base, amp);
+        return v;
+    };
+    std::vector<Matrix> keep;
+    for (int l = 0; l < L; l++) {
+        Layer& y = p.ly[l];
+        Matrix m[5] = {make_matrix(QKV, D, false), make_matrix(D, QD, false), make_matrix(FF, D, false), make_matrix(FF, D, false),
+                       make_matrix(D, FF, false)};
+        for (auto& x : m) wbytes += x.bytes, keep.push_back(x);
+        y.wqkv = m[0].w, y.wo = m[1].w, y.wg = m[2].w, y.wu = m[3].w, y.wd = m[4].w;
+        y.n_in = vec(D, 1.f, 0.5f), y.n_pa = vec(D, 1.f, 0.5f), y.n_pf = vec(D, 1.f, 0.5f), y.n_po = vec(D, 1.f, 0.5f);
+        y.kc = vec(NKV * P * HD, 0.f, 2.f), y.vc = vec(NKV * P * HD, 0.f, 2.f);
+    }
+    p.x0 = vec(D, 0.f, 4.f);
+    auto buf = [&](u64 n) {
+        float* v;
+        CK(cudaMalloc(&v, 4 * n));
+        CK(cudaMemset(v, 0, 4 * n));
+        return v;
+    };
+    p.qkv = buf((u64)L * QKV), p.att = buf((u64)L * QD), p.o = buf((u64)L * D), p.glu = buf((u64)L * FF), p.dn = buf((u64)L * D);
+    p.res_a = buf((u64)L * D), p.res_in = buf((u64)L * D), p.part = buf((u64)L * NH * SHARES * (HD + 2));
+    const size_t ncnt = (size_t)L * (NSTG + NKV);
+    CK(cudaMalloc(&p.cnt, 4 * ncnt));
+    CK(cudaMalloc(&p.stamps, 8 * 16 * L));
+    CK(cudaDeviceSynchronize());
+
+    auto run = [&](auto kern, int ns, int mode) {
+        p.mode = mode;
+        const size_t smem = (size_t)ns * SLOT + XQ_MAX;
+        CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        CK(cudaMemsetAsync(p.cnt, 0, 4 * ncnt, st));
+        kern<<<sms, CT, smem, st>>>(p);
+    };
+    // The reference chain, into its own buffers.
+    float *r_x = buf(D), *r_h = buf(D), *r_qkv = buf(QKV), *r_att = buf(QD), *r_o = buf(D), *r_g = buf(FF), *r_u = buf(FF), *r_gl = buf(FF),
+          *r_dn = buf(D);
+    u8* r_xq;
+    CK(cudaMalloc(&r_xq, XQ_MAX));
+    for (int l = 0; l < L; l++) {
+        const Layer& y = p.ly[l];
+        const u32 rb3840 = D / 256 * 144, rb4096 = QD / 256 * 144, rb15360 = FF / 256 * 144;
+        if (l == 0) {
+            CK(cudaMemcpy(r_x, p.x0, 4 * D, cudaMemcpyDeviceToDevice));
+            r_norm<<<1, 512>>>(r_x, y.n_in, nullptr, nullptr, D, r_xq, nullptr);
+        } else
+            r_norm<<<1, 512>>>(r_dn, p.ly[l - 1].n_po, r_h, y.n_in, D, r_xq, r_x);
+        r_mv<<<QKV / 4, 128>>>(y.wqkv, rb3840, QKV, r_xq, D, r_qkv);
+        r_attn<<<NH, HD, 4 * P>>>(r_qkv, y.kc, y.vc, P, r_att);
+        r_quant<<<QD / 256, 256>>>(r_att, r_xq, QD);
+        r_mv<<<D / 4, 128>>>(y.wo, rb4096, D, r_xq, QD, r_o);
+        r_norm<<<1, 512>>>(r_o, y.n_pa, r_x, y.n_pf, D, r_xq, r_h);
+        r_mv<<<FF / 4, 128>>>(y.wg, rb3840, FF, r_xq, D, r_g);
+        r_mv<<<FF / 4, 128>>>(y.wu, rb3840, FF, r_xq, D, r_u);
+        r_glu<<<FF / 256, 256>>>(r_g, r_u, r_gl, FF);
+        r_quant<<<FF / 256, 256>>>(r_gl, r_xq, FF);
+        r_mv<<<D / 4, 128>>>(y.wd, rb15360, D, r_xq, FF, r_dn);
+    }
+    CK(cudaDeviceSynchronize());
+    for (int ns : {8, 4}) {
+        run(ns == 8 ? layers<8> : layers<4>, ns, 0);
+        CK(cudaStreamSynchronize(st));
+        CK(cudaGetLastError());
+        printf("ring %d stages: last layer q/k/v rel L2 %.2e, down %.2e against the chain of plain kernels\n", ns,
+               rel_l2(p.qkv + (u64)(L - 1) * QKV, r_qkv, QKV), rel_l2(p.dn + (u64)(L - 1) * D, r_dn, D));
+    }
+    printf("read bandwidth %.0f GB/s; %d layers, %.1f MB of weights each, past %d (KV %.1f MB a layer), %d blocks of %d warps\n",
+           bw / 1e9, L, wbytes / 1e6 / L, P, 2.0 * NKV * P * HD * 4 / 1e6, sms, NC);
+    const char* names[4] = {"full", "no dependency waits", "stream only", "no copies across stages"};
+    for (int pass = 0; pass < 2; pass++)
+        for (int ns : {8, 4})
+            for (int mode : {0, 3, 1, 2}) {
+                auto k = ns == 8 ? layers<8> : layers<4>;
+                std::vector<double> ts;
+                for (int r = 0; r < 7; r++) {
+                    cudaEvent_t e0, e1;
+                    CK(cudaEventCreate(&e0));
+                    CK(cudaEventCreate(&e1));
+                    p.mode = mode;
+                    const size_t smem = (size_t)ns * SLOT + XQ_MAX;
+                    CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+                    CK(cudaMemsetAsync(p.cnt, 0, 4 * ncnt, st));
+                    CK(cudaEventRecord(e0, st));
+                    k<<<sms, CT, smem, st>>>(p);
+                    CK(cudaEventRecord(e1, st));
+                    CK(cudaEventSynchronize(e1));
+                    float ms;
+                    CK(cudaEventElapsedTime(&ms, e0, e1));
+                    ts.push_back(ms * 1e3);
+                    CK(cudaEventDestroy(e0));
+                    CK(cudaEventDestroy(e1));
+                }
+                CK(cudaGetLastError());
+                const double us = median(ts) / L;
+                if ((mode == 0 || mode == 3) && L > 2) {
+                    // Block 0's view of the last run, median over layers 1..L-1, in µs at the clock
+                    // that makes layers 1..L-1 take the measured time per layer.
+                    std::vector<long long> h(16 * L);
+                    CK(cudaMemcpy(h.data(), p.stamps, 8 * 16 * L, cudaMemcpyDeviceToHost));
+                    const double clk = (double)(h[16 * (L - 1) + 14] - h[16 * 1 + 0]) / (L - 1) / us;
+                    const char* what[14] = {"wait", "norm", "q/k/v", "wait", "attention", "wait", "quantize", "o",
+                                            "wait", "norm pair", "gate/up", "wait", "quantize", "down"};
+                    printf("    block 0 (µs, at %.2f GHz):", clk / 1e3);
+                    for (int i = 0; i < 14; i++) {
+                        std::vector<double> d;
+                        for (int l = 1; l < L; l++) d.push_back((h[16 * l + i + 1] - h[16 * l + i]) / clk);
+                        printf(" %s %.1f%s", what[i], median(d), i == 13 ? "\n" : ",");
+                    }
+                }
+                printf("pass %d, ring %2d stages, %-20s %6.1f us a layer = %5.0f GB/s of weights (%2.0f%% of the read bandwidth)\n", pass, ns,
+                       names[mode], us, wbytes / L / (us * 1e-6) / 1e9, 100.0 * wbytes / L / (us * 1e-6) / bw);
+            }
+    return 0;
+}
