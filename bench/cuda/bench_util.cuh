@@ -127,3 +127,26 @@ template <class F> static double graph_us(cudaStream_t st, int runs, F capture) 
     CK(cudaGraphDestroy(g));
     return us;
 }
+
+// Reads `words` 16-byte words (kiln's read_bandwidth kernel).
+__global__ void read_sink(const uint4* src, u64 words, uint4* sink) {
+    uint4 acc = make_uint4(0, 0, 0, 0);
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x) {
+        const uint4 v = src[i];
+        acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
+    }
+    if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) sink[0] = acc;
+}
+
+// The device's read bandwidth in bytes per second: median of 9 reads of a 4 GiB buffer on `st`.
+static double read_bandwidth(int sms, cudaStream_t st) {
+    const u64 bytes = 4ull << 30;
+    uint4 *src, *sink;
+    CK(cudaMalloc(&src, bytes));
+    CK(cudaMalloc(&sink, 64));
+    fill_rand<<<1024, 256>>>((u32*)src, bytes / 4, 5);
+    const double bw = bytes / (time_us(st, 9, 1, [&] { read_sink<<<sms * 4, 512, 0, st>>>(src, bytes / 16, sink); }) * 1e-6);
+    CK(cudaFree(src));
+    CK(cudaFree(sink));
+    return bw;
+}

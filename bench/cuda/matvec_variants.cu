@@ -96,18 +96,8 @@ int main(int argc, char** argv) {
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
 
     // Read bandwidth (same kernel as kiln's read_bandwidth), 4 GiB.
-    double bw;
-    {
-        u64 bytes = 4ull << 30;
-        uint4 *src, *sink;
-        CK(cudaMalloc(&src, bytes));
-        CK(cudaMalloc(&sink, 64));
-        fill_rand<<<1024, 256>>>((u32*)src, bytes / 4, 5);
-        bw = bytes / (time_us(st, 9, 1, [&] { read_bw<<<sms * 4, 512, 0, st>>>(src, bytes / 16, sink); }) * 1e-6);
-        printf("read bandwidth %.0f GB/s\n", bw / 1e9);
-        CK(cudaFree(src));
-        CK(cudaFree(sink));
-    }
+    const double bw = read_bandwidth(sms, st);
+    printf("read bandwidth %.0f GB/s\n", bw / 1e9);
 
     u8* x3840 = make_xq(3840);
     u8* x4096 = make_xq(4096);

@@ -257,19 +257,6 @@ PIPE(p_q6k_r2d2g_128x4, Q6K, 2, 2, false, 128, 4)
 PIPE(p_q6k_r2d3g_128x4, Q6K, 2, 3, false, 128, 4)
 PIPE(p_q6k_r8d1g_128x4, Q6K, 8, 1, false, 128, 4)
 
-extern "C" __global__ void read_bw(const uint4* src, u64 words, uint4* sink) {
-    pdl_wait();
-    uint4 acc = make_uint4(0, 0, 0, 0);
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x) {
-        uint4 v = src[i];
-        acc.x ^= v.x;
-        acc.y ^= v.y;
-        acc.z ^= v.z;
-        acc.w ^= v.w;
-    }
-    if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) sink[0] = acc;
-}
-
 // Valid quantized activations (levels in [-127, 127], small positive scales).
 extern "C" __global__ void fix_xq(u8* xq, int k) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;

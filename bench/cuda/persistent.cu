@@ -17,6 +17,7 @@
 #include "common.cuh"
 #include "quant_f.cu"
 #include "bench_util.cuh"
+#include "kiln_ref.cuh"
 
 constexpr int D = 3840, QD = 4096, KVD = 2048, QKV = QD + 2 * KVD, FF = 15360, HD = 256, NH = 16, NKV = 8;
 constexpr int NC = 16, CT = NC * 32;  // consumer warps and threads
@@ -378,46 +379,10 @@ __global__ void __launch_bounds__(CT, 1) layers(const __grid_constant__ Prm p) {
     }
 }
 
-// Reads `words` 16-byte words (the read bandwidth, as kiln's read_bandwidth measures it).
-__global__ void read_sink(const uint4* src, u64 words, uint4* sink) {
-    uint4 acc = make_uint4(0, 0, 0, 0);
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x) {
-        const uint4 v = src[i];
-        acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
-    }
-    if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) sink[0] = acc;
-}
-
 // ----- the reference: the same layers as a chain of plain kernels -----
-__global__ void fill_f(float* p, int n, u32 seed, float base, float amp) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        u32 x = (u32)i * 2654435761u ^ seed;
-        x ^= x >> 13;
-        x *= 3266489917u;
-        x ^= x >> 16;
-        p[i] = base + amp * ((float)(x & 0xffff) / 65536.f - 0.5f);
-    }
-}
 __global__ void r_norm(const float* a, const float* w1, const float* res, const float* w2, int k, u8* xq, float* h) {
     __shared__ float scratch[32];
     norm_row<8>(a, w1, res, w2, 1e-6f, k, xq, h, nullptr, scratch);
-}
-__global__ void r_quant(const float* x, u8* xq, int k) {
-    int e = blockIdx.x * blockDim.x + threadIdx.x;
-    if (e - (threadIdx.x & 31) < k) quantize32(e < k ? x[e] : 0.f, xq, k, e);
-}
-__global__ void r_mv(const u8* w, u64 rb, int n, const u8* xq, int k, float* out) {
-    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (row >= n) return;
-    Mat m{w, rb, (u64)n * (rb / 144)};
-    float acc = 0.f;
-    for (int c = lane; c < (k >> 5); c += 32) {
-        XGroup xg[2] = {xgroup(xq, k, Chunk<F_Q4_K>::xoff(c, 0)), xgroup(xq, k, Chunk<F_Q4_K>::xoff(c, 1))};
-        acc += Chunk<F_Q4_K>::dot(m, Chunk<F_Q4_K>::load(m, row, c), c, xg);
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) out[row] = acc;
 }
 __global__ void r_glu(const float* g, const float* u, float* out, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -467,17 +432,7 @@ int main(int argc, char** argv) {
     const int sms = dp.multiProcessorCount;
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    double bw;
-    {
-        u64 bytes = 4ull << 30;
-        uint4 *src, *sink;
-        CK(cudaMalloc(&src, bytes));
-        CK(cudaMalloc(&sink, 64));
-        fill_rand<<<1024, 256>>>((u32*)src, bytes / 4, 5);
-        bw = bytes / (time_us(st, 9, 1, [&] { read_sink<<<sms * 4, 512, 0, st>>>(src, bytes / 16, sink); }) * 1e-6);
-        CK(cudaFree(src));
-        CK(cudaFree(sink));
-    }
+    const double bw = read_bandwidth(sms, st);
     Prm p = {};
     p.L = L;
     p.P = P;
@@ -533,16 +488,16 @@ int main(int argc, char** argv) {
             r_norm<<<1, 512>>>(r_x, y.n_in, nullptr, nullptr, D, r_xq, nullptr);
         } else
             r_norm<<<1, 512>>>(r_dn, p.ly[l - 1].n_po, r_h, y.n_in, D, r_xq, r_x);
-        r_mv<<<QKV / 4, 128>>>(y.wqkv, rb3840, QKV, r_xq, D, r_qkv);
+        ref_mv<F_Q4_K><<<QKV / 4, 128>>>(y.wqkv, rb3840, QKV, r_xq, D, r_qkv);
         r_attn<<<NH, HD, 4 * P>>>(r_qkv, y.kc, y.vc, P, r_att);
-        r_quant<<<QD / 256, 256>>>(r_att, r_xq, QD);
-        r_mv<<<D / 4, 128>>>(y.wo, rb4096, D, r_xq, QD, r_o);
+        quant_x<<<QD / 256, 256>>>(r_att, r_xq, QD);
+        ref_mv<F_Q4_K><<<D / 4, 128>>>(y.wo, rb4096, D, r_xq, QD, r_o);
         r_norm<<<1, 512>>>(r_o, y.n_pa, r_x, y.n_pf, D, r_xq, r_h);
-        r_mv<<<FF / 4, 128>>>(y.wg, rb3840, FF, r_xq, D, r_g);
-        r_mv<<<FF / 4, 128>>>(y.wu, rb3840, FF, r_xq, D, r_u);
+        ref_mv<F_Q4_K><<<FF / 4, 128>>>(y.wg, rb3840, FF, r_xq, D, r_g);
+        ref_mv<F_Q4_K><<<FF / 4, 128>>>(y.wu, rb3840, FF, r_xq, D, r_u);
         r_glu<<<FF / 256, 256>>>(r_g, r_u, r_gl, FF);
-        r_quant<<<FF / 256, 256>>>(r_gl, r_xq, FF);
-        r_mv<<<D / 4, 128>>>(y.wd, rb15360, D, r_xq, FF, r_dn);
+        quant_x<<<FF / 256, 256>>>(r_gl, r_xq, FF);
+        ref_mv<F_Q4_K><<<D / 4, 128>>>(y.wd, rb15360, D, r_xq, FF, r_dn);
     }
     CK(cudaDeviceSynchronize());
     for (int ns : {8, 4}) {

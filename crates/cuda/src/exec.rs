@@ -1,6 +1,6 @@
 //! Runs a [`Plan`] on the GPU: one device arena per executable, kernels launched step by step on
-//! the device's stream; decode steps of up to `MATVEC_ROWS` sequences are captured once per count
-//! of sequences as a CUDA graph and replayed.
+//! the device's stream; decode steps whose products take the matrix-vector kernels or `mmq` are
+//! captured once per count of sequences as a CUDA graph and replayed.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -14,7 +14,8 @@ use crate::device::{cuda_err, Arg, Device, DeviceBuffer, Scratch};
 use crate::kv::CudaKvCache;
 use crate::weights::{format_name, planar_fields, CudaWeights};
 
-/// Most activation rows the matrix-vector kernels take (more rows go through cuBLAS).
+/// Most activation rows the matrix-vector kernels take (`MV_ROWS` in quant.cu; more rows take
+/// `mmq` or cuBLAS).
 const MATVEC_ROWS: usize = 8;
 /// Blocks of the first argmax phase per row.
 const ARGMAX_BLOCKS: usize = 64;
@@ -168,6 +169,34 @@ const _: () = assert!(MMQ_MAX_ROWS > MATVEC_ROWS, "mmq takes the rows the matrix
 /// (rows beyond the matrix-vector kernels are the caller's test).
 fn takes_mmq(ty: GgmlType, rows: usize, arch: (i32, i32)) -> bool {
     MMQ_FORMATS.contains(&ty) && arch.0 >= 8 && rows <= MMQ_MAX_ROWS
+}
+
+/// Fewest rows, and widest rows (columns), of the products that take `mmq` instead of the
+/// matrix-vector kernels below `MATVEC_ROWS` + 1 rows: a matrix-vector lane walks at most two
+/// 32-element chunks of a row that short, so those launches are bound by latency (measured on
+/// an H200, synthetic 270M, every row at most 2048 wide: 4 sequences 2,381 -> 2,871 tokens/s, 6
+/// 2,871 -> 4,206, 8 3,233 -> 5,566 through `mmq`; synthetic 12B, rows of 3840 and more: `mmq`
+/// 4 sequences 173 against 328, 8 329 against 416; bench/RESULTS.md "issue 4q").
+const MMQ_MIN_ROWS: usize = 4;
+const MMQ_SHORT_K: usize = 2048;
+
+/// Whether a product of `rows` activation rows by a `ty` matrix of `k` columns takes the
+/// matrix-vector kernels on a device of `arch`: up to `MMQ_MIN_ROWS` - 1 rows, and up to
+/// `MATVEC_ROWS` unless its rows are short and `mmq` takes its format.
+fn takes_matvec(ty: GgmlType, k: usize, rows: usize, arch: (i32, i32)) -> bool {
+    rows < MMQ_MIN_ROWS || rows <= MATVEC_ROWS && (k > MMQ_SHORT_K || !takes_mmq(ty, rows, arch))
+}
+
+/// Whether every product of `plan` takes the matrix-vector kernels at `rows` rows.
+fn products_take_matvec(plan: &Plan, weights: &dyn WeightShapes, rows: usize, arch: (i32, i32)) -> Result<bool, RuntimeError> {
+    for st in &plan.steps {
+        if let Kernel::MatMul { w, k, .. } | Kernel::MatMulArgmax { w, k, .. } = st.kernel {
+            if !takes_matvec(weights.matrix_ty(w)?, k, rows, arch) {
+                return Ok(false);
+            }
+        }
+    }
+    Ok(true)
 }
 
 /// Activation rows of an `mmq` block (`8 * MMQ_GROUPS` in quant.cu) and its warps (`MMQ_WARPS`).
@@ -327,10 +356,11 @@ fn fusable(writes: &[Slot], reads: &[Slot], same: &[(usize, usize)]) -> bool {
             .all(|(wi, w)| reads.iter().enumerate().all(|(ri, r)| !overlaps(*w, *r) || (w.offset == r.offset && same.contains(&(wi, ri)))))
 }
 
-/// The launches of `plan`: fused groups where the pattern and the slots allow, else single steps;
-/// then, in plans of at most `MATVEC_ROWS` rows, norms of matrix-vector products computed in that
-/// launch, and producers of matrix-vector inputs writing them quantized.
-fn lower(plan: &Plan, weights: &dyn WeightShapes) -> Result<Vec<Launch>, RuntimeError> {
+/// The launches of `plan` on a device of `arch`: fused groups where the pattern and the slots
+/// allow, else single steps; then, in plans whose products all take the matrix-vector kernels,
+/// norms of matrix-vector products computed in that launch, and producers of matrix-vector inputs
+/// writing them quantized.
+fn lower(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> Result<Vec<Launch>, RuntimeError> {
     let steps = &plan.steps;
     let mut ops = Vec::with_capacity(steps.len());
     let mut i = 0;
@@ -339,7 +369,7 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes) -> Result<Vec<Launch>, Runtime
         ops.push(op);
         i += used;
     }
-    let small = plan.rows() <= MATVEC_ROWS;
+    let small = products_take_matvec(plan, weights, plan.rows(), arch)?;
     // Matrix products as matrix-vector launches; in one-row plans, norms before them computed in
     // them.
     if small {
@@ -484,16 +514,18 @@ fn max_matmul_k(plan: &Plan) -> usize {
         .fold(32, usize::max)
 }
 
-/// Whether the decode steps of `plan` of more than `MATVEC_ROWS` rows can be captured: every
-/// product takes `mmq` (no cuBLAS, whose scratch grows), so the only scratch they need is the
-/// quantized activations of at most `plan.rows()` rows.
-fn capturable_mmq(plan: &Plan, weights: &impl WeightShapes, arch: (i32, i32)) -> Result<bool, RuntimeError> {
-    if !matches!(plan.bucket, Bucket::Decode { .. }) || plan.rows() <= MATVEC_ROWS {
+/// Whether the decode steps of `plan` whose products do not all take the matrix-vector kernels
+/// can be captured: each product takes them or `mmq` (no cuBLAS, whose scratch grows), so the
+/// only scratch they need is the quantized activations of at most `plan.rows()` rows.
+fn capturable_mmq(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> Result<bool, RuntimeError> {
+    let rows = plan.rows();
+    if !matches!(plan.bucket, Bucket::Decode { .. }) || products_take_matvec(plan, weights, rows, arch)? {
         return Ok(false);
     }
     for st in &plan.steps {
-        if let Kernel::MatMul { w, .. } | Kernel::MatMulArgmax { w, .. } = st.kernel {
-            if !takes_mmq(weights.matrix_ty(w)?, plan.rows(), arch) {
+        if let Kernel::MatMul { w, k, .. } | Kernel::MatMulArgmax { w, k, .. } = st.kernel {
+            let ty = weights.matrix_ty(w)?;
+            if !takes_matvec(ty, k, rows, arch) && !takes_mmq(ty, rows, arch) {
                 return Ok(false);
             }
         }
@@ -926,9 +958,12 @@ pub struct CudaExecutable {
     /// Captured steps, one per row count and context.
     graphs: Vec<CapturedStep>,
     use_graphs: bool,
-    /// The scratch of captured steps of more than `MATVEC_ROWS` rows: decode plans whose products
-    /// all take `mmq`, sized at creation (a graph keeps the addresses it was captured with).
+    /// The scratch of captured steps whose products do not all take the matrix-vector kernels:
+    /// decode plans whose products all take them or `mmq`, sized at creation (a graph keeps the
+    /// addresses it was captured with).
     graph_scratch: Option<Scratch>,
+    /// Most active rows for which every product takes the matrix-vector kernels.
+    matvec_rows: usize,
     /// The launches, fused where possible.
     launches: Vec<Launch>,
     /// Two buffers of quantized matrix-vector inputs (`MATVEC_ROWS` rows of the widest input).
@@ -1067,12 +1102,13 @@ impl CudaExecutable {
         let step = DeviceBuffer::new(&device.ctx, layout.bytes())?;
         let argmax_rows = plan.rows();
         let head = DeviceBuffer::new(&device.ctx, (head_values + 2 * ARGMAX_BLOCKS * argmax_rows) * 4)?;
-        let launches = lower(&plan, &*weights)?;
+        let launches = lower(&plan, &*weights, device.arch)?;
         tracing::debug!("{} steps in {} launches", plan.steps.len(), launches.len());
         let max_k = max_matmul_k(&plan);
         let max_n =
             plan.steps.iter().filter_map(|st| if let Kernel::MatMul { n, .. } = st.kernel { Some(n) } else { None }).fold(32, usize::max);
         let xq = (0..2).map(|_| DeviceBuffer::new(&device.ctx, MATVEC_ROWS * xq_bytes(max_k))).collect::<Result<Vec<_>, _>>()?;
+        let matvec_rows = if products_take_matvec(&plan, &*weights, MATVEC_ROWS, device.arch)? { MATVEC_ROWS } else { MMQ_MIN_ROWS - 1 };
         let graph_scratch = if capturable_mmq(&plan, &*weights, device.arch)? {
             Some(Scratch::fixed(&device.ctx, plan.rows() * xq_bytes(max_k))?)
         } else {
@@ -1120,6 +1156,7 @@ impl CudaExecutable {
             graphs: Vec::new(),
             use_graphs,
             graph_scratch,
+            matvec_rows,
             launches,
             xq,
             private,
@@ -1174,7 +1211,11 @@ impl CudaExecutable {
                 Op::Step(i) => self.enqueue_step(*i, run, scratch, quant_out, l.xq_in)?,
                 Op::MatVecs { steps, glu, epi, pro } => {
                     let rows = rows_of(self.plan.steps[steps[0]].rows, n, run.seqs);
-                    if rows > MATVEC_ROWS {
+                    let first = match self.plan.steps[steps[0]].kernel {
+                        Kernel::MatMul { w, k, .. } => takes_matvec(self.weights.matrix(w)?.ty, k, rows, self.device.arch),
+                        _ => rows <= MATVEC_ROWS,
+                    };
+                    if !first {
                         let norms = pro.map_or(Vec::new(), |p| p.norm.steps());
                         for &i in norms.iter().chain(steps).chain(glu) {
                             self.enqueue_step(i, run, scratch, 0, None)?;
@@ -1388,15 +1429,15 @@ impl CudaExecutable {
     /// cuBLAS GEMM.
     /// `xq_in`: the buffer holding x already quantized (else it is quantized first).
     fn matmul(&self, x: u64, w: WeightId, out: u64, rows: usize, scratch: &mut Scratch, xq_in: Option<usize>) -> Result<(), RuntimeError> {
-        if rows <= MATVEC_ROWS {
+        let d = &*self.device;
+        let m = self.weights.matrix(w)?;
+        if takes_matvec(m.ty, m.k, rows, d.arch) {
             let xq = match xq_in {
                 Some(b) => self.xq[b].ptr(),
-                None => self.quantize(x, self.weights.matrix(w)?.k, rows)?,
+                None => self.quantize(x, m.k, rows)?,
             };
             return self.matvecs(MatVecArgs { xq, mats: &[(w, out)], glu: 0, gq: 0, rows, epi: None, argmax: 0, px: 0 });
         }
-        let d = &*self.device;
-        let m = self.weights.matrix(w)?;
         let fmt = format_name(m.ty).ok_or_else(|| cuda_err(format!("no kernels for {:?}", m.ty)))?;
         if takes_mmq(m.ty, rows, d.arch) {
             let xq = scratch.quantized(&d.ctx, rows * xq_bytes(m.k))?;
@@ -1535,8 +1576,8 @@ impl CudaExecutable {
                 )?;
             }
             Kernel::MatMul { x, w: wid, out, .. } => self.matmul(self.slot(x), wid, self.slot(out), rows, scratch, xq_in)?,
-            Kernel::MatMulArgmax { x, w: wid, out, n, .. } => {
-                if rows <= MATVEC_ROWS {
+            Kernel::MatMulArgmax { x, w: wid, out, n, k } => {
+                if takes_matvec(w.matrix(wid)?.ty, k, rows, d.arch) {
                     // The argmax inside the matrix-vector kernel: no products are stored.
                     let xq = match xq_in {
                         Some(b) => self.xq[b].ptr(),
@@ -1702,13 +1743,13 @@ impl CudaExecutable {
     }
 
     /// Whether a run of `rows` rows replays a captured graph: a one-row plan, or a decode plan
-    /// whose rows all take the matrix-vector kernels or whose products all take `mmq` with the
-    /// executable's own fixed scratch (cuBLAS's scratch may grow while it runs, which a capture
-    /// does not allow).
+    /// whose products all take the matrix-vector kernels at `rows` rows, or the matrix-vector
+    /// kernels or `mmq` with the executable's own fixed scratch (cuBLAS's scratch may grow while it
+    /// runs, which a capture does not allow).
     fn graphed(&self, rows: usize) -> bool {
         self.use_graphs
             && (self.plan.rows() == 1
-                || matches!(self.plan.bucket, Bucket::Decode { .. }) && (rows <= MATVEC_ROWS || self.graph_scratch.is_some()))
+                || matches!(self.plan.bucket, Bucket::Decode { .. }) && (rows <= self.matvec_rows || self.graph_scratch.is_some()))
     }
 
     /// Replays the captured step for `run` (one row per sequence), capturing it first if needed.
@@ -1800,7 +1841,7 @@ impl CudaExecutable {
         let run = Active { rows: n, seqs: kvs.len(), context };
         if !self.graphed(n) {
             self.enqueue(run, &mut scratch)?;
-        } else if n > MATVEC_ROWS {
+        } else if n > self.matvec_rows {
             // (Taken out for the call, so that it and the executable can be borrowed apart.)
             let mut own = self.graph_scratch.take().ok_or_else(|| cuda_err("a many-row captured step without its scratch"))?;
             let replayed = self.replay(run, &mut own);
@@ -1863,6 +1904,9 @@ mod tests {
         }
     }
 
+    /// The architecture of an H100 or H200.
+    const SM90: (i32, i32) = (9, 0);
+
     /// The launches of a Gemma 3 plan of `bucket` (a small synthetic model, `layers` layers).
     fn launches(bucket: Bucket, mix: FormatMix) -> (Plan, Vec<Launch>) {
         let shape =
@@ -1873,7 +1917,7 @@ mod tests {
     /// The launches of a Gemma 3 plan of `shape` and `bucket`.
     fn launches_of(shape: &Gemma3Shape, bucket: Bucket, mix: FormatMix) -> (Plan, Vec<Launch>) {
         let (plan, store) = plan_of(shape, bucket, mix);
-        let l = lower(&plan, &store).unwrap();
+        let l = lower(&plan, &store, SM90).unwrap();
         (plan, l)
     }
 
@@ -1902,14 +1946,45 @@ mod tests {
             capturable_mmq(&plan, &store, arch).unwrap()
         };
         let decode = |seqs| Bucket::Decode { past: 16, seqs };
-        assert!(capturable(decode(16), FormatMix::Q4KM, (9, 0)));
+        assert!(capturable(decode(16), FormatMix::Q4KM, SM90));
         assert!(capturable(decode(MMQ_MAX_ROWS), FormatMix::All(GgmlType::Q8_0), (8, 0)));
-        // Few rows take the matrix-vector kernels (captured without this scratch); Q5_K and
-        // prompts take cuBLAS; mma needs sm_80.
-        assert!(!capturable(decode(MATVEC_ROWS), FormatMix::Q4KM, (9, 0)));
-        assert!(!capturable(decode(16), FormatMix::All(GgmlType::Q5_K), (9, 0)));
-        assert!(!capturable(Bucket::Prefill { rows: 16, seqs: 1 }, FormatMix::Q4KM, (9, 0)));
+        // This model's rows are short: from MMQ_MIN_ROWS rows they take mmq too.
+        assert!(capturable(decode(MMQ_MIN_ROWS), FormatMix::Q4KM, SM90));
+        // Fewer rows take the matrix-vector kernels (captured without this scratch), as do
+        // formats without mmq up to MATVEC_ROWS rows; then Q5_K and prompts take cuBLAS; mma
+        // needs sm_80.
+        assert!(!capturable(decode(MMQ_MIN_ROWS - 1), FormatMix::Q4KM, SM90));
+        assert!(!capturable(decode(MATVEC_ROWS), FormatMix::All(GgmlType::Q5_K), SM90));
+        assert!(!capturable(decode(16), FormatMix::All(GgmlType::Q5_K), SM90));
+        assert!(!capturable(Bucket::Prefill { rows: 16, seqs: 1 }, FormatMix::Q4KM, SM90));
         assert!(!capturable(decode(16), FormatMix::Q4KM, (7, 5)));
+    }
+
+    #[test]
+    fn products_of_short_rows_take_mmq_from_four_rows() {
+        for rows in 1..MMQ_MIN_ROWS {
+            assert!(takes_matvec(GgmlType::Q4_K, 640, rows, SM90));
+        }
+        for rows in MMQ_MIN_ROWS..=MATVEC_ROWS {
+            assert!(!takes_matvec(GgmlType::Q4_K, 640, rows, SM90), "{rows}");
+            assert!(!takes_matvec(GgmlType::Q8_0, MMQ_SHORT_K, rows, SM90), "{rows}");
+            // Long rows, formats without mmq and devices without its mma stay.
+            assert!(takes_matvec(GgmlType::Q4_K, 3840, rows, SM90), "{rows}");
+            assert!(takes_matvec(GgmlType::Q5_K, 640, rows, SM90), "{rows}");
+            assert!(takes_matvec(GgmlType::Q4_K, 640, rows, (7, 5)), "{rows}");
+        }
+        assert!(!takes_matvec(GgmlType::Q4_K, 3840, MATVEC_ROWS + 1, SM90));
+    }
+
+    #[test]
+    fn decode_plans_whose_products_take_mmq_keep_them_unfused() {
+        // Short rows at 4 sequences: no norm fused into a product, no input written quantized.
+        let (_, l) = launches(Bucket::Decode { past: 16, seqs: MMQ_MIN_ROWS }, FormatMix::Q4KM);
+        assert!(l
+            .iter()
+            .all(|l| l.quant_out.is_none() && !matches!(l.op, Op::MatVecs { epi: Some(_), .. } | Op::MatVecs { pro: Some(_), .. })));
+        let (_, l) = launches(Bucket::Decode { past: 16, seqs: MMQ_MIN_ROWS - 1 }, FormatMix::Q4KM);
+        assert!(l.iter().any(|l| l.quant_out.is_some() || matches!(l.op, Op::MatVecs { epi: Some(_), .. })), "{l:#?}");
     }
 
     #[test]
@@ -1937,7 +2012,7 @@ mod tests {
         let store = WeightStore::new(file).unwrap();
         let bucket = Bucket::Decode { past: 512, seqs: 1 };
         let plan = kiln_runtime::compile(&arch.build_graph(bucket, OutputMode::NextToken).unwrap(), &store).unwrap();
-        let l = lower(&plan, &store).unwrap();
+        let l = lower(&plan, &store, SM90).unwrap();
         let layers = 18;
         // Per layer q/k/v (two launches where v's format differs), attention, the output
         // projection, gate/up/GELU, down; the embedding and the head.

@@ -90,7 +90,8 @@ impl Backend for CudaBackend {
 
     /// Measured on an H200 with the default model (`kiln bench -s`, bench/RESULTS.md): 2 sequences
     /// in one step ran at 1,522 tokens/s against 2,080 one after another (a several-row plan
-    /// lacks the one-row plan's fused and streamed kernels), 4 at 2,361, 8 at 3,218.
+    /// lacks the one-row plan's fused and streamed kernels), 4 at 2,361, 8 at 3,218 (since
+    /// `mmq` takes 4-8 rows of short rows, synthetic 270M: 4 at 2,871, 8 at 5,566).
     fn batches_from(&self) -> usize {
         4
     }
