@@ -1,6 +1,7 @@
-//! Minimal GPU timing until `kiln bench` covers CUDA: prompt processing (pp) and batch-1 token
-//! generation (tg) of a GGUF model on CUDA device 0, the device's measured read bandwidth, and the
-//! fraction of it that decode reaches (weight bytes per token / time per token).
+//! Batch-1 decode against the memory bandwidth (what `kiln bench` does not report): prompt
+//! processing (pp) and token generation (tg, from an empty cache) of a GGUF model on CUDA device 0,
+//! the device's measured read bandwidth, the fraction of it that decode reaches (weight bytes per
+//! token / time per token), and a fingerprint of the greedy tokens to compare builds.
 //!
 //! Usage: `decode_timing MODEL.gguf [PP_TOKENS] [TG_TOKENS] [REPS]`
 
