@@ -171,13 +171,15 @@ fn takes_mmq(ty: GgmlType, rows: usize, arch: (i32, i32)) -> bool {
     MMQ_FORMATS.contains(&ty) && arch.0 >= 8 && rows <= MMQ_MAX_ROWS
 }
 
-/// Fewest rows, and widest rows (columns), of the products that take `mmq` instead of the
-/// matrix-vector kernels below `MATVEC_ROWS` + 1 rows: a matrix-vector lane walks at most two
-/// 32-element chunks of a row that short, so those launches are bound by latency (measured on
-/// an H200, synthetic 270M, every row at most 2048 wide: 4 sequences 2,381 -> 2,871 tokens/s, 6
-/// 2,871 -> 4,206, 8 3,233 -> 5,566 through `mmq`; synthetic 12B, rows of 3840 and more: `mmq`
-/// 4 sequences 173 against 328, 8 329 against 416; bench/RESULTS.md "issue 4q").
+/// Fewest activation rows of a product of short rows (`MMQ_SHORT_K`) that takes `mmq` rather than
+/// the matrix-vector kernels (measured on an H200, synthetic 270M, every row at most 2048 wide: 4
+/// sequences 2,381 -> 2,871 tokens/s, 6 2,871 -> 4,206, 8 3,233 -> 5,566 through `mmq`;
+/// bench/RESULTS.md "issue 4q").
 const MMQ_MIN_ROWS: usize = 4;
+/// Widest rows (columns) of those products: a matrix-vector lane walks at most two 32-element
+/// chunks of a row that short, so those launches are bound by latency; longer rows keep the
+/// matrix-vector kernels up to `MATVEC_ROWS` rows (synthetic 12B, rows of 3840 and more: `mmq` 4
+/// sequences 173 against 328 tokens/s, 8 329 against 416).
 const MMQ_SHORT_K: usize = 2048;
 
 /// Whether a product of `rows` activation rows by a `ty` matrix of `k` columns takes the
