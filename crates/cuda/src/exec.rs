@@ -165,8 +165,8 @@ const MMQ_FORMATS: [GgmlType; 4] = [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8
 /// against 19,500 and 35,200 through cuBLAS, of 512 48,400 against 60,200; 12B 820 against 1,610).
 const MMQ_MAX_ROWS: usize = 128;
 const _: () = assert!(MMQ_MAX_ROWS > MATVEC_ROWS, "mmq takes the rows the matrix-vector kernels do not");
-/// Whether a product of `rows` activation rows by a `ty` matrix takes `mmq` on a device of `arch`
-/// (rows beyond the matrix-vector kernels are the caller's test).
+/// Whether a product of `rows` activation rows by a `ty` matrix can take `mmq` on a device of
+/// `arch` (whether the matrix-vector kernels take it first: `takes_matvec`).
 fn takes_mmq(ty: GgmlType, rows: usize, arch: (i32, i32)) -> bool {
     MMQ_FORMATS.contains(&ty) && arch.0 >= 8 && rows <= MMQ_MAX_ROWS
 }
@@ -1213,11 +1213,11 @@ impl CudaExecutable {
                 Op::Step(i) => self.enqueue_step(*i, run, scratch, quant_out, l.xq_in)?,
                 Op::MatVecs { steps, glu, epi, pro } => {
                     let rows = rows_of(self.plan.steps[steps[0]].rows, n, run.seqs);
-                    let first = match self.plan.steps[steps[0]].kernel {
-                        Kernel::MatMul { w, k, .. } => takes_matvec(self.weights.matrix(w)?.ty, k, rows, self.device.arch),
-                        _ => rows <= MATVEC_ROWS,
+                    // (A group's matrices share their input, so their width, and their format.)
+                    let Kernel::MatMul { w, .. } = self.plan.steps[steps[0]].kernel else {
+                        return Err(cuda_err("a matrix-vector group that starts with no product"));
                     };
-                    if !first {
+                    if !self.takes_matvec(w, rows)? {
                         let norms = pro.map_or(Vec::new(), |p| p.norm.steps());
                         for &i in norms.iter().chain(steps).chain(glu) {
                             self.enqueue_step(i, run, scratch, 0, None)?;
@@ -1426,6 +1426,12 @@ impl CudaExecutable {
         self.device.launch_shared(&format!("{kernel}_{fmt}"), (blocks as u32, 1), 32 * MATVEC_WARPS as u32, shared, &args)
     }
 
+    /// Whether the product of `rows` rows by matrix `w` takes the matrix-vector kernels.
+    fn takes_matvec(&self, w: WeightId, rows: usize) -> Result<bool, RuntimeError> {
+        let m = self.weights.matrix(w)?;
+        Ok(takes_matvec(m.ty, m.k, rows, self.device.arch))
+    }
+
     /// `out[r] = x[r] · Wᵀ` for `rows` rows: matrix-vector kernels for few rows, else x quantized
     /// and the `mmq` kernel where the format has one, else the weight dequantized to f32 and one
     /// cuBLAS GEMM.
@@ -1433,7 +1439,7 @@ impl CudaExecutable {
     fn matmul(&self, x: u64, w: WeightId, out: u64, rows: usize, scratch: &mut Scratch, xq_in: Option<usize>) -> Result<(), RuntimeError> {
         let d = &*self.device;
         let m = self.weights.matrix(w)?;
-        if takes_matvec(m.ty, m.k, rows, d.arch) {
+        if self.takes_matvec(w, rows)? {
             let xq = match xq_in {
                 Some(b) => self.xq[b].ptr(),
                 None => self.quantize(x, m.k, rows)?,
@@ -1578,15 +1584,15 @@ impl CudaExecutable {
                 )?;
             }
             Kernel::MatMul { x, w: wid, out, .. } => self.matmul(self.slot(x), wid, self.slot(out), rows, scratch, xq_in)?,
-            Kernel::MatMulArgmax { x, w: wid, out, n, k } => {
-                if takes_matvec(w.matrix(wid)?.ty, k, rows, d.arch) {
+            Kernel::MatMulArgmax { x, w: wid, out, n, .. } => {
+                if self.takes_matvec(wid, rows)? {
                     // The argmax inside the matrix-vector kernel: no products are stored.
+                    let m = w.matrix(wid)?;
                     let xq = match xq_in {
                         Some(b) => self.xq[b].ptr(),
-                        None => self.quantize(self.slot(x), w.matrix(wid)?.k, rows)?,
+                        None => self.quantize(self.slot(x), m.k, rows)?,
                     };
                     let argmax = self.slot(out);
-                    let m = w.matrix(wid)?;
                     if rows == 1 && m.ty == GgmlType::Q8_0 && m.k <= HEAD_MAX_K {
                         // Persistent warps over the rows: two blocks per multiprocessor.
                         let blocks = (m.n.div_ceil(8).div_ceil(HEAD_WARPS)).min(2 * d.sms as usize);

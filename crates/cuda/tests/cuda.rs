@@ -140,7 +140,7 @@ formats!(
 /// where the format has no head kernel of its own); the down projection's 32,768-wide rows go
 /// through matvec4 (for Q5_0 its shared-memory stages, many turns per lane), its 15,360-wide rows
 /// through 4-row tiles (`matvecr4`; Q8_0's through matvec4). The prompt's 20 rows take `mmq`, the
-/// wide gate/up products in 32-row warp tiles (`mmq4`).
+/// wide gate/up products in 16-row warp tiles (`mmq2`).
 fn streamed_launches_match_cpu(ty: GgmlType) {
     for ffn in [32768, 15360] {
         streamed_launches_match_cpu_at(ty, ffn);
@@ -230,8 +230,8 @@ fn q4_k_m_mix_greedy_tokens_match_cpu() {
 /// gives alone on the CPU (with decode graphs and with host launches): a batched prefill of
 /// prompts of different lengths, batched decode steps (logits, then greedy tokens), and a
 /// step where three sequences decode while a new one prefills (as the server schedules them);
-/// sliding layers wrap their rings on the way. Four sequences (the backend batches from 4) take
-/// the matrix-vector kernels, twelve the tensor-core (`mmq`) products, captured too.
+/// sliding layers wrap their rings on the way. Four sequences (the backend batches from 4) and
+/// twelve take the tensor-core (`mmq`) products (this model's rows are short), captured too.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
 fn batched_steps_match_each_sequence_alone() {
