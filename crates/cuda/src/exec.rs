@@ -1110,7 +1110,10 @@ impl CudaExecutable {
         let max_n =
             plan.steps.iter().filter_map(|st| if let Kernel::MatMul { n, .. } = st.kernel { Some(n) } else { None }).fold(32, usize::max);
         let xq = (0..2).map(|_| DeviceBuffer::new(&device.ctx, MATVEC_ROWS * xq_bytes(max_k))).collect::<Result<Vec<_>, _>>()?;
-        let matvec_rows = if products_take_matvec(&plan, &*weights, MATVEC_ROWS, device.arch)? { MATVEC_ROWS } else { MMQ_MIN_ROWS - 1 };
+        let mut matvec_rows = MATVEC_ROWS;
+        while matvec_rows > 0 && !products_take_matvec(&plan, &*weights, matvec_rows, device.arch)? {
+            matvec_rows -= 1;
+        }
         let graph_scratch = if capturable_mmq(&plan, &*weights, device.arch)? {
             Some(Scratch::fixed(&device.ctx, plan.rows() * xq_bytes(max_k))?)
         } else {
