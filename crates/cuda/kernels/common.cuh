@@ -64,6 +64,13 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* g) {
     *(u32*)smem = *(const u32*)g;
 #endif
 }
+__device__ __forceinline__ void cp_async8(void* smem, const void* g) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"((u32)__cvta_generic_to_shared(smem)), "l"(g) : "memory");
+#else
+    *(uint2*)smem = *(const uint2*)g;
+#endif
+}
 __device__ __forceinline__ void cp_async_commit() {
 #if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;" ::: "memory");

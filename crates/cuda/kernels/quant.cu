@@ -1340,7 +1340,10 @@ extern "C" __global__ void quantize_rows(const float* x, u8* xq, int k, int rows
 // activation rows, rows 8-15: lo) and 8 weight rows' integer levels as B, 32 (or 16) elements a
 // product: lane (g, t) then holds row g's hi and lo sums against weight rows 2t and 2t + 1, exact,
 // which the sub-block's scales turn into floats as the matrix-vector kernels do (same activations,
-// same numbers up to the order of the float sums).
+// same numbers up to the order of the float sums). A block's 32 activation rows and 8-128 weight
+// rows are staged through shared memory in steps of 128 elements (4 sub-blocks), MMQ_STAGES steps
+// in flight as cp.async copies, and every warp reads its fragments there: a weight byte is read
+// from memory once per 32 activation rows, an activation byte once per block of weight rows.
 // ---------------------------------------------------------------------------------------------
 
 // d[4] = A (16 x 32 signed bytes: a0 = row g, elements 4t..; a1 = row g + 8; a2, a3 the same 16
@@ -1364,278 +1367,269 @@ __device__ __forceinline__ void mma_k16(int (&d)[4], u32 a0, u32 a1, u32 b0) {
 // A 4-byte aligned word.
 __device__ __forceinline__ u32 ld32(const u8* p) { return *(const u32*)p; }
 
-// Per format, a lane's share of one sub-block s of 8 weight rows: `load` fetches the bytes (its B
-// fragment row's level words and the scale bytes of its two output rows; nothing computed, so the
-// next sub-block's loads are in flight while this one's products run, as in `Chunk`), `levels`
-// turns them into the B fragment (elements 4t..4t + 3 of the sub-block in b0, 16 later in b1,
-// signed bytes) and `scales` into each output row's scale and offset (w = d * level - mn; per
-// 16-element half: .x the first, .y the second; HALVES: the halves have scales of their own, so
-// the products are taken 16 elements at a time).
-template <int T> struct Mmq;
-// The 2-byte scales of block s of rows srow and srow + 1 (each where `sin`) of a planar legacy
-// format whose scale plane starts at byte `off` per block.
-template <int T>
-__device__ __forceinline__ void plane_scales(const Mat& m, int off, u64 srow, int s, bool sin0, bool sin1, u32 (&d)[2]) {
-    const u8* p = m.w + (u64)off * m.nblk;
-    if (sin0) d[0] = *(const u16*)(p + 2 * block_of<T>(m, srow, s));
-    if (sin1) d[1] = *(const u16*)(p + 2 * block_of<T>(m, srow + 1, s));
-}
-template <> struct Mmq<F_Q4_K> {
+#define MMQ_WARPS 4
+#define MMQ_ROWS 32
+#define MMQ_K 128
+#define MMQ_STAGES 3
+// Bytes of an activation row in a stage: hi levels 128, lo levels 128, 16 of padding (the 8 rows
+// of a fragment then start 4 banks apart: conflict-free loads).
+#define MMQ_XS 272
+
+// Per format, a weight row's share of one stage j (elements 128j..128j + 127): STRIDE bytes in
+// shared memory (4 more than a multiple of 8 words: the 8 rows of a fragment start 4 banks apart),
+// copied as UNITS cp.async copies (`copy` issues unit u); from it, `frag` gives a lane's B fragment
+// of sub-block i (0..3) of the stage (elements 4t..4t + 3 in b0, 16 later in b1, signed bytes) and
+// `scales` an output row's scale and offset (w = d * level - mn; per 16-element half: .x the first,
+// .y the second; HALVES: the halves have scales of their own, so the products are taken 16
+// elements at a time). Q6_K, Q8_0 and Q5_0 are uploaded planar (weights.rs).
+template <int T> struct Tile;
+template <> struct Tile<F_Q4_K> {
     static const bool HALVES = false;
-    struct Raw {
-        u32 w0, w1;
-        uint4 h[2];
-    };
-    static __device__ __forceinline__ Raw load(const Mat& m, u64 lrow, u64 srow, int s, int t, bool lin, bool sin0, bool sin1) {
-        Raw r{0, 0, {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)}};
-        const u64 off = 144 * (u64)(s >> 3);
-        if (lin) {
-            const u8* b = m.w + lrow * m.rb + off + 16 + 32 * ((s & 7) >> 1) + 4 * t;
-            r.w0 = ld32(b);
-            r.w1 = ld32(b + 16);
-        }
-        if (sin0) r.h[0] = *(const uint4*)(m.w + srow * m.rb + off);
-        if (sin1) r.h[1] = *(const uint4*)(m.w + (srow + 1) * m.rb + off);
-        return r;
+    static const int STRIDE = 80, UNITS = 5;
+    // [the super-block's 16 header bytes][the 64 level bytes of the stage's sub-blocks]
+    static __device__ __forceinline__ void copy(const Mat& m, u64 row, int j, u8* dst, int u) {
+        const u8* b = m.w + row * m.rb + 144 * (u64)(j >> 1);
+        cp_async16(dst + 16 * u, u == 0 ? b : b + 16 + 64 * (j & 1) + 16 * (u - 1));
     }
-    static __device__ __forceinline__ void levels(const Raw& r, int s, u32& b0, u32& b1) {
-        const int sh = 4 * (s & 1);
-        b0 = (r.w0 >> sh) & 0x0f0f0f0fu;
-        b1 = (r.w1 >> sh) & 0x0f0f0f0fu;
+    static __device__ __forceinline__ void frag(const u8* r, int i, int t, u32& b0, u32& b1) {
+        const u8* q = r + 16 + 32 * (i >> 1) + 4 * t;
+        const int sh = 4 * (i & 1);
+        b0 = (ld32(q) >> sh) & 0x0f0f0f0fu;
+        b1 = (ld32(q + 16) >> sh) & 0x0f0f0f0fu;
     }
-    static __device__ __forceinline__ void scales(const Raw& r, int s, int i, float2& d, float2& mn) {
+    static __device__ __forceinline__ void scales(const u8* r, int i, int j, const Mat&, u64, float2& d, float2& mn) {
+        const uint4 h = *(const uint4*)r;
         u32 sc2, mn2;
-        q4k_pair_scales(r.h[i], (s & 7) >> 1, &sc2, &mn2);
-        const int sh = 8 * (s & 1);
-        const float dd = half_u16(r.h[i].x & 0xffff) * (float)((sc2 >> sh) & 0xff);
-        const float mm = half_u16(r.h[i].x >> 16) * (float)((mn2 >> sh) & 0xff);
+        q4k_pair_scales(h, 2 * (j & 1) + (i >> 1), &sc2, &mn2);
+        const int sh = 8 * (i & 1);
+        const float dd = half_u16(h.x & 0xffff) * (float)((sc2 >> sh) & 0xff);
+        const float mm = half_u16(h.x >> 16) * (float)((mn2 >> sh) & 0xff);
         d = make_float2(dd, dd);
         mn = make_float2(mm, mm);
     }
 };
-template <> struct Mmq<F_Q8_0> {
+template <> struct Tile<F_Q6_K> {
+    static const bool HALVES = true;
+    static const int STRIDE = 112, UNITS = 8;
+    // [ql: 64 bytes][qh: 32][the half's 8 scales][the aligned 4-byte word holding d]
+    static __device__ __forceinline__ void copy(const Mat& m, u64 row, int j, u8* dst, int u) {
+        const u64 g = block_of<F_Q6_K>(m, row, j >> 1);
+        const int n = j & 1;
+        if (u < 4)
+            cp_async16(dst + 16 * u, m.w + 128 * g + 64 * n + 16 * u);
+        else if (u < 6)
+            cp_async16(dst + 16 * u, m.w + 128 * m.nblk + 64 * g + 32 * n + 16 * (u - 4));
+        else if (u == 6)
+            cp_async8(dst + 96, m.w + 192 * m.nblk + 16 * g + 8 * n);
+        else
+            cp_async4(dst + 104, m.w + ((208 * m.nblk + 2 * g) & ~(u64)3));
+    }
+    static __device__ __forceinline__ void frag(const u8* r, int i, int t, u32& b0, u32& b1) {
+        const u8* l = r + 32 * (i & 1) + 4 * t;
+        const u8* h = r + 64 + 4 * t;
+        const int nib = 4 * (i >> 1), hs = 2 * i;
+        b0 = ((ld32(l) >> nib) & 0x0f0f0f0fu) | (((ld32(h) >> hs) & 0x03030303u) << 4);
+        b1 = ((ld32(l + 16) >> nib) & 0x0f0f0f0fu) | (((ld32(h + 16) >> hs) & 0x03030303u) << 4);
+    }
+    static __device__ __forceinline__ void scales(const u8* r, int i, int j, const Mat& m, u64 row, float2& d, float2& mn) {
+        const u32 sc = *(const u16*)(r + 96 + 2 * i);
+        const u32 dw = *(const u32*)(r + 104) >> (16 * (int)(block_of<F_Q6_K>(m, row, j >> 1) & 1));
+        const float dd = half_u16(dw & 0xffff);
+        d = make_float2(dd * (float)(i8)(sc & 0xff), dd * (float)(i8)(sc >> 8));
+        mn = make_float2(32.f * d.x, 32.f * d.y);
+    }
+};
+template <> struct Tile<F_Q8_0> {
     static const bool HALVES = false;
-    struct Raw {
-        u32 w0, w1, d[2];
-    };
-    static __device__ __forceinline__ Raw load(const Mat& m, u64 lrow, u64 srow, int s, int t, bool lin, bool sin0, bool sin1) {
-        Raw r{0, 0, {0, 0}};
-        if (lin) {
-            const u8* q = m.w + 32 * block_of<F_Q8_0>(m, lrow, s) + 4 * t;
-            r.w0 = ld32(q);
-            r.w1 = ld32(q + 16);
-        }
-        plane_scales<F_Q8_0>(m, 32, srow, s, sin0, sin1, r.d);
-        return r;
+    static const int STRIDE = 144, UNITS = 9;
+    // [the 4 blocks' 128 level bytes][their 4 scales]
+    static __device__ __forceinline__ void copy(const Mat& m, u64 row, int j, u8* dst, int u) {
+        const u64 g = block_of<F_Q8_0>(m, row, 4 * j);
+        if (u < 8)
+            cp_async16(dst + 16 * u, m.w + 32 * g + 16 * u);
+        else
+            cp_async8(dst + 128, m.w + 32 * m.nblk + 2 * g);
     }
-    static __device__ __forceinline__ void levels(const Raw& r, int, u32& b0, u32& b1) {
-        b0 = r.w0;
-        b1 = r.w1;
+    static __device__ __forceinline__ void frag(const u8* r, int i, int t, u32& b0, u32& b1) {
+        b0 = ld32(r + 32 * i + 4 * t);
+        b1 = ld32(r + 32 * i + 16 + 4 * t);
     }
-    static __device__ __forceinline__ void scales(const Raw& r, int, int i, float2& d, float2& mn) {
-        const float dd = half_u16(r.d[i]);
+    static __device__ __forceinline__ void scales(const u8* r, int i, int, const Mat&, u64, float2& d, float2& mn) {
+        const float dd = half_u16(*(const u16*)(r + 128 + 2 * i));
         d = make_float2(dd, dd);
         mn = make_float2(0.f, 0.f);
     }
 };
-template <> struct Mmq<F_Q5_0> {
+template <> struct Tile<F_Q5_0> {
     static const bool HALVES = false;
-    // (Levels 0..31, the offset of 16 in mn; qh shifted to the lane's first element.)
-    struct Raw {
-        u32 w, qh, d[2];
-    };
-    static __device__ __forceinline__ Raw load(const Mat& m, u64 lrow, u64 srow, int s, int t, bool lin, bool sin0, bool sin1) {
-        Raw r{0, 0, {0, 0}};
-        if (lin) {
-            const u64 g = block_of<F_Q5_0>(m, lrow, s);
-            r.w = ld32(m.w + 16 * g + 4 * t);
-            r.qh = ld32(m.w + 16 * m.nblk + 4 * g) >> (4 * t);
-        }
-        plane_scales<F_Q5_0>(m, 20, srow, s, sin0, sin1, r.d);
-        return r;
+    static const int STRIDE = 112, UNITS = 6;
+    // [the 4 blocks' 64 level bytes][their 4 high-bit words][their 4 scales]
+    static __device__ __forceinline__ void copy(const Mat& m, u64 row, int j, u8* dst, int u) {
+        const u64 g = block_of<F_Q5_0>(m, row, 4 * j);
+        if (u < 4)
+            cp_async16(dst + 16 * u, m.w + 16 * g + 16 * u);
+        else if (u == 4)
+            cp_async16(dst + 64, m.w + 16 * m.nblk + 4 * g);
+        else
+            cp_async8(dst + 80, m.w + 20 * m.nblk + 2 * g);
     }
-    static __device__ __forceinline__ void levels(const Raw& r, int, u32& b0, u32& b1) {
-        b0 = (r.w & 0x0f0f0f0fu) | (spread4(r.qh) << 4);
-        b1 = ((r.w >> 4) & 0x0f0f0f0fu) | (spread4(r.qh >> 16) << 4);
+    static __device__ __forceinline__ void frag(const u8* r, int i, int t, u32& b0, u32& b1) {
+        const u32 w = ld32(r + 16 * i + 4 * t), qh = ld32(r + 64 + 4 * i) >> (4 * t);
+        b0 = (w & 0x0f0f0f0fu) | (spread4(qh) << 4);
+        b1 = ((w >> 4) & 0x0f0f0f0fu) | (spread4(qh >> 16) << 4);
     }
-    static __device__ __forceinline__ void scales(const Raw& r, int, int i, float2& d, float2& mn) {
-        const float dd = half_u16(r.d[i]);
+    static __device__ __forceinline__ void scales(const u8* r, int i, int, const Mat&, u64, float2& d, float2& mn) {
+        const float dd = half_u16(*(const u16*)(r + 80 + 2 * i));
         d = make_float2(dd, dd);
         mn = make_float2(16.f * dd, 16.f * dd);
     }
 };
-template <> struct Mmq<F_Q6_K> {
-    static const bool HALVES = true;
-    // (Levels 0..63, the offset of 32 in mn; see sub32<F_Q6_K>.)
-    struct Raw {
-        u32 l0, l1, h0, h1, sc[2], d[2];
-    };
-    static __device__ __forceinline__ Raw load(const Mat& m, u64 lrow, u64 srow, int s, int t, bool lin, bool sin0, bool sin1) {
-        Raw r{0, 0, 0, 0, {0, 0}, {0, 0}};
-        const int sub = s & 7, n = sub >> 2, gg = sub & 3;
-        if (lin) {
-            const u64 g = block_of<F_Q6_K>(m, lrow, s >> 3);
-            const u8* ql = m.w + 128 * g + 64 * n + 32 * (gg & 1) + 4 * t;
-            const u8* qh = m.w + 128 * m.nblk + 64 * g + 32 * n + 4 * t;
-            r.l0 = ld32(ql);
-            r.l1 = ld32(ql + 16);
-            r.h0 = ld32(qh);
-            r.h1 = ld32(qh + 16);
-        }
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            if (i ? sin1 : sin0) {
-                const u64 g = block_of<F_Q6_K>(m, srow + i, s >> 3);
-                // (Scales 8n + 2gg and 8n + 2gg + 1: one 2-byte word.)
-                r.sc[i] = *(const u16*)(m.w + 192 * m.nblk + 16 * g + 8 * n + 2 * gg);
-                r.d[i] = *(const u16*)(m.w + 208 * m.nblk + 2 * g);
-            }
-        }
-        return r;
-    }
-    static __device__ __forceinline__ void levels(const Raw& r, int s, u32& b0, u32& b1) {
-        const int gg = s & 3, nib = 4 * (gg >> 1), hs = 2 * gg;
-        b0 = ((r.l0 >> nib) & 0x0f0f0f0fu) | (((r.h0 >> hs) & 0x03030303u) << 4);
-        b1 = ((r.l1 >> nib) & 0x0f0f0f0fu) | (((r.h1 >> hs) & 0x03030303u) << 4);
-    }
-    static __device__ __forceinline__ void scales(const Raw& r, int, int i, float2& d, float2& mn) {
-        const float dd = half_u16(r.d[i]);
-        d = make_float2(dd * (float)(i8)(r.sc[i] & 0xff), dd * (float)(i8)(r.sc[i] >> 8));
-        mn = make_float2(32.f * d.x, 32.f * d.y);
-    }
-};
 
-// Warps of an mmq block, and groups of 8 activation rows a block takes (MMQ_GROUPS * 8 rows;
-// measured on an H200, 270M shapes: 4 groups against 8 (fewer registers, 3 blocks per
-// multiprocessor instead of 2), batched decode of 16 sequences 9,000 against 8,100 tokens/s, of
-// 64 21,100 against 14,200).
-#define MMQ_WARPS 4
-#define MMQ_GROUPS 4
+// Bytes of one stage of a block of `bw` weight rows in format T: activation levels, activation
+// scales ({d, level sum} per 16 elements: 64 bytes a row), weight rows (`mmq_shared` in exec.rs).
+template <int T> __device__ constexpr int mmq_stage(int bw) { return MMQ_ROWS * MMQ_XS + MMQ_ROWS * 64 + bw * Tile<T>::STRIDE; }
 
-// out[r, o] (row-major, n wide) for activation rows r < rows of xq (quantize_rows' layout, k
-// wide): block (x, y) takes weight rows 8 NB (MMQ_WARPS / ksplit) x.. and activation rows
-// 8 MMQ_GROUPS y..; its warps form teams of `ksplit` (1, 2 or 4) that share 8 NB weight rows, each
-// warp taking every ksplit-th sub-block, summed over the team at the end. Per sub-block a lane
-// loads its activation fragments once for its NB B fragments (NB = 2 for wide matrices: half the
-// activation reads per weight byte; measured on an H200, synthetic 12B, 16 sequences: 550 tokens/s
-// against 464 with NB = 1 and 514 with NB = 4, whose 142-164 registers leave fewer warps), and
-// each B fragment and the scales of its two output rows once for all its activation groups.
-template <int T, int NB>
-__device__ __forceinline__ void mmq(const Mat& m, int n, const u8* xq, int k, int rows, int ksplit, float* out) {
-    __shared__ float red[MMQ_WARPS][NB][MMQ_GROUPS][32][2];
+// out[r, o] (row-major, n wide) for activation rows r < rows of xq (quantize_rows' layout, k a
+// multiple of MMQ_K): block (x, y) takes activation rows 32x.. and weight rows BW y.., BW =
+// 8 NB MMQ_WARPS / KS; its warps form teams of KS that share 8 NB weight rows, each warp of a team
+// taking every KS-th sub-block of a stage, summed over the team at the end.
+template <int T, int NB, int KS>
+__device__ __forceinline__ void mmq(const Mat& m, int n, const u8* xq, int k, int rows, float* out) {
+    constexpr int BW = 8 * NB * (MMQ_WARPS / KS), XB = MMQ_ROWS * MMQ_XS, SB = MMQ_ROWS * 64, STAGE = mmq_stage<T>(BW);
+    extern __shared__ uint4 mmq_smem[];
+    u8* const sm = (u8*)mmq_smem;
     const int lane = threadIdx.x & 31, wi = threadIdx.x >> 5, gid = lane >> 2, tid = lane & 3;
-    const int part = wi % ksplit, o0 = 8 * NB * ((int)blockIdx.x * (MMQ_WARPS / ksplit) + wi / ksplit);
-    const int a0 = 8 * MMQ_GROUPS * (int)blockIdx.y, groups = min(MMQ_GROUPS, (rows - a0 + 7) / 8);
+    const int team = wi / KS, part = wi % KS;
+    const int a0 = MMQ_ROWS * (int)blockIdx.x, groups = min(4, (rows - a0 + 7) / 8);
+    const u64 w0 = (u64)BW * blockIdx.y;
+    const int steps = k / MMQ_K, xrows = min(MMQ_ROWS, rows - a0), wrows = (int)min((u64)BW, (u64)n - w0);
     const u64 xqb = xq_bytes(k);
-    pdl_wait();
-    float acc[NB][MMQ_GROUPS][2];
-#pragma unroll
-    for (int j = 0; j < NB; j++)
-#pragma unroll
-        for (int g = 0; g < MMQ_GROUPS; g++) acc[j][g][0] = acc[j][g][1] = 0.f;
-    const int subs = o0 < n ? k >> 5 : 0;
-    // Fragment j: weight rows o0 + 8j.. (lane row o0 + 8j + gid, output rows o0 + 8j + 2t, + 1).
-    auto lrow = [&](int j) { return o0 + 8 * j + gid; };
-    auto srow = [&](int j) { return o0 + 8 * j + 2 * tid; };
-    typename Mmq<T>::Raw raw[NB];
-    auto load = [&](int j, int s) {
-        raw[j] = Mmq<T>::load(m, (u64)lrow(j), (u64)srow(j), s, tid, lrow(j) < n, srow(j) < n, srow(j) + 1 < n);
+    auto copy_w = [&](int j) {
+        u8* dst = sm + (j % MMQ_STAGES) * STAGE + XB + SB;
+        for (int c = threadIdx.x; c < wrows * Tile<T>::UNITS; c += 32 * MMQ_WARPS)
+            Tile<T>::copy(m, w0 + c / Tile<T>::UNITS, j, dst + (c / Tile<T>::UNITS) * Tile<T>::STRIDE, c % Tile<T>::UNITS);
     };
-    if (part < subs)
-#pragma unroll
-        for (int j = 0; j < NB; j++) load(j, part);
-    for (int s = part; s < subs; s += ksplit) {
-        const int k0 = 32 * s;
-        // Every group's activations are asked for before the first product.
-        u32 ax[MMQ_GROUPS][4];
-        float4 axs[MMQ_GROUPS];
-#pragma unroll
-        for (int g = 0; g < MMQ_GROUPS; g++) {
-            const int a = a0 + 8 * g + gid;
-            ax[g][0] = ax[g][1] = ax[g][2] = ax[g][3] = 0;
-            axs[g] = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (g < groups && a < rows) {
-                const u8* xr = xq + (u64)a * xqb + k0 + 4 * tid;
-                ax[g][0] = ld32(xr);
-                ax[g][1] = ld32(xr + k);
-                ax[g][2] = ld32(xr + 16);
-                ax[g][3] = ld32(xr + k + 16);
-                // {d, level sum} of the sub-block's two halves.
-                axs[g] = *(const float4*)(xq + (u64)a * xqb + 2 * (u64)k + 16 * s);
-            }
+    auto copy_x = [&](int j) {
+        u8* dst = sm + (j % MMQ_STAGES) * STAGE;
+        for (int c = threadIdx.x; c < xrows * 20; c += 32 * MMQ_WARPS) {
+            const int r = c / 20, u = c % 20;
+            const u8* src = xq + (u64)(a0 + r) * xqb;
+            if (u < 8)
+                cp_async16(dst + r * MMQ_XS + 16 * u, src + MMQ_K * j + 16 * u);
+            else if (u < 16)
+                cp_async16(dst + r * MMQ_XS + 16 * u, src + k + MMQ_K * j + 16 * (u - 8));
+            else
+                cp_async16(dst + XB + 64 * r + 16 * (u - 16), src + 2 * (u64)k + 64 * j + 16 * (u - 16));
         }
+    };
+    // The weights of the first stages are asked for before waiting for the kernel before (nothing
+    // in a step writes them), the activations after.
+    for (int j = 0; j < MMQ_STAGES - 1; j++)
+        if (j < steps) copy_w(j);
+    pdl_wait();
+    for (int j = 0; j < MMQ_STAGES - 1; j++) {
+        if (j < steps) copy_x(j);
+        cp_async_commit();
+    }
+    float acc[NB][4][2];
 #pragma unroll
-        for (int j = 0; j < NB; j++) {
-            u32 b0, b1;
-            float2 d0, m0, d1, m1;
-            Mmq<T>::levels(raw[j], s, b0, b1);
-            Mmq<T>::scales(raw[j], s, 0, d0, m0);
-            Mmq<T>::scales(raw[j], s, 1, d1, m1);
-            // The next sub-block's bytes are asked for before this one's products.
-            if (s + ksplit < subs) load(j, s + ksplit);
+    for (int jb = 0; jb < NB; jb++)
 #pragma unroll
-            for (int g = 0; g < MMQ_GROUPS; g++) {
+        for (int g = 0; g < 4; g++) acc[jb][g][0] = acc[jb][g][1] = 0.f;
+    const int wt = 8 * NB * team;
+    for (int j = 0; j < steps; j++) {
+        cp_async_wait<MMQ_STAGES - 2>();
+        __syncthreads();
+        // Stage j + MMQ_STAGES - 1 goes where stage j - 1 was: every warp is past it.
+        if (j + MMQ_STAGES - 1 < steps) {
+            copy_w(j + MMQ_STAGES - 1);
+            copy_x(j + MMQ_STAGES - 1);
+        }
+        cp_async_commit();
+        const u8* st = sm + (j % MMQ_STAGES) * STAGE;
+        const float4* xsc = (const float4*)(st + XB);
+        const u8* ws = st + XB + SB;
+#pragma unroll
+        for (int i = part; i < 4; i += KS) {
+            u32 b[NB][2];
+            float2 d0[NB], m0[NB], d1[NB], m1[NB];
+#pragma unroll
+            for (int jb = 0; jb < NB; jb++) {
+                const int r = wt + 8 * jb;
+                Tile<T>::frag(ws + (r + gid) * Tile<T>::STRIDE, i, tid, b[jb][0], b[jb][1]);
+                Tile<T>::scales(ws + (r + 2 * tid) * Tile<T>::STRIDE, i, j, m, w0 + r + 2 * tid, d0[jb], m0[jb]);
+                Tile<T>::scales(ws + (r + 2 * tid + 1) * Tile<T>::STRIDE, i, j, m, w0 + r + 2 * tid + 1, d1[jb], m1[jb]);
+            }
+#pragma unroll
+            for (int g = 0; g < 4; g++) {
                 if (g >= groups) break;
-                const u32 h0 = ax[g][0], l0 = ax[g][1], h1 = ax[g][2], l1 = ax[g][3];
-                const float4 ds = axs[g];
+                const u8* xr = st + (8 * g + gid) * MMQ_XS + 32 * i + 4 * tid;
+                const u32 h0 = ld32(xr), l0 = ld32(xr + MMQ_K), h1 = ld32(xr + 16), l1 = ld32(xr + MMQ_K + 16);
+                const float4 ds = xsc[4 * (8 * g + gid) + i];
                 const int sa0 = __float_as_int(ds.y), sa1 = __float_as_int(ds.w);
-                if constexpr (Mmq<T>::HALVES) {
-                    int p[4], q[4];
-                    mma_k16(p, h0, l0, b0);
-                    mma_k16(q, h1, l1, b1);
-                    acc[j][g][0] += ds.x * (d0.x * (float)(254 * p[0] + p[2]) - m0.x * (float)sa0 + d0.y * (float)(254 * q[0] + q[2]) - m0.y * (float)sa1);
-                    acc[j][g][1] += ds.x * (d1.x * (float)(254 * p[1] + p[3]) - m1.x * (float)sa0 + d1.y * (float)(254 * q[1] + q[3]) - m1.y * (float)sa1);
-                } else {
-                    int p[4];
-                    mma_k32(p, h0, l0, h1, l1, b0, b1);
-                    const float sa = (float)(sa0 + sa1);
-                    acc[j][g][0] += ds.x * (d0.x * (float)(254 * p[0] + p[2]) - m0.x * sa);
-                    acc[j][g][1] += ds.x * (d1.x * (float)(254 * p[1] + p[3]) - m1.x * sa);
+#pragma unroll
+                for (int jb = 0; jb < NB; jb++) {
+                    if constexpr (Tile<T>::HALVES) {
+                        int p[4], q[4];
+                        mma_k16(p, h0, l0, b[jb][0]);
+                        mma_k16(q, h1, l1, b[jb][1]);
+                        acc[jb][g][0] += ds.x * (d0[jb].x * (float)(254 * p[0] + p[2]) - m0[jb].x * (float)sa0 + d0[jb].y * (float)(254 * q[0] + q[2]) - m0[jb].y * (float)sa1);
+                        acc[jb][g][1] += ds.x * (d1[jb].x * (float)(254 * p[1] + p[3]) - m1[jb].x * (float)sa0 + d1[jb].y * (float)(254 * q[1] + q[3]) - m1[jb].y * (float)sa1);
+                    } else {
+                        int p[4];
+                        mma_k32(p, h0, l0, h1, l1, b[jb][0], b[jb][1]);
+                        const float sa = (float)(sa0 + sa1);
+                        acc[jb][g][0] += ds.x * (d0[jb].x * (float)(254 * p[0] + p[2]) - m0[jb].x * sa);
+                        acc[jb][g][1] += ds.x * (d1[jb].x * (float)(254 * p[1] + p[3]) - m1[jb].x * sa);
+                    }
                 }
             }
         }
     }
-    if (ksplit > 1) {
+    if constexpr (KS > 1) {
+        // The stages are free once every warp is past its last products (no copy is in flight).
+        float* red = (float*)sm;
+        __syncthreads();
 #pragma unroll
-        for (int j = 0; j < NB; j++)
+        for (int jb = 0; jb < NB; jb++)
 #pragma unroll
-            for (int g = 0; g < MMQ_GROUPS; g++) {
-                red[wi][j][g][lane][0] = acc[j][g][0];
-                red[wi][j][g][lane][1] = acc[j][g][1];
+            for (int g = 0; g < 4; g++) {
+                red[((wi * NB + jb) * 4 + g) * 64 + 2 * lane] = acc[jb][g][0];
+                red[((wi * NB + jb) * 4 + g) * 64 + 2 * lane + 1] = acc[jb][g][1];
             }
         __syncthreads();
         if (part != 0) return;
 #pragma unroll
-        for (int j = 0; j < NB; j++)
+        for (int jb = 0; jb < NB; jb++)
 #pragma unroll
-            for (int g = 0; g < MMQ_GROUPS; g++)
-                for (int w = 1; w < ksplit; w++) {
-                    acc[j][g][0] += red[wi + w][j][g][lane][0];
-                    acc[j][g][1] += red[wi + w][j][g][lane][1];
+            for (int g = 0; g < 4; g++)
+#pragma unroll
+                for (int w = 1; w < KS; w++) {
+                    acc[jb][g][0] += red[(((wi + w) * NB + jb) * 4 + g) * 64 + 2 * lane];
+                    acc[jb][g][1] += red[(((wi + w) * NB + jb) * 4 + g) * 64 + 2 * lane + 1];
                 }
     }
 #pragma unroll
-    for (int j = 0; j < NB; j++)
+    for (int jb = 0; jb < NB; jb++)
 #pragma unroll
-        for (int g = 0; g < MMQ_GROUPS; g++) {
-            const int a = a0 + 8 * g + gid, o = srow(j);
+        for (int g = 0; g < 4; g++) {
+            const int a = a0 + 8 * g + gid;
+            const u64 o = w0 + wt + 8 * jb + 2 * tid;
             if (g < groups && a < rows) {
-                if (o < n) out[(u64)a * n + o] = acc[j][g][0];
-                if (o + 1 < n) out[(u64)a * n + o + 1] = acc[j][g][1];
+                if (o < (u64)n) out[(u64)a * n + o] = acc[jb][g][0];
+                if (o + 1 < (u64)n) out[(u64)a * n + o + 1] = acc[jb][g][1];
             }
         }
 }
 
-// mmq (8 weight rows a warp) and mmq2 (16: wide matrices, `mmq_geometry` in exec.rs) per format.
-#define KILN_MMQ(NAME, T)                                                                                                \
-    extern "C" __global__ void __launch_bounds__(32 * MMQ_WARPS) mmq_##NAME(const u8* w, u64 rb, u64 nb, int n, const u8* xq, int k, \
-                                                                             int rows, int ksplit, float* out) {                 \
-        mmq<T, 1>(Mat{w, rb, nb}, n, xq, k, rows, ksplit, out);                                                                  \
-    }                                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(32 * MMQ_WARPS) mmq2_##NAME(const u8* w, u64 rb, u64 nb, int n, const u8* xq, int k, \
-                                                                              int rows, int ksplit, float* out) {                \
-        mmq<T, 2>(Mat{w, rb, nb}, n, xq, k, rows, ksplit, out);                                                                  \
+// mmq{BW}_<fmt>: blocks of BW = 128, 64, 32 or 8 weight rows (`mmq_tile` in exec.rs).
+#define KILN_MMQ1(NAME, T, BW, NB, KS)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * MMQ_WARPS)                                                          \
+        mmq##BW##_##NAME(const u8* w, u64 rb, u64 nb, int n, const u8* xq, int k, int rows, float* out) {                 \
+        mmq<T, NB, KS>(Mat{w, rb, nb}, n, xq, k, rows, out);                                                               \
     }
+#define KILN_MMQ(NAME, T) \
+    KILN_MMQ1(NAME, T, 128, 4, 1) KILN_MMQ1(NAME, T, 64, 2, 1) KILN_MMQ1(NAME, T, 32, 1, 1) KILN_MMQ1(NAME, T, 8, 1, 4)
 KILN_MMQ(q4_k, F_Q4_K)
 KILN_MMQ(q6_k, F_Q6_K)
 KILN_MMQ(q8_0, F_Q8_0)

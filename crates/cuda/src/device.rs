@@ -9,8 +9,11 @@ use std::sync::{Arc, Mutex};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaStream};
 use cudarc::nvrtc::Ptx;
+use kiln_quant::GgmlType;
 use kiln_runtime::RuntimeError;
 use sha2::{Digest, Sha256};
+
+use crate::weights::format_name;
 
 /// Shared by every family: types, f16 loads, reductions.
 const COMMON: &str = include_str!("../kernels/common.cuh");
@@ -170,10 +173,12 @@ impl Device {
                 let func = module.load_function(&f).map_err(|e| cuda_err(format!("kernel '{f}': {e}")))?;
                 // Kernels whose blocks take more than the default 48 KiB of shared memory opt in.
                 // (The ring of matvec4 and matvec4p, and the latter's norm prologue row; the
-                // ring of matvecr{rows}.)
+                // ring of matvecr{rows}; the stages of mmq{tile}.)
                 let ring_rows = f.strip_prefix("matvecr").and_then(|r| r.split('_').next()?.parse().ok());
                 let bytes = if let Some(rows) = ring_rows {
                     Some(crate::exec::ring_shared(rows) as u32)
+                } else if let Some((tile, ty)) = mmq_kernel(&f) {
+                    Some(crate::exec::mmq_shared(ty, tile) as u32)
                 } else {
                     f.strip_prefix("matvec4_")
                         .or_else(|| f.strip_prefix("matvec4p_"))
@@ -301,10 +306,17 @@ fn kernel_names(src: &str) -> Vec<String> {
             names.extend(["matvecr8", "matvecr4", "matvecr2"].map(|k| format!("{k}_{fmt}")));
         } else if let Some(rest) = line.strip_prefix("KILN_MMQ(") {
             let fmt = rest.split(',').next().unwrap_or_default().trim();
-            names.extend(["mmq", "mmq2"].map(|k| format!("{k}_{fmt}")));
+            names.extend(crate::exec::MMQ_TILES.map(|t| format!("mmq{t}_{fmt}")));
         }
     }
     names
+}
+
+/// The block tile and format of an `mmq{tile}_<fmt>` kernel name.
+fn mmq_kernel(name: &str) -> Option<(usize, GgmlType)> {
+    let (tile, fmt) = name.strip_prefix("mmq")?.split_once('_')?;
+    let ty = crate::exec::MMQ_FORMATS.into_iter().find(|&ty| format_name(ty) == Some(fmt))?;
+    Some((tile.parse().ok()?, ty))
 }
 
 /// The first CUDA library this backend loads at run time that cannot be found ("driver", "NVRTC"
@@ -435,9 +447,11 @@ mod tests {
     fn kernel_names_are_found_in_every_family() {
         let quant = kernel_names(FAMILIES[0].1);
         assert!(quant.contains(&"matvec_q4_k".to_string()) && quant.contains(&"dequant_q8_0".to_string()));
-        assert_eq!(quant.len(), 13 * 6 + 2 + 4 * 3 + 4 * 2);
-        assert!(quant.contains(&"matvecr2_q6_k".to_string()) && quant.contains(&"mmq_q5_0".to_string()));
-        assert!(quant.contains(&"mmq2_q4_k".to_string()));
+        assert_eq!(quant.len(), 13 * 6 + 2 + 4 * 3 + 4 * 4);
+        assert!(quant.contains(&"matvecr2_q6_k".to_string()) && quant.contains(&"mmq8_q5_0".to_string()));
+        assert!(quant.contains(&"mmq128_q4_k".to_string()));
+        assert_eq!(mmq_kernel("mmq64_q6_k"), Some((64, GgmlType::Q6_K)));
+        assert_eq!(mmq_kernel("matvec_q6_k"), None);
         assert!(quant.contains(&"quantize_rows".to_string()));
         let ops = kernel_names(FAMILIES[1].1);
         for k in [

@@ -156,19 +156,19 @@ fn ring_geometry(ty: GgmlType, k: usize, rows_of: &[usize], glu: bool, sms: usiz
     Some(RingGeometry { rows, warps, stages, blocks: tiles.min(RING_WARPS_PER_SM / warps * sms) })
 }
 
-/// Formats with `mmq_<fmt>` kernels (`KILN_MMQ` in quant.cu): integer tensor-core products for
-/// more activation rows than the matrix-vector kernels take, the weights read in their packed form
-/// (other formats are dequantized to f32 for cuBLAS).
-const MMQ_FORMATS: [GgmlType; 4] = [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0];
-/// Most activation rows that take the `mmq` kernels; more take cuBLAS on dequantized weights
-/// (measured on an H200, synthetic 270M: prompts of 64 and 128 tokens 26,900 and 41,500 tokens/s
-/// against 19,500 and 35,200 through cuBLAS, of 512 48,400 against 60,200; 12B 820 against 1,610).
-const MMQ_MAX_ROWS: usize = 128;
-const _: () = assert!(MMQ_MAX_ROWS > MATVEC_ROWS, "mmq takes the rows the matrix-vector kernels do not");
-/// Whether a product of `rows` activation rows by a `ty` matrix can take `mmq` on a device of
-/// `arch` (whether the matrix-vector kernels take it first: `takes_matvec`).
-fn takes_mmq(ty: GgmlType, rows: usize, arch: (i32, i32)) -> bool {
-    MMQ_FORMATS.contains(&ty) && arch.0 >= 8 && rows <= MMQ_MAX_ROWS
+/// Formats with `mmq{tile}_<fmt>` kernels (`KILN_MMQ` in quant.cu): integer tensor-core products
+/// of more activation rows than the matrix-vector kernels take, the weights read in their packed
+/// form (other formats are dequantized to f32 for cuBLAS).
+pub(crate) const MMQ_FORMATS: [GgmlType; 4] = [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0];
+/// Elements of one shared-memory stage of the `mmq` kernels (`MMQ_K` in quant.cu): they take
+/// matrices whose rows are a multiple of it (every Gemma, Llama and Qwen width is).
+const MMQ_K: usize = 128;
+/// Whether a product by a `ty` matrix of `k` columns can take `mmq` on a device of `arch` (whether
+/// the matrix-vector kernels take it first: `takes_matvec`). Any number of rows: at 512 rows
+/// `mmq` is 1.1-2.3x faster than cuBLAS's SGEMM on the dequantized weight at 12B shapes (on an
+/// H200, bench/cuda/mmq.cu; bench/RESULTS.md "issue 4s").
+fn takes_mmq(ty: GgmlType, k: usize, arch: (i32, i32)) -> bool {
+    MMQ_FORMATS.contains(&ty) && arch.0 >= 8 && k.is_multiple_of(MMQ_K)
 }
 
 /// Fewest activation rows of a product of short rows (`MMQ_SHORT_K`) that takes `mmq` rather than
@@ -186,7 +186,7 @@ const MMQ_SHORT_K: usize = 2048;
 /// matrix-vector kernels on a device of `arch`: up to `MMQ_MIN_ROWS` - 1 rows, and up to
 /// `MATVEC_ROWS` unless its rows are short and `mmq` takes its format.
 fn takes_matvec(ty: GgmlType, k: usize, rows: usize, arch: (i32, i32)) -> bool {
-    rows < MMQ_MIN_ROWS || rows <= MATVEC_ROWS && (k > MMQ_SHORT_K || !takes_mmq(ty, rows, arch))
+    rows < MMQ_MIN_ROWS || rows <= MATVEC_ROWS && (k > MMQ_SHORT_K || !takes_mmq(ty, k, arch))
 }
 
 /// Whether every product of `plan` takes the matrix-vector kernels at `rows` rows.
@@ -201,31 +201,33 @@ fn products_take_matvec(plan: &Plan, weights: &dyn WeightShapes, rows: usize, ar
     Ok(true)
 }
 
-/// Activation rows of an `mmq` block (`8 * MMQ_GROUPS` in quant.cu) and its warps (`MMQ_WARPS`).
+/// Activation rows of an `mmq` block (`MMQ_ROWS` in quant.cu), its threads (`MMQ_WARPS`) and its
+/// stages in flight (`MMQ_STAGES`).
 const MMQ_ROWS: usize = 32;
-const MMQ_WARPS: usize = 4;
+const MMQ_THREADS: u32 = 128;
+const MMQ_STAGES: usize = 3;
+/// Weight rows of an `mmq` block, one kernel each (`mmq{tile}_<fmt>`), widest first.
+pub(crate) const MMQ_TILES: [usize; 4] = [128, 64, 32, 8];
 
-/// How an `mmq` launch covers `n` weight rows and `rows` activation rows.
-#[derive(Debug, PartialEq, Eq)]
-struct MmqGeometry {
-    grid: (u32, u32),
-    /// Warps sharing a warp tile of weight rows (splitting the sub-blocks: 1, 2 or 4).
-    split: usize,
-    /// Warp tiles of 16 weight rows (`mmq2`) instead of 8 (`mmq`).
-    wide: bool,
+/// Shared memory of an `mmq` block of `tile` weight rows of format `ty` (`mmq_stage` in
+/// quant.cu): per stage 32 activation rows (272 bytes of levels and 64 of scales each) and the
+/// weight rows' share (`Tile<T>::STRIDE` bytes each; none for a format without `mmq`).
+pub(crate) fn mmq_shared(ty: GgmlType, tile: usize) -> usize {
+    let stride = match ty {
+        GgmlType::Q4_K => 80,
+        GgmlType::Q6_K | GgmlType::Q5_0 => 112,
+        GgmlType::Q8_0 => 144,
+        _ => 0,
+    };
+    MMQ_STAGES * (MMQ_ROWS * (272 + 64) + tile * stride)
 }
 
-/// The `mmq` launch over `n` weight rows and `rows` activation rows on `sms` multiprocessors:
-/// 16-row warp tiles where there are still two tiles per multiprocessor (half the activation
-/// reads per weight byte), else 8; then the fewest warps per tile that give every multiprocessor
-/// two blocks.
-fn mmq_geometry(n: usize, rows: usize, sms: usize) -> MmqGeometry {
+/// Weight rows of the `mmq` blocks over `n` weight rows and `rows` activation rows on `sms`
+/// multiprocessors: the widest tile that still gives every multiprocessor a block (measured on an
+/// H200 at 12B and 270M shapes, bench/cuda/mmq.cu: within 5% of the best tile but for one shape).
+fn mmq_tile(n: usize, rows: usize, sms: usize) -> usize {
     let by = rows.div_ceil(MMQ_ROWS);
-    let wide = n.div_ceil(16) * by >= 2 * sms;
-    let tile = if wide { 16 } else { 8 };
-    let bx = |split: usize| n.div_ceil(tile * MMQ_WARPS / split);
-    let split = [1, 2, 4].into_iter().find(|&s| bx(s) * by >= 2 * sms).unwrap_or(4);
-    MmqGeometry { grid: (bx(split) as u32, by as u32), split, wide }
+    MMQ_TILES.into_iter().find(|&t| n.div_ceil(t) * by >= sms).unwrap_or(MMQ_TILES[MMQ_TILES.len() - 1])
 }
 
 /// Widest row the norm kernels take (`NORM_PER * NORM_THREADS` in ops.cu).
@@ -527,7 +529,7 @@ fn capturable_mmq(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> 
     for st in &plan.steps {
         if let Kernel::MatMul { w, k, .. } | Kernel::MatMulArgmax { w, k, .. } = st.kernel {
             let ty = weights.matrix_ty(w)?;
-            if !takes_matvec(ty, k, rows, arch) && !takes_mmq(ty, rows, arch) {
+            if !takes_matvec(ty, k, rows, arch) && !takes_mmq(ty, k, arch) {
                 return Ok(false);
             }
         }
@@ -1450,17 +1452,18 @@ impl CudaExecutable {
             return self.matvecs(MatVecArgs { xq, mats: &[(w, out)], glu: 0, gq: 0, rows, epi: None, argmax: 0, px: 0 });
         }
         let fmt = format_name(m.ty).ok_or_else(|| cuda_err(format!("no kernels for {:?}", m.ty)))?;
-        if takes_mmq(m.ty, rows, d.arch) {
+        if takes_mmq(m.ty, m.k, d.arch) {
             let xq = scratch.quantized(&d.ctx, rows * xq_bytes(m.k))?;
             if scratch.quantized_of != Some((x, m.k, rows)) {
                 self.quantize_into(x, xq, m.k, rows)?;
                 scratch.quantized_of = Some((x, m.k, rows));
             }
-            let MmqGeometry { grid, split, wide } = mmq_geometry(m.n, rows, d.sms as usize);
-            return d.launch(
-                &format!("{}_{fmt}", if wide { "mmq2" } else { "mmq" }),
-                grid,
-                (32 * MMQ_WARPS) as u32,
+            let tile = mmq_tile(m.n, rows, d.sms as usize);
+            return d.launch_shared(
+                &format!("mmq{tile}_{fmt}"),
+                (rows.div_ceil(MMQ_ROWS) as u32, m.n.div_ceil(tile) as u32),
+                MMQ_THREADS,
+                mmq_shared(m.ty, tile) as u32,
                 &[
                     Arg::U64(m.buf.ptr()),
                     Arg::U64(m.row_bytes as u64),
@@ -1469,7 +1472,6 @@ impl CudaExecutable {
                     Arg::U64(xq),
                     Arg::I32(m.k as i32),
                     Arg::I32(rows as i32),
-                    Arg::I32(split as i32),
                     Arg::U64(out),
                 ],
             );
@@ -1958,12 +1960,12 @@ mod tests {
         };
         let decode = |seqs| Bucket::Decode { past: 16, seqs };
         assert!(capturable(decode(16), FormatMix::Q4KM, SM90));
-        assert!(capturable(decode(MMQ_MAX_ROWS), FormatMix::All(GgmlType::Q8_0), (8, 0)));
+        assert!(capturable(decode(256), FormatMix::All(GgmlType::Q8_0), (8, 0)));
         // This model's rows are short: from MMQ_MIN_ROWS rows they take mmq too.
         assert!(capturable(decode(MMQ_MIN_ROWS), FormatMix::Q4KM, SM90));
         // Fewer rows take the matrix-vector kernels (captured without this scratch), as do
-        // formats without mmq up to MATVEC_ROWS rows; then Q5_K and prompts take cuBLAS; mma
-        // needs sm_80.
+        // formats without mmq up to MATVEC_ROWS rows; then Q5_K takes cuBLAS; prompts are not
+        // captured; mma needs sm_80.
         assert!(!capturable(decode(MMQ_MIN_ROWS - 1), FormatMix::Q4KM, SM90));
         assert!(!capturable(decode(MATVEC_ROWS), FormatMix::All(GgmlType::Q5_K), SM90));
         assert!(!capturable(decode(16), FormatMix::All(GgmlType::Q5_K), SM90));
@@ -2111,18 +2113,31 @@ mod tests {
     }
 
     #[test]
-    fn mmq_launches_split_the_sub_blocks_only_for_few_weight_rows() {
-        let g = |grid, split, wide| MmqGeometry { grid, split, wide };
-        // The 270M's head for 64 rows: 4096 x 2 blocks of 4 warps, each warp 16 rows alone.
-        assert_eq!(mmq_geometry(262144, 64, 132), g((4096, 2), 1, true));
-        // Its key rows for 16 sequences: 256 rows in 8-row tiles, 4 warps to every tile, still
-        // under 2 blocks a multiprocessor.
-        assert_eq!(mmq_geometry(256, 16, 132), g((32, 1), 4, false));
-        assert_eq!(mmq_geometry(2048, 64, 132), g((256, 2), 4, false));
-        // A 12B gate: 960 16-row tiles, 2 warps to each.
-        assert_eq!(mmq_geometry(15360, 16, 132), g((480, 1), 2, true));
-        // Partial tiles: 1000 rows (the tests' vocabulary), 20 activation rows.
-        assert_eq!(mmq_geometry(1000, 20, 132), g((125, 1), 4, false));
+    fn mmq_launches_take_the_widest_tile_that_fills_the_device() {
+        // A 12B gate for 512 prompt rows and for 64 sequences: 128-row tiles.
+        assert_eq!(mmq_tile(15360, 512, 132), 128);
+        assert_eq!(mmq_tile(15360, 64, 132), 128);
+        // For 16 sequences one activation block: 120 blocks of 128 rows are too few, 240 of 64 not.
+        assert_eq!(mmq_tile(15360, 16, 132), 64);
+        // The 270M's key rows, few weight rows: 8-row blocks (warps splitting the sub-blocks).
+        assert_eq!(mmq_tile(256, 512, 132), 8);
+        assert_eq!(mmq_tile(1024, 16, 132), 8);
+        assert_eq!(mmq_tile(1024, 512, 132), 64);
+        // Partial tiles: 1000 rows (the tests' vocabulary), 150 activation rows in 5 blocks.
+        assert_eq!(mmq_tile(1000, 150, 132), 32);
+    }
+
+    #[test]
+    fn mmq_takes_its_formats_on_rows_of_whole_stages() {
+        for ty in MMQ_FORMATS {
+            assert!(takes_mmq(ty, 640, SM90) && takes_mmq(ty, 15360, SM90), "{ty:?}");
+            // Rows not a multiple of a stage (here 5 legacy blocks) and devices without mma.
+            assert!(!takes_mmq(ty, 160, SM90) && !takes_mmq(ty, 640, (7, 5)), "{ty:?}");
+        }
+        assert!(!takes_mmq(GgmlType::Q5_K, 640, SM90));
+        // Shared memory: the Q8_0 block of 128 rows is the largest (two blocks a multiprocessor).
+        assert_eq!(mmq_shared(GgmlType::Q8_0, 128), 3 * (32 * 336 + 128 * 144));
+        assert!(MMQ_FORMATS.iter().all(|&ty| mmq_shared(ty, 128) <= mmq_shared(GgmlType::Q8_0, 128)));
     }
 
     #[test]
