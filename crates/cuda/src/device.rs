@@ -190,6 +190,10 @@ impl Device {
                     func.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
                         .map_err(|e| cuda_err(format!("kernel '{f}': {bytes} bytes of shared memory: {e}")))?;
                 }
+                if !KEEP_CARVEOUT.iter().any(|p| f.starts_with(p)) {
+                    func.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+                        .map_err(|e| cuda_err(format!("kernel '{f}': shared-memory carveout: {e}")))?;
+                }
                 functions.insert(f, func);
             }
         }
@@ -311,6 +315,15 @@ fn kernel_names(src: &str) -> Vec<String> {
     }
     names
 }
+
+/// Kernels (name prefixes) that keep the driver's choice of the split between L1 cache and shared
+/// memory: the one-row decode kernels (matrix-vector products, fused q/k attention, the greedy
+/// head). Every other kernel asks for the most shared memory, so that a many-row step, whose `mmq`
+/// blocks take 63-88 KB each, never waits for a multiprocessor to drain and change its split
+/// between two launches (measured on an H200, default model: prompts of 64 tokens 24,400 ->
+/// 30,900 tokens/s, of 512 66,400 -> 71,500; every kernel asking for it made 12B decode 3% slower:
+/// bench/RESULTS.md "issue 4s").
+const KEEP_CARVEOUT: [&str; 3] = ["matvec", "attention_qk", "argmax_head"];
 
 /// The block tile and format of an `mmq{tile}_<fmt>` kernel name.
 fn mmq_kernel(name: &str) -> Option<(usize, GgmlType)> {
