@@ -80,8 +80,9 @@ fn prompt(n: usize, vocab: usize) -> Vec<u32> {
 }
 
 /// CPU and CUDA (graphs and host launches) agree on a model whose matrices are all `ty`: prefill
-/// through cuBLAS (150 rows), the tensor-core `mmq` kernels where the format has them, else
-/// cuBLAS (20 rows), and the matrix-vector kernels (5 rows), then decode steps past the window.
+/// through the tensor-core `mmq` kernels where the format has them, else cuBLAS (150 rows: four
+/// whole blocks of 32 activation rows and one of 22; 20 rows), and the matrix-vector kernels (5
+/// rows), then decode steps past the window.
 fn matches_cpu(ty: GgmlType) {
     let m = gemma3(&small_shape(), FormatMix::All(ty), 42);
     let (c, g, h) = (load(&m, cpu()), load(&m, cuda()), load(&m, cuda_host_launches()));
@@ -140,7 +141,7 @@ formats!(
 /// where the format has no head kernel of its own); the down projection's 32,768-wide rows go
 /// through matvec4 (for Q5_0 its shared-memory stages, many turns per lane), its 15,360-wide rows
 /// through 4-row tiles (`matvecr4`; Q8_0's through matvec4). The prompt's 20 rows take `mmq`, the
-/// wide gate/up products in 16-row warp tiles (`mmq2`).
+/// wide gate/up products in blocks of 64 and 128 weight rows.
 fn streamed_launches_match_cpu(ty: GgmlType) {
     for ffn in [32768, 15360] {
         streamed_launches_match_cpu_at(ty, ffn);
