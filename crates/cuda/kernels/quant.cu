@@ -1341,9 +1341,10 @@ extern "C" __global__ void quantize_rows(const float* x, u8* xq, int k, int rows
 // product: lane (g, t) then holds row g's hi and lo sums against weight rows 2t and 2t + 1, exact,
 // which the sub-block's scales turn into floats as the matrix-vector kernels do (same activations,
 // same numbers up to the order of the float sums). A block's 32 activation rows and 8-128 weight
-// rows are staged through shared memory in steps of 128 elements (4 sub-blocks), MMQ_STAGES steps
-// in flight as cp.async copies, and every warp reads its fragments there: a weight byte is read
-// from memory once per 32 activation rows, an activation byte once per block of weight rows.
+// rows are staged through shared memory in stages of 128 elements (4 sub-blocks), the next
+// MMQ_STAGES - 1 stages in flight as cp.async copies while one is multiplied, and every warp
+// reads its fragments there: a weight byte is read from memory once per 32 activation rows, an
+// activation byte once per block of weight rows.
 // ---------------------------------------------------------------------------------------------
 
 // d[4] = A (16 x 32 signed bytes: a0 = row g, elements 4t..; a1 = row g + 8; a2, a3 the same 16
