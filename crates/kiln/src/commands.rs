@@ -59,12 +59,17 @@ fn load_with(args: &ModelArgs, config: kiln_runtime::EngineConfig) -> Result<Mod
     Model::load(&path, backend, config).with_context(|| format!("loading {}", path.display()))
 }
 
-/// The backend `--device` asks for.
+/// The backend `--device` asks for. Only the CPU has the exact kernels: `--exact` makes `auto` the
+/// CPU and `cuda` an error (the CUDA products always take 16-bit integer activations).
 pub(crate) fn backend(device: DeviceChoice, config: &kiln_runtime::EngineConfig) -> Result<Arc<dyn Backend>> {
+    let exact = config.kernels == kiln_runtime::KernelPrecision::Exact;
     match device {
         DeviceChoice::Cpu => Ok(Arc::new(CpuBackend::from_config(config))),
+        DeviceChoice::Cuda(n) if exact => {
+            bail!("--exact with --device cuda:{n}: the CUDA backend has no exact kernels (its products take 16-bit integer activations); run the exact kernels with --device cpu")
+        }
         DeviceChoice::Cuda(n) => cuda_backend(n),
-        DeviceChoice::Auto if cuda_available() => cuda_backend(0),
+        DeviceChoice::Auto if cuda_available() && !exact => cuda_backend(0),
         DeviceChoice::Auto => Ok(Arc::new(CpuBackend::from_config(config))),
     }
 }

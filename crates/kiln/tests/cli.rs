@@ -204,6 +204,11 @@ fn device_flag_is_checked() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("CUDA") || err.contains("cuda"), "{err}");
+    // Only the CPU has the exact kernels: asking CUDA for them is an error on any machine.
+    let out = kiln(&["run", "--model", m.to_str().unwrap(), "--device", "cuda", "--exact", "-n", "1", "x"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--exact") && err.contains("--device cpu") && !err.contains("panicked"), "{err}");
     // `cpu` and `auto` run (auto is the CPU on a machine without CUDA).
     for device in ["cpu", "auto"] {
         let out = kiln(&["run", "--model", m.to_str().unwrap(), "--device", device, "--temperature", "0", "-n", "2", "Hello"]);
