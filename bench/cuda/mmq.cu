@@ -74,7 +74,9 @@ static double rel_l2(const std::vector<float>& a, const std::vector<float>& ref,
     return std::sqrt(num / den);
 }
 
-template <int T> static void run(const Case& c, const std::vector<int>& row_counts, cublasHandle_t blas, cudaStream_t st, bool cublas) {
+template <int T> static void run(const Case& c, const std::vector<int>& row_counts, cublasHandle_t blas, cudaStream_t st) {
+    // cuBLAS beside the formats the dequantization kernels here cover (the K-quants).
+    constexpr bool cublas = T == F_Q4_K || T == F_Q6_K;
     const int bpr = c.k / Fmt<T>::per, bytes = Fmt<T>::bytes;
     const u64 rb = (u64)bpr * bytes, nblk = (u64)c.n * bpr, mbytes = rb * c.n;
     const int copies = (int)std::max<u64>(1, std::min<u64>(16, (256ull << 20) / mbytes));
@@ -119,7 +121,7 @@ template <int T> static void run(const Case& c, const std::vector<int>& row_coun
             });
             printf(" | mmq%-3d %7.1f us (%.0e%s)", bw, us, err, bad ? ", UNWRITTEN" : "");
         }
-        if (cublas && (T == F_Q4_K || T == F_Q6_K)) {
+        if (cublas) {
             const float one = 1.f, zero = 0.f;
             CK(cudaMemsetAsync(o, 0xff, outn * 4, st));
             auto gemm = [&](const u8* w) {
@@ -167,12 +169,11 @@ int main(int argc, char** argv) {
         if (one && strcmp(c.name, argv[2])) continue;
         std::vector<int> r = rows;
         if (!one && !strcmp(c.name, "head.q8")) r = {16, 64};
-        const bool cb = true;
         switch (c.fmt) {
-        case F_Q4_K: run<F_Q4_K>(c, r, blas, st, cb); break;
-        case F_Q6_K: run<F_Q6_K>(c, r, blas, st, cb); break;
-        case F_Q8_0: run<F_Q8_0>(c, r, blas, st, cb); break;
-        case F_Q5_0: run<F_Q5_0>(c, r, blas, st, cb); break;
+        case F_Q4_K: run<F_Q4_K>(c, r, blas, st); break;
+        case F_Q6_K: run<F_Q6_K>(c, r, blas, st); break;
+        case F_Q8_0: run<F_Q8_0>(c, r, blas, st); break;
+        case F_Q5_0: run<F_Q5_0>(c, r, blas, st); break;
         }
     }
     CK(cudaDeviceSynchronize());
