@@ -1347,11 +1347,13 @@ extern "C" __global__ void quantize_rows(const float* x, u8* xq, int k, int rows
 // activation byte once per block of weight rows.
 // ---------------------------------------------------------------------------------------------
 
-// d[4] = A (16 x 32 signed bytes: a0 = row g, elements 4t..; a1 = row g + 8; a2, a3 the same 16
-// elements on) times B (32 x 8 signed bytes: b0 = column g, elements 4t..; b1 16 on).
+// Not `volatile`: a product has no side effect, so the compiler may move it among the fragment
+// loads around it. d[4] = A (16 x 32 signed bytes: a0 = row g, elements 4t..; a1 = row g + 8;
+// a2, a3 the same 16 elements on) times B (32 x 8 signed bytes: b0 = column g, elements 4t..; b1
+// 16 on).
 __device__ __forceinline__ void mma_k32(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
 #if __CUDA_ARCH__ >= 800
-    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};"
                  : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
 #endif
@@ -1359,7 +1361,7 @@ __device__ __forceinline__ void mma_k32(int (&d)[4], u32 a0, u32 a1, u32 a2, u32
 // The same over 16 elements (a0 = row g, a1 = row g + 8, b0 = column g; elements 4t..).
 __device__ __forceinline__ void mma_k16(int (&d)[4], u32 a0, u32 a1, u32 b0) {
 #if __CUDA_ARCH__ >= 800
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
+    asm("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%7,%7,%7};"
                  : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
                  : "r"(a0), "r"(a1), "r"(b0), "r"(0));
 #endif
@@ -1375,6 +1377,9 @@ __device__ __forceinline__ u32 ld32(const u8* p) { return *(const u32*)p; }
 // Bytes of an activation row in a stage: hi levels 128, lo levels 128, 16 of padding (the 8 rows
 // of a fragment then start 4 banks apart: conflict-free loads).
 #define MMQ_XS 272
+// cp.async copies of 16 bytes that bring one activation row's share of a stage: 8 of hi levels,
+// 8 of lo levels, 4 of scales ({d, level sum} for its 8 16-element halves).
+#define MMQ_XUNITS 20
 
 // Per format, a weight row's share of one stage j (elements 128j..128j + 127): STRIDE bytes in
 // shared memory (4 more than a multiple of 8 words: the 8 rows of a fragment start 4 banks apart),
@@ -1434,7 +1439,9 @@ template <> struct Tile<F_Q6_K> {
     }
     static __device__ __forceinline__ void scales(const u8* r, int i, int j, const Mat& m, u64 row, float2& d, float2& mn) {
         const u32 sc = *(const u16*)(r + 96 + 2 * i);
-        const u32 dw = *(const u32*)(r + 104) >> (16 * (int)(block_of<F_Q6_K>(m, row, j >> 1) & 1));
+        // d is the high half of the word for odd blocks: block (row, j / 2) is row * (rb / 210) + j / 2.
+        const u32 odd = ((u32)row & (u32)(m.rb / Fmt<F_Q6_K>::bytes) & 1u) ^ ((u32)(j >> 1) & 1u);
+        const u32 dw = *(const u32*)(r + 104) >> (16 * odd);
         const float dd = half_u16(dw & 0xffff);
         d = make_float2(dd * (float)(i8)(sc & 0xff), dd * (float)(i8)(sc >> 8));
         mn = make_float2(32.f * d.x, 32.f * d.y);
@@ -1490,54 +1497,16 @@ template <> struct Tile<F_Q5_0> {
 // scales ({d, level sum} per 16 elements: 64 bytes a row), weight rows (`mmq_shared` in exec.rs).
 template <int T> __device__ constexpr int mmq_stage(int bw) { return MMQ_ROWS * MMQ_XS + MMQ_ROWS * 64 + bw * Tile<T>::STRIDE; }
 
-// out[r, o] (row-major, n wide) for activation rows r < rows of xq (quantize_rows' layout, k a
-// multiple of MMQ_K): block (x, y) takes activation rows 32x.. and weight rows BW y.., BW =
-// 8 NB MMQ_WARPS / KS; its warps form teams of KS that share 8 NB weight rows, each warp of a team
-// taking every KS-th sub-block of a stage, summed over the team at the end.
-template <int T, int NB, int KS>
-__device__ __forceinline__ void mmq(const Mat& m, int n, const u8* xq, int k, int rows, float* out) {
+// The stages of one `mmq` block (below): acc[jb][g] += its products over all of k. FULL: the block
+// has all 4 groups of 8 activation rows, so the group loop runs unchecked and the compiler can
+// overlap one group's shared-memory loads with another's products (the checked loop, which partial
+// blocks keep, made every block as slow as a partial one).
+template <int T, int NB, int KS, bool FULL, class CopyW, class CopyX>
+__device__ __forceinline__ void mmq_walk(float (&acc)[NB][4][2], const Mat& m, u8* sm, int steps, int groups, u64 w0,
+                                         const CopyW& copy_w, const CopyX& copy_x) {
     constexpr int BW = 8 * NB * (MMQ_WARPS / KS), XB = MMQ_ROWS * MMQ_XS, SB = MMQ_ROWS * 64, STAGE = mmq_stage<T>(BW);
-    extern __shared__ uint4 mmq_smem[];
-    u8* const sm = (u8*)mmq_smem;
     const int lane = threadIdx.x & 31, wi = threadIdx.x >> 5, gid = lane >> 2, tid = lane & 3;
-    const int team = wi / KS, part = wi % KS;
-    const int a0 = MMQ_ROWS * (int)blockIdx.x, groups = min(4, (rows - a0 + 7) / 8);
-    const u64 w0 = (u64)BW * blockIdx.y;
-    const int steps = k / MMQ_K, xrows = min(MMQ_ROWS, rows - a0), wrows = (int)min((u64)BW, (u64)n - w0);
-    const u64 xqb = xq_bytes(k);
-    auto copy_w = [&](int j) {
-        u8* dst = sm + (j % MMQ_STAGES) * STAGE + XB + SB;
-        for (int c = threadIdx.x; c < wrows * Tile<T>::UNITS; c += 32 * MMQ_WARPS)
-            Tile<T>::copy(m, w0 + c / Tile<T>::UNITS, j, dst + (c / Tile<T>::UNITS) * Tile<T>::STRIDE, c % Tile<T>::UNITS);
-    };
-    auto copy_x = [&](int j) {
-        u8* dst = sm + (j % MMQ_STAGES) * STAGE;
-        for (int c = threadIdx.x; c < xrows * 20; c += 32 * MMQ_WARPS) {
-            const int r = c / 20, u = c % 20;
-            const u8* src = xq + (u64)(a0 + r) * xqb;
-            if (u < 8)
-                cp_async16(dst + r * MMQ_XS + 16 * u, src + MMQ_K * j + 16 * u);
-            else if (u < 16)
-                cp_async16(dst + r * MMQ_XS + 16 * u, src + k + MMQ_K * j + 16 * (u - 8));
-            else
-                cp_async16(dst + XB + 64 * r + 16 * (u - 16), src + 2 * (u64)k + 64 * j + 16 * (u - 16));
-        }
-    };
-    // The weights of the first stages are asked for before waiting for the kernel before (nothing
-    // in a step writes them), the activations after.
-    for (int j = 0; j < MMQ_STAGES - 1; j++)
-        if (j < steps) copy_w(j);
-    pdl_wait();
-    for (int j = 0; j < MMQ_STAGES - 1; j++) {
-        if (j < steps) copy_x(j);
-        cp_async_commit();
-    }
-    float acc[NB][4][2];
-#pragma unroll
-    for (int jb = 0; jb < NB; jb++)
-#pragma unroll
-        for (int g = 0; g < 4; g++) acc[jb][g][0] = acc[jb][g][1] = 0.f;
-    const int wt = 8 * NB * team;
+    const int part = wi % KS, wt = 8 * NB * (wi / KS);
     for (int j = 0; j < steps; j++) {
         cp_async_wait<MMQ_STAGES - 2>();
         __syncthreads();
@@ -1563,7 +1532,7 @@ __device__ __forceinline__ void mmq(const Mat& m, int n, const u8* xq, int k, in
             }
 #pragma unroll
             for (int g = 0; g < 4; g++) {
-                if (g >= groups) break;
+                if (!FULL && g >= groups) break;
                 const u8* xr = st + (8 * g + gid) * MMQ_XS + 32 * i + 4 * tid;
                 const u32 h0 = ld32(xr), l0 = ld32(xr + MMQ_K), h1 = ld32(xr + 16), l1 = ld32(xr + MMQ_K + 16);
                 const float4 ds = xsc[4 * (8 * g + gid) + i];
@@ -1587,6 +1556,60 @@ __device__ __forceinline__ void mmq(const Mat& m, int n, const u8* xq, int k, in
             }
         }
     }
+}
+
+// out[r, o] (row-major, n wide) for activation rows r < rows of xq (quantize_rows' layout, k a
+// multiple of MMQ_K): block (x, y) takes activation rows 32x.. and weight rows BW y.., BW =
+// 8 NB MMQ_WARPS / KS; its warps form teams of KS that share 8 NB weight rows, each warp of a team
+// taking every KS-th sub-block of a stage, summed over the team at the end.
+template <int T, int NB, int KS>
+__device__ __forceinline__ void mmq(const Mat& m, int n, const u8* xq, int k, int rows, float* out) {
+    constexpr int BW = 8 * NB * (MMQ_WARPS / KS), XB = MMQ_ROWS * MMQ_XS, SB = MMQ_ROWS * 64, STAGE = mmq_stage<T>(BW);
+    extern __shared__ uint4 mmq_smem[];
+    u8* const sm = (u8*)mmq_smem;
+    const int lane = threadIdx.x & 31, wi = threadIdx.x >> 5, gid = lane >> 2, tid = lane & 3;
+    const int team = wi / KS, part = wi % KS;
+    const int a0 = MMQ_ROWS * (int)blockIdx.x, groups = min(4, (rows - a0 + 7) / 8);
+    const u64 w0 = (u64)BW * blockIdx.y;
+    const int steps = k / MMQ_K, xrows = min(MMQ_ROWS, rows - a0), wrows = (int)min((u64)BW, (u64)n - w0);
+    const u64 xqb = xq_bytes(k);
+    auto copy_w = [&](int j) {
+        u8* dst = sm + (j % MMQ_STAGES) * STAGE + XB + SB;
+        for (int c = threadIdx.x; c < wrows * Tile<T>::UNITS; c += 32 * MMQ_WARPS)
+            Tile<T>::copy(m, w0 + c / Tile<T>::UNITS, j, dst + (c / Tile<T>::UNITS) * Tile<T>::STRIDE, c % Tile<T>::UNITS);
+    };
+    auto copy_x = [&](int j) {
+        u8* dst = sm + (j % MMQ_STAGES) * STAGE;
+        for (int c = threadIdx.x; c < xrows * MMQ_XUNITS; c += 32 * MMQ_WARPS) {
+            const int r = c / MMQ_XUNITS, u = c % MMQ_XUNITS;
+            const u8* src = xq + (u64)(a0 + r) * xqb;
+            if (u < 8)
+                cp_async16(dst + r * MMQ_XS + 16 * u, src + MMQ_K * j + 16 * u);
+            else if (u < 16)
+                cp_async16(dst + r * MMQ_XS + 16 * u, src + k + MMQ_K * j + 16 * (u - 8));
+            else
+                cp_async16(dst + XB + 64 * r + 16 * (u - 16), src + 2 * (u64)k + 64 * j + 16 * (u - 16));
+        }
+    };
+    // The weights of the first stages are asked for before waiting for the kernel before (nothing
+    // in a step writes them), the activations after.
+    for (int j = 0; j < MMQ_STAGES - 1; j++)
+        if (j < steps) copy_w(j);
+    pdl_wait();
+    for (int j = 0; j < MMQ_STAGES - 1; j++) {
+        if (j < steps) copy_x(j);
+        cp_async_commit();
+    }
+    float acc[NB][4][2];
+#pragma unroll
+    for (int jb = 0; jb < NB; jb++)
+#pragma unroll
+        for (int g = 0; g < 4; g++) acc[jb][g][0] = acc[jb][g][1] = 0.f;
+    const int wt = 8 * NB * team;
+    if (groups == 4)
+        mmq_walk<T, NB, KS, true>(acc, m, sm, steps, groups, w0, copy_w, copy_x);
+    else
+        mmq_walk<T, NB, KS, false>(acc, m, sm, steps, groups, w0, copy_w, copy_x);
     if constexpr (KS > 1) {
         // The stages are free once every warp is past its last products (no copy is in flight).
         float* red = (float*)sm;
