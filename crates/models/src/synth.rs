@@ -250,6 +250,31 @@ impl FormatMix {
         GgmlType::ALL.iter().copied().filter(|t| t.can_dequantize() && *t != GgmlType::Q8_K)
     }
 
+    /// llama.cpp's `general.file_type` for this mix (`llama_ftype`; a single K-quant is its small
+    /// variant, as llama-quantize names an all-Q4_K file Q4_K_S), or `None` for a format with no
+    /// file type of its own.
+    pub fn file_type(self) -> Option<u32> {
+        Some(match self {
+            FormatMix::Q4KM => 15,
+            FormatMix::All(t) => match t {
+                GgmlType::F32 => 0,
+                GgmlType::F16 => 1,
+                GgmlType::Q4_0 => 2,
+                GgmlType::Q4_1 => 3,
+                GgmlType::Q8_0 => 7,
+                GgmlType::Q5_0 => 8,
+                GgmlType::Q5_1 => 9,
+                GgmlType::Q2_K => 10,
+                GgmlType::Q3_K => 11,
+                GgmlType::Q4_K => 14,
+                GgmlType::Q5_K => 16,
+                GgmlType::Q6_K => 18,
+                GgmlType::BF16 => 32,
+                _ => return None,
+            },
+        })
+    }
+
     /// Parses `q4_k_m` or the name of one of [`FormatMix::single_formats`] (any case).
     pub fn parse(name: &str) -> Option<FormatMix> {
         if name.eq_ignore_ascii_case("q4_k_m") {
@@ -282,6 +307,9 @@ pub fn gemma3(shape: &Gemma3Shape, mix: FormatMix, seed: u64) -> SynthModel {
     let p = "gemma3";
     m.meta.push(("general.architecture".into(), MetaValue::String(p.into())));
     m.meta.push(("general.name".into(), MetaValue::String("kiln synthetic gemma3".into())));
+    if let Some(ft) = mix.file_type() {
+        m.meta.push(("general.file_type".into(), u(ft as usize)));
+    }
     for (k, v) in [
         ("context_length", context),
         ("embedding_length", hidden),
@@ -371,5 +399,7 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert_eq!(f.tensors().len(), m.tensors.len());
         assert!(crate::config_from_gguf(&f).is_ok());
+        // llama.cpp's Q4_K_M, so llama-bench names the file as it would a released one.
+        assert_eq!(f.get_u32("general.file_type").ok(), Some(15));
     }
 }
