@@ -26,7 +26,11 @@ const ARGMAX_BLOCKS: usize = 64;
 /// kernel loaded its rows as float4 in one round trip; a streamed launch's last block, staging the
 /// row in its ring in one round trip, still cost ~15 µs more per launch: bench/RESULTS.md "issue
 /// 4m").
-const EPILOGUE_MAX: usize = 4 * 2 * 32 * MATVEC_WARPS;
+const EPILOGUE_MAX: usize = 4 * NORM_VECS * 32 * MATVEC_WARPS;
+/// Float4 vectors of the row each thread of a norm epilogue or prologue holds (`EPI_PER` and
+/// `PRO_PER` in quant.cu; 3, for the 1B's rows of 1152, made its decode 9% slower and the
+/// default model's 2%: bench/RESULTS.md "issue 4u").
+const NORM_VECS: usize = 2;
 /// Partial maxima per row of the greedy head's fused argmax (`ARGMAX_SLOTS` in quant.cu).
 const ARGMAX_SLOTS: usize = 256;
 /// Widest Q8_0 row the one-row greedy head kernel takes (`HEAD_MAX_K` in quant.cu).
@@ -62,7 +66,9 @@ const PERSISTENT_ROUNDS: usize = 16;
 /// Widest gelu-product row a gate/up launch also quantizes (its warps count the finished rows of
 /// each 32-row block; the one completing a block quantizes it); wider rows are quantized by a
 /// separate launch before the down projection (measured on an H200, see bench/RESULTS.md
-/// "issue 4h").
+/// "issue 4h"), as are those of a launch that streams its weights (`matvecr`: a synthetic 1B's
+/// 6912 rows of 1152, 11.5 µs in `matvec4` with the quantization, 8.4 µs streamed, decode 5%
+/// faster; "issue 4u").
 const GLU_QUANT_MAX: usize = 8192;
 /// Shared-memory stages of the 4-rows-per-warp matrix-vector kernels (`MV_STAGES` in quant.cu).
 const MATVEC_STAGES: usize = 3;
@@ -284,7 +290,7 @@ const PRIVATE_ROWS: usize = 3;
 /// Widest row a matrix-vector launch normalises in every block (`Op::MatVecs::pro`): each block
 /// re-reads the row and its residual, which at wider (12B) shapes costs more than the epilogue's
 /// tail.
-const PROLOGUE_MAX: usize = 1024;
+const PROLOGUE_MAX: usize = 4 * NORM_VECS * 32 * MATVEC_WARPS;
 
 /// Dynamic shared memory a norm prologue adds to a matrix-vector block (the quantized row).
 pub(crate) const PROLOGUE_SHARED: u32 = (PROLOGUE_MAX * 5 / 2) as u32;
@@ -491,7 +497,18 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> Result<Ve
                     _ => None,
                 },
                 Op::MatVecs { glu: Some(g), ref steps, .. } => match plan.steps[steps[0]].kernel {
-                    Kernel::MatMul { n, .. } if n.is_multiple_of(32) && n <= GLU_QUANT_MAX => Some((out_of(&plan.steps[g].kernel), 1)),
+                    // (A launch that streams its weights, `matvecr`: one row, no prologue, sm_90,
+                    // a ring geometry; see `matvecs`.)
+                    Kernel::MatMul { n, k, w, .. }
+                        if n.is_multiple_of(32)
+                            && n <= GLU_QUANT_MAX
+                            && !(plan.rows() == 1
+                                && pro.is_none()
+                                && arch.0 >= 9
+                                && ring_geometry(weights.matrix_ty(w)?, k, &[n, n], true, 1).is_some()) =>
+                    {
+                        Some((out_of(&plan.steps[g].kernel), 1))
+                    }
                     _ => None,
                 },
                 Op::MatVecs { epi: Some(Epilogue::Norm(t) | Epilogue::Pair(_, t)), .. } => Some((out_of(&steps[t].kernel), 0)),
@@ -2039,6 +2056,20 @@ mod tests {
     }
 
     #[test]
+    fn gemma3_decode_steps_run_the_qk_norms_and_rope_in_attention_at_every_preset_width() {
+        // The presets' attention widths (one layer, a small MLP and vocabulary): the arena must
+        // not place the attention's output or the rotated k over the values its fused q/k norms
+        // read, whatever the widths (at 1B it did before decode plans kept values 4 steps longer).
+        for name in Gemma3Shape::PRESETS {
+            let p = Gemma3Shape::preset(name).unwrap();
+            let shape = Gemma3Shape { layers: 1, ffn: 512, vocab: 1000, ..p };
+            let (_, l) = launches_of(&shape, Bucket::Decode { past: 512, seqs: 1 }, FormatMix::Q4KM);
+            assert_eq!(l.iter().filter(|l| matches!(l.op, Op::QkAttention { .. })).count(), 1, "{name}: {l:#?}");
+            assert!(l.iter().all(|l| !matches!(l.op, Op::QkNormRope(_))), "{name}");
+        }
+    }
+
+    #[test]
     fn matvec_launch_geometry_at_12b_shapes() {
         // An H200 (132 multiprocessors), one activation row, rows of 3840 (15360 for down).
         let one = |total, n, k, glu, prologue| MatVecShape { rows: 1, total, n, k, glu, prologue }.geometry(132);
@@ -2155,6 +2186,12 @@ mod tests {
         assert!(glu_quantizes(1024));
         assert!(glu_quantizes(GLU_QUANT_MAX));
         assert!(!glu_quantizes(GLU_QUANT_MAX + 256));
+        // A gate/up launch that streams its weights (rows wider than a prologue takes, 4 MB or
+        // more) leaves its products to the quantize launch: the 1B's.
+        let shape = Gemma3Shape { layers: 1, vocab: 1000, ..Gemma3Shape::preset("1b").unwrap() };
+        let (_, l) = launches_of(&shape, Bucket::Decode { past: 16, seqs: 1 }, FormatMix::Q4KM);
+        let glu = l.iter().position(|l| matches!(l.op, Op::MatVecs { glu: Some(_), pro: None, .. })).expect("a gate/up launch");
+        assert_eq!((l[glu].quant_out, l[glu + 1].xq_in), (None, None), "{l:#?}");
     }
 
     #[test]

@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use kiln_ir::{Graph, NodeId, Op};
+use kiln_ir::{Bucket, Graph, NodeId, Op};
 
 use crate::plan::{Kernel, Plan, PlanInput, PlanOutput, Rows, Slot, Step};
 use crate::{RuntimeError, WeightId, WeightStore};
@@ -107,6 +107,13 @@ fn row_kinds(graph: &Graph) -> Vec<Rows> {
     }
     rows
 }
+
+/// Steps after its last reader during which a decode plan keeps a value's words (its activations
+/// are a few rows, so this costs the arena little): no step writes where a value read up to this
+/// many steps before lies, so a backend may run up to this many + 1 consecutive steps as one
+/// kernel (the CUDA decode step runs the q/k norms, their RoPE and attention, five steps, as one)
+/// whatever the arena's layout. Prefill plans reuse words at once (their activations are large).
+const DECODE_REUSE_DISTANCE: usize = 4;
 
 struct Buffer {
     words: usize,
@@ -306,9 +313,15 @@ impl Lowering<'_> {
         }
     }
 
-    /// Extends output lifetimes to the end, plans offsets, and resolves placeholders.
+    /// Extends output lifetimes to the end (and, in decode plans, every lifetime by
+    /// `DECODE_REUSE_DISTANCE`), plans offsets, and resolves placeholders.
     fn finish(mut self) -> Result<Plan, RuntimeError> {
         let end = self.steps.len();
+        if matches!(self.graph.bucket(), Bucket::Decode { .. }) {
+            for b in &mut self.buffers {
+                b.last += DECODE_REUSE_DISTANCE;
+            }
+        }
         let mut outputs = Vec::new();
         for (name, id) in self.graph.outputs() {
             let b = *self.value_buf.get(id).ok_or_else(|| RuntimeError::Compile(format!("output '{name}' is never computed")))?;

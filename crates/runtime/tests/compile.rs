@@ -377,6 +377,31 @@ fn a_chain_reuses_arena_memory() {
 }
 
 #[test]
+fn a_decode_chain_keeps_each_value_four_steps_past_its_last_reader() {
+    // The same chain as a one-row decode step: no step writes over what any of the 4 steps
+    // before it (or itself) read, so a backend may fuse 5 consecutive steps.
+    let mut b = GraphBuilder::new(Bucket::Decode { past: 8, seqs: 1 });
+    let tokens = b.input("tokens", DType::I32);
+    let emb = b.weight("emb", &[VOCAB, D]);
+    let w = b.weight("w", &[D, D]);
+    let mut x = b.embed(emb, tokens, 1.0);
+    for _ in 0..6 {
+        x = b.matmul(x, w);
+    }
+    b.output("hidden", x);
+    let plan = compile(&b.finish().unwrap(), &f32_store(&[("emb", &[VOCAB, D]), ("w", &[D, D])])).unwrap();
+    let overlap = |a: Slot, b: Slot| a.offset < b.offset + b.len && b.offset < a.offset + a.len;
+    for (j, st) in plan.steps.iter().enumerate() {
+        for earlier in &plan.steps[j.saturating_sub(4)..=j] {
+            for r in earlier.kernel.reads() {
+                assert!(!overlap(st.kernel.out(), r), "step {j} writes {:?} over {r:?}", st.kernel.out());
+            }
+        }
+    }
+    check_arena(&plan);
+}
+
+#[test]
 fn a_missing_weight_is_named() {
     let store = f32_store(&[("emb", &[VOCAB, D]), ("gate", &[FF, D]), ("up", &[FF, D]), ("norm", &[D])]);
     let err = compile(&fused_graph(), &store).unwrap_err();
