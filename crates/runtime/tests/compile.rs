@@ -354,10 +354,9 @@ fn lowers_bias_silu_soft_capping_and_scaled_rope() {
     check_arena(&plan);
 }
 
-#[test]
-fn a_chain_reuses_arena_memory() {
-    // tokens -> embed -> six matmuls: at most two activations are live at any step.
-    let mut b = GraphBuilder::new(Bucket::Prefill { rows: ROWS, seqs: 1 });
+/// tokens -> embed -> six matmuls, as a graph of `bucket`, and its plan.
+fn chain(bucket: Bucket) -> (Graph, Plan) {
+    let mut b = GraphBuilder::new(bucket);
     let tokens = b.input("tokens", DType::I32);
     let emb = b.weight("emb", &[VOCAB, D]);
     let w = b.weight("w", &[D, D]);
@@ -368,6 +367,13 @@ fn a_chain_reuses_arena_memory() {
     b.output("hidden", x);
     let graph = b.finish().unwrap();
     let plan = compile(&graph, &f32_store(&[("emb", &[VOCAB, D]), ("w", &[D, D])])).unwrap();
+    (graph, plan)
+}
+
+#[test]
+fn a_chain_reuses_arena_memory() {
+    // At most two activations are live at any step of a prompt's chain.
+    let (graph, plan) = chain(Bucket::Prefill { rows: ROWS, seqs: 1 });
     assert_eq!(plan.steps.len(), 7);
     let sum: usize = graph.nodes().iter().filter(|n| !matches!(n.op, kiln_ir::Op::Weight { .. })).map(|n| n.numel()).sum();
     assert_eq!(sum, ROWS + 7 * ROWS * D);
@@ -378,18 +384,9 @@ fn a_chain_reuses_arena_memory() {
 
 #[test]
 fn a_decode_chain_keeps_each_value_four_steps_past_its_last_reader() {
-    // The same chain as a one-row decode step: no step writes over what any of the 4 steps
-    // before it (or itself) read, so a backend may fuse 5 consecutive steps.
-    let mut b = GraphBuilder::new(Bucket::Decode { past: 8, seqs: 1 });
-    let tokens = b.input("tokens", DType::I32);
-    let emb = b.weight("emb", &[VOCAB, D]);
-    let w = b.weight("w", &[D, D]);
-    let mut x = b.embed(emb, tokens, 1.0);
-    for _ in 0..6 {
-        x = b.matmul(x, w);
-    }
-    b.output("hidden", x);
-    let plan = compile(&b.finish().unwrap(), &f32_store(&[("emb", &[VOCAB, D]), ("w", &[D, D])])).unwrap();
+    // The chain as a one-row decode step: no step writes over what any of the 4 steps before it
+    // (or itself) read, so a backend may fuse 5 consecutive steps.
+    let (_, plan) = chain(Bucket::Decode { past: 8, seqs: 1 });
     let overlap = |a: Slot, b: Slot| a.offset < b.offset + b.len && b.offset < a.offset + a.len;
     for (j, st) in plan.steps.iter().enumerate() {
         for earlier in &plan.steps[j.saturating_sub(4)..=j] {
