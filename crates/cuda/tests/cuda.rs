@@ -243,8 +243,21 @@ fn batched_steps_match_each_sequence_alone() {
     }
 }
 
+/// Batched steps at widths whose products of 4-8 rows take the matrix-vector kernels (rows over
+/// 2048 wide, as at 4B and 12B), not `mmq`: 7 sequences run as a step of 8 rows.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+fn batched_steps_of_wide_rows_match_each_sequence_alone() {
+    let shape = Gemma3Shape { hidden: 2304, layers: 2, q_heads: 8, kv_heads: 4, head_dim: 256, ffn: 4608, ..small_shape() };
+    batched_steps_match_shape(cuda(), &shape, &[5, 11, 2, 9, 4, 6, 3]);
+}
+
 fn batched_steps_match(backend: Arc<CudaBackend>, lengths: &[usize]) {
-    let m = gemma3(&small_shape(), FormatMix::Q4KM, 13);
+    batched_steps_match_shape(backend, &small_shape(), lengths)
+}
+
+fn batched_steps_match_shape(backend: Arc<CudaBackend>, shape: &Gemma3Shape, lengths: &[usize]) {
+    let m = gemma3(shape, FormatMix::Q4KM, 13);
     assert_eq!(backend.batches_from(), 4);
     let (c, g) = (load(&m, cpu()), load(&m, backend));
     let prompts: Vec<Vec<u32>> = lengths.iter().enumerate().map(|(i, &n)| prompt(n + 3 * i, 1000 - 37 * i)).collect();
