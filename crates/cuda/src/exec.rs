@@ -29,7 +29,7 @@ const ARGMAX_BLOCKS: usize = 64;
 const EPILOGUE_MAX: usize = 4 * NORM_VECS * 32 * MATVEC_WARPS;
 /// Float4 vectors of the row each thread of a norm epilogue or prologue holds (`EPI_PER` and
 /// `PRO_PER` in quant.cu; 3, for the 1B's rows of 1152, made its decode 9% slower and the
-/// default model's 2%: bench/RESULTS.md "issue 4u").
+/// 270M's 2%: bench/RESULTS.md "issue 4u").
 const NORM_VECS: usize = 2;
 /// Partial maxima per row of the greedy head's fused argmax (`ARGMAX_SLOTS` in quant.cu).
 const ARGMAX_SLOTS: usize = 256;
@@ -160,6 +160,13 @@ fn ring_geometry(ty: GgmlType, k: usize, rows_of: &[usize], glu: bool, sms: usiz
     let stages = (ring_shared(rows) / (rows * row_bytes)).min(RING_MAX_STAGES);
     let warps = ring_warps(rows);
     Some(RingGeometry { rows, warps, stages, blocks: tiles.min(RING_WARPS_PER_SM / warps * sms) })
+}
+
+/// The `matvecr` geometry of a launch (see `ring_geometry`) if it streams its weights through
+/// shared memory: `plain` (one activation row, nothing fused into it: no norm prologue or epilogue,
+/// no glu quantization) and bulk copies (sm_90 and later).
+fn streamed(ty: GgmlType, k: usize, rows_of: &[usize], glu: bool, plain: bool, arch: (i32, i32), sms: usize) -> Option<RingGeometry> {
+    (plain && arch.0 >= 9).then(|| ring_geometry(ty, k, rows_of, glu, sms)).flatten()
 }
 
 /// Formats with `mmq{tile}_<fmt>` kernels (`KILN_MMQ` in quant.cu): integer tensor-core products
@@ -497,15 +504,11 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> Result<Ve
                     _ => None,
                 },
                 Op::MatVecs { glu: Some(g), ref steps, .. } => match plan.steps[steps[0]].kernel {
-                    // (A launch that streams its weights, `matvecr`: one row, no prologue, sm_90,
-                    // a ring geometry; see `matvecs`.)
+                    // (Unless the launch would stream its weights without the quantization.)
                     Kernel::MatMul { n, k, w, .. }
                         if n.is_multiple_of(32)
                             && n <= GLU_QUANT_MAX
-                            && !(plan.rows() == 1
-                                && pro.is_none()
-                                && arch.0 >= 9
-                                && ring_geometry(weights.matrix_ty(w)?, k, &[n, n], true, 1).is_some()) =>
+                            && streamed(weights.matrix_ty(w)?, k, &[n, n], true, plan.rows() == 1 && pro.is_none(), arch, 1).is_none() =>
                     {
                         Some((out_of(&plan.steps[g].kernel), 1))
                     }
@@ -1418,10 +1421,9 @@ impl CudaExecutable {
         args.extend((0..3).map(|i| Arg::U64(a.mats.get(i).map_or(0, |m| m.1))));
         args.extend([Arg::U64(a.glu), Arg::U64(a.xq), Arg::I32(m.k as i32)]);
         // One-row launches without fused norms or glu quantization stream their weights through
-        // shared memory (bulk copies: sm_90 and later).
-        let ring = (a.rows == 1 && a.px == 0 && a.epi.is_none() && a.gq == 0 && self.device.arch.0 >= 9)
-            .then(|| ring_geometry(m.ty, m.k, &rows_of, a.glu != 0, self.device.sms as usize))
-            .flatten();
+        // shared memory.
+        let plain = a.rows == 1 && a.px == 0 && a.epi.is_none() && a.gq == 0;
+        let ring = streamed(m.ty, m.k, &rows_of, a.glu != 0, plain, self.device.arch, self.device.sms as usize);
         if let Some(RingGeometry { rows, warps, stages, blocks }) = ring {
             args.extend([Arg::I32(stages as i32), Arg::U64(sync), Arg::U64(a.argmax), Arg::U64(sync + SYNC_ARGMAX)]);
             let shared = (stages * rows * m.row_bytes) as u32;

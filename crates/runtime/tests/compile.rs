@@ -387,7 +387,6 @@ fn a_decode_chain_keeps_each_value_four_steps_past_its_last_reader() {
     // The chain as a one-row decode step: no step writes over what any of the 4 steps before it
     // (or itself) read, so a backend may fuse 5 consecutive steps.
     let (_, plan) = chain(Bucket::Decode { past: 8, seqs: 1 });
-    let overlap = |a: Slot, b: Slot| a.offset < b.offset + b.len && b.offset < a.offset + a.len;
     for (j, st) in plan.steps.iter().enumerate() {
         for earlier in &plan.steps[j.saturating_sub(4)..=j] {
             for r in earlier.kernel.reads() {
