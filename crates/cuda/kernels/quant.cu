@@ -244,7 +244,9 @@ template <> __device__ __forceinline__ void sub32<F_Q6_K>(const Mat& m, u64 r, i
 // shapes: the Q6_K head 359 -> 326 us, down 20.0 -> 19.1 us without it; bench/RESULTS.md "issue
 // 4h"). `dot` (given the chunk index c) turns the bytes into integer levels and returns the dot
 // product with the chunk's quantized activations (integer dp4a products, one float scale per
-// group). The generic chunk is a sub-block decoded by sub32.
+// group). `decode` does the first half alone (a `Dec`: levels and scales) and `dot` of a `Dec` the
+// second, so that a chunk multiplied by several activation rows is decoded once. The generic
+// chunk is a sub-block decoded by sub32.
 // Formats with NP > 0 can also be staged through shared memory: `stage` issues asynchronous copies
 // of a chunk's bytes (NP 16-byte pieces; the lane's piece p at dst[32 p]) and `unstage` reads them
 // back as the Raw that `load` would have returned (the matrix-vector loop keeps several chunks in
@@ -298,9 +300,18 @@ template <int T> struct Chunk {
     };
     static __device__ __forceinline__ int xoff(int c, int g) { return 32 * c + 16 * g; }
     static __device__ __forceinline__ Raw load(const Mat& m, u64 row, int c) { return Raw{row, c}; }
-    static __device__ __forceinline__ float dot(const Mat& m, const Raw& r, int, const XGroup* x) {
-        float v[32], s = 0.f;
-        sub32<T>(m, r.row, r.c, v);
+    struct Dec {
+        float v[32];
+    };
+    static __device__ __forceinline__ Dec decode(const Mat& m, const Raw& r, int) {
+        Dec e;
+        sub32<T>(m, r.row, r.c, e.v);
+        return e;
+    }
+    static __device__ __forceinline__ float dot(const Mat& m, const Raw& r, int c, const XGroup* x) { return dot(decode(m, r, c), x); }
+    static __device__ __forceinline__ float dot(const Dec& e, const XGroup* x) {
+        const float* v = e.v;
+        float s = 0.f;
 #pragma unroll
         for (int g = 0; g < 2; g++) {
             u32 hi[4] = {x[g].hi.x, x[g].hi.y, x[g].hi.z, x[g].hi.w}, lo[4] = {x[g].lo.x, x[g].lo.y, x[g].lo.z, x[g].lo.w};
@@ -328,9 +339,16 @@ template <> struct Chunk<F_Q8_0> {
         const uint4* q = (const uint4*)(m.w + 32 * g);
         return Raw{q[0], q[1], *(const u16*)(m.w + 32 * m.nblk + 2 * g)};
     }
-    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, int, const XGroup* x) {
-        u32 a[4] = {r.a.x, r.a.y, r.a.z, r.a.w}, b[4] = {r.b.x, r.b.y, r.b.z, r.b.w};
-        return half_u16(r.d) * x[0].d * (float)(dotq16(a, x[0]) + dotq16(b, x[1]));
+    struct Dec {
+        u32 a[4], b[4];
+        float d;
+    };
+    static __device__ __forceinline__ Dec decode(const Mat&, const Raw& r, int) {
+        return Dec{{r.a.x, r.a.y, r.a.z, r.a.w}, {r.b.x, r.b.y, r.b.z, r.b.w}, half_u16(r.d)};
+    }
+    static __device__ __forceinline__ float dot(const Mat& m, const Raw& r, int c, const XGroup* x) { return dot(decode(m, r, c), x); }
+    static __device__ __forceinline__ float dot(const Dec& e, const XGroup* x) {
+        return e.d * x[0].d * (float)(dotq16(e.a, x[0]) + dotq16(e.b, x[1]));
     }
 };
 
@@ -360,20 +378,39 @@ template <> struct Chunk<F_Q5_0> {
         const u32* p = (const u32*)(src + 32);
         return Raw{src[0], p[0], ((const u16*)(p + 1))[g & 1]};
     }
+    // Group g's 16 levels (q: the chunk's level words).
+    static __device__ __forceinline__ void levels(const Raw& r, const u32* q, int g, u32* w) {
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+            u32 nib = g ? (q[t] >> 4) & 0x0f0f0f0fu : q[t] & 0x0f0f0f0fu;
+            w[t] = nib | (spread4(r.h >> (16 * g + 4 * t)) << 4);
+        }
+    }
     static __device__ __forceinline__ float dot(const Mat&, const Raw& r, int, const XGroup* x) {
         u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
         int s = 0;
 #pragma unroll
         for (int g = 0; g < 2; g++) {
             u32 w[4];
-#pragma unroll
-            for (int t = 0; t < 4; t++) {
-                u32 nib = g ? (q[t] >> 4) & 0x0f0f0f0fu : q[t] & 0x0f0f0f0fu;
-                w[t] = nib | (spread4(r.h >> (16 * g + 4 * t)) << 4);
-            }
+            levels(r, q, g, w);
             s += dotq16(w, x[g]) - 16 * x[g].s;
         }
         return half_u16(r.d) * x[0].d * (float)s;
+    }
+    struct Dec {
+        u32 w[2][4];
+        float d;
+    };
+    static __device__ __forceinline__ Dec decode(const Mat&, const Raw& r, int) {
+        u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+        Dec e;
+        levels(r, q, 0, e.w[0]);
+        levels(r, q, 1, e.w[1]);
+        e.d = half_u16(r.d);
+        return e;
+    }
+    static __device__ __forceinline__ float dot(const Dec& e, const XGroup* x) {
+        return e.d * x[0].d * (float)(dotq16(e.w[0], x[0]) - 16 * x[0].s + dotq16(e.w[1], x[1]) - 16 * x[1].s);
     }
 };
 
@@ -405,6 +442,32 @@ template <> struct Chunk<F_Q4_K> {
         int j = (c & 7) >> 1;
         return Raw{*(const uint4*)b, *(const uint4*)(b + 16 + 32 * j + 16 * (c & 1))};
     }
+    // The chunk's levels, its two sub-blocks' 6-bit scales and minima (a byte each) and d, dmin.
+    struct Dec {
+        u32 w[2][4];
+        u32 sc2, mn2;
+        float d, dmin;
+    };
+    // Group g's 16 levels (q: the chunk's level words).
+    static __device__ __forceinline__ void levels(const u32* q, int g, u32* w) {
+#pragma unroll
+        for (int t = 0; t < 4; t++) w[t] = g ? (q[t] >> 4) & 0x0f0f0f0fu : q[t] & 0x0f0f0f0fu;
+    }
+    static __device__ __forceinline__ Dec decode(const Mat&, const Raw& r, int c) {
+        Dec e;
+        u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+        q4k_pair_scales(r.hdr, (c & 7) >> 1, &e.sc2, &e.mn2);
+        levels(q, 0, e.w[0]);
+        levels(q, 1, e.w[1]);
+        e.d = half_u16(r.hdr.x & 0xffff);
+        e.dmin = half_u16(r.hdr.x >> 16);
+        return e;
+    }
+    // Group g's part of a chunk's product: levels w, the scales and minima of the chunk's sub-blocks.
+    static __device__ __forceinline__ float group(const XGroup& x, int g, const u32* w, u32 sc2, u32 mn2, float d, float dmin) {
+        int sc = (int)((sc2 >> (8 * g)) & 0xff), mn = (int)((mn2 >> (8 * g)) & 0xff);
+        return x.d * (d * (float)(sc * dotq16(w, x)) - dmin * (float)(mn * x.s));
+    }
     static __device__ __forceinline__ float dot(const Mat&, const Raw& r, int c, const XGroup* x) {
         float d = half_u16(r.hdr.x & 0xffff), dmin = half_u16(r.hdr.x >> 16);
         u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w}, sc2, mn2;
@@ -412,13 +475,14 @@ template <> struct Chunk<F_Q4_K> {
         float s = 0.f;
 #pragma unroll
         for (int g = 0; g < 2; g++) {
-            int sc = (int)((sc2 >> (8 * g)) & 0xff), mn = (int)((mn2 >> (8 * g)) & 0xff);
             u32 w[4];
-#pragma unroll
-            for (int t = 0; t < 4; t++) w[t] = g ? (q[t] >> 4) & 0x0f0f0f0fu : q[t] & 0x0f0f0f0fu;
-            s += x[g].d * (d * (float)(sc * dotq16(w, x[g])) - dmin * (float)(mn * x[g].s));
+            levels(q, g, w);
+            s += group(x[g], g, w, sc2, mn2, d, dmin);
         }
         return s;
+    }
+    static __device__ __forceinline__ float dot(const Dec& e, const XGroup* x) {
+        return group(x[0], 0, e.w[0], e.sc2, e.mn2, e.d, e.dmin) + group(x[1], 1, e.w[1], e.sc2, e.mn2, e.d, e.dmin);
     }
 };
 
@@ -444,6 +508,17 @@ template <> struct Chunk<F_Q6_K> {
         return Raw{*(const uint4*)(m.w + 128 * g + 64 * n + 32 * a + 16 * t), *(const uint4*)(m.w + 128 * m.nblk + 64 * g + 32 * n + 16 * t),
                    *(const uint2*)(m.w + 192 * m.nblk + 16 * g + 8 * n), *(const u16*)(m.w + 208 * m.nblk + 2 * g)};
     }
+    // Group g's 16 levels (l, h: the chunk's low and high bit words; a: its ql region).
+    static __device__ __forceinline__ void levels(const u32* l, const u32* h, int a, int g, u32* w) {
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+            // The 2 high bits (bits 2a + 4g.. of each qh byte) moved straight to bits 4-5 and
+            // merged under the nibbles' mask (3 operations a word for g = 0, 4 for g = 1: the
+            // streamed loop ~85 -> ~77 instructions per chunk and row; 12B decode 331 -> 333).
+            u32 hb = (g ? h[t] >> (2 * a) : h[t] << (4 - 2 * a)) & 0x30303030u;
+            w[t] = ((g ? l[t] >> 4 : l[t]) & 0x0f0f0f0fu) | hb;
+        }
+    }
     static __device__ __forceinline__ float dot(const Mat&, const Raw& r, int c, const XGroup* x) {
         int a = (c >> 1) & 1, sh = 8 * (c & 3);
         float d = half_u16(r.d), s0 = d * (float)(i8)(r.sc.x >> sh), s1 = d * (float)(i8)(r.sc.y >> sh);
@@ -452,17 +527,29 @@ template <> struct Chunk<F_Q6_K> {
 #pragma unroll
         for (int g = 0; g < 2; g++) {
             u32 w[4];
-#pragma unroll
-            for (int t = 0; t < 4; t++) {
-                // The 2 high bits (bits 2a + 4g.. of each qh byte) moved straight to bits 4-5 and
-                // merged under the nibbles' mask (3 operations a word for g = 0, 4 for g = 1: the
-                // streamed loop ~85 -> ~77 instructions per chunk and row; 12B decode 331 -> 333).
-                u32 hb = (g ? h[t] >> (2 * a) : h[t] << (4 - 2 * a)) & 0x30303030u;
-                w[t] = ((g ? l[t] >> 4 : l[t]) & 0x0f0f0f0fu) | hb;
-            }
+            levels(l, h, a, g, w);
             s[g] = dotq16(w, x[g]) - 32 * x[g].s;
         }
         return s0 * x[0].d * (float)s[0] + s1 * x[1].d * (float)s[1];
+    }
+    // The chunk's levels and its two 16-element groups' scales (d times the 8-bit scale).
+    struct Dec {
+        u32 w[2][4];
+        float s0, s1;
+    };
+    static __device__ __forceinline__ Dec decode(const Mat&, const Raw& r, int c) {
+        int a = (c >> 1) & 1, sh = 8 * (c & 3);
+        float d = half_u16(r.d);
+        u32 h[4] = {r.h.x, r.h.y, r.h.z, r.h.w}, l[4] = {r.l.x, r.l.y, r.l.z, r.l.w};
+        Dec e;
+        e.s0 = d * (float)(i8)(r.sc.x >> sh);
+        e.s1 = d * (float)(i8)(r.sc.y >> sh);
+        levels(l, h, a, 0, e.w[0]);
+        levels(l, h, a, 1, e.w[1]);
+        return e;
+    }
+    static __device__ __forceinline__ float dot(const Dec& e, const XGroup* x) {
+        return e.s0 * x[0].d * (float)(dotq16(e.w[0], x[0]) - 32 * x[0].s) + e.s1 * x[1].d * (float)(dotq16(e.w[1], x[1]) - 32 * x[1].s);
     }
 };
 
@@ -905,14 +992,30 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
                     for (int rr = 0; rr < R; rr++)
                         if (mi[rr] >= 0) raw[rr] = Chunk<T>::load(mr[rr], ri[rr], c);
                 }
-#pragma unroll
-                for (int r = 0; r < ROWS; r++) {
-                    if (r < rows) {
-                        const u8* xr = xq + r * xqb;
-                        XGroup xg[2] = {xgroup(xr, k, Chunk<T>::xoff(c, 0)), xgroup(xr, k, Chunk<T>::xoff(c, 1))};
+                if constexpr (ROWS == 1) {
+                    if (rows > 0) {
+                        XGroup xg[2] = {xgroup(xq, k, Chunk<T>::xoff(c, 0)), xgroup(xq, k, Chunk<T>::xoff(c, 1))};
 #pragma unroll
                         for (int rr = 0; rr < R; rr++)
-                            if (mi[rr] >= 0) acc[r][rr] += Chunk<T>::dot(mr[rr], raw[rr], c, xg);
+                            if (mi[rr] >= 0) acc[0][rr] += Chunk<T>::dot(mr[rr], raw[rr], c, xg);
+                    }
+                } else {
+                    // Each weight row's chunk is decoded once for all activation rows (it was
+                    // decoded again for each row behind the rows' branches: on an H200, synthetic
+                    // 12B, 8 sequences 418 -> 449 tokens/s; bench/RESULTS.md "issue 4v").
+                    typename Chunk<T>::Dec dec[R];
+#pragma unroll
+                    for (int rr = 0; rr < R; rr++)
+                        if (mi[rr] >= 0) dec[rr] = Chunk<T>::decode(mr[rr], raw[rr], c);
+#pragma unroll
+                    for (int r = 0; r < ROWS; r++) {
+                        if (r < rows) {
+                            const u8* xr = xq + r * xqb;
+                            XGroup xg[2] = {xgroup(xr, k, Chunk<T>::xoff(c, 0)), xgroup(xr, k, Chunk<T>::xoff(c, 1))};
+#pragma unroll
+                            for (int rr = 0; rr < R; rr++)
+                                if (mi[rr] >= 0) acc[r][rr] += Chunk<T>::dot(dec[rr], xg);
+                        }
                     }
                 }
             }
