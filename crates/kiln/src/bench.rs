@@ -82,30 +82,6 @@ fn mean_std(v: &[f64]) -> (f64, f64) {
     (mean, var.sqrt())
 }
 
-/// llama.cpp's name for `general.file_type`.
-fn file_type_name(ftype: u32) -> String {
-    match ftype {
-        0 => "all F32".into(),
-        1 => "F16".into(),
-        2 => "Q4_0".into(),
-        3 => "Q4_1".into(),
-        7 => "Q8_0".into(),
-        8 => "Q5_0".into(),
-        9 => "Q5_1".into(),
-        10 => "Q2_K - Medium".into(),
-        11 => "Q3_K - Small".into(),
-        12 => "Q3_K - Medium".into(),
-        13 => "Q3_K - Large".into(),
-        14 => "Q4_K - Small".into(),
-        15 => "Q4_K - Medium".into(),
-        16 => "Q5_K - Small".into(),
-        17 => "Q5_K - Medium".into(),
-        18 => "Q6_K".into(),
-        32 => "BF16".into(),
-        n => format!("file type {n}"),
-    }
-}
-
 /// UTC time as ISO 8601 (`2026-01-31T12:34:56Z`), as llama-bench's `test_time`.
 fn iso8601_now() -> String {
     let secs = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
@@ -147,7 +123,10 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let n_params: u64 = file.tensors().iter().map(|t| t.n_elements()).sum();
     let arch = file.architecture().unwrap_or("unknown").to_string();
     let size_label = file.get_str("general.size_label").map(|s| format!(" {s}")).unwrap_or_default();
-    let ftype = file.get_u32("general.file_type").map(|f| format!(" {}", file_type_name(f))).unwrap_or_default();
+    let ftype = file
+        .get_u32("general.file_type")
+        .map(|f| kiln_quant::file_type_name(f).map_or_else(|| format!(" file type {f}"), |n| format!(" {n}")))
+        .unwrap_or_default();
     let model_type = format!("{arch}{size_label}{ftype}");
     let model_filename = a
         .model

@@ -254,25 +254,10 @@ impl FormatMix {
     /// variant, as llama-quantize names an all-Q4_K file Q4_K_S), or `None` for a format with no
     /// file type of its own.
     pub fn file_type(self) -> Option<u32> {
-        Some(match self {
-            FormatMix::Q4KM => 15,
-            FormatMix::All(t) => match t {
-                GgmlType::F32 => 0,
-                GgmlType::F16 => 1,
-                GgmlType::Q4_0 => 2,
-                GgmlType::Q4_1 => 3,
-                GgmlType::Q8_0 => 7,
-                GgmlType::Q5_0 => 8,
-                GgmlType::Q5_1 => 9,
-                GgmlType::Q2_K => 10,
-                GgmlType::Q3_K => 11,
-                GgmlType::Q4_K => 14,
-                GgmlType::Q5_K => 16,
-                GgmlType::Q6_K => 18,
-                GgmlType::BF16 => 32,
-                _ => return None,
-            },
-        })
+        match self {
+            FormatMix::Q4KM => kiln_quant::file_type_named("Q4_K - Medium"),
+            FormatMix::All(t) => kiln_quant::file_type_of(t),
+        }
     }
 
     /// Parses `q4_k_m` or the name of one of [`FormatMix::single_formats`] (any case).

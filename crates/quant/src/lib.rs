@@ -2,15 +2,18 @@
 //! (as ggml's `dequantize_row_*`), and simple round-to-nearest quantizers.
 //!
 //! Dequantization is supported for F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants
-//! Q2_K..Q8_K; every other ggml type is known (ids and sizes) but has no codec.
+//! Q2_K..Q8_K; every other ggml type is known (ids and sizes) but has no codec. Also llama.cpp's
+//! file types (which mix of formats a file is in), by number and name.
 
 mod block;
+mod file_type;
 mod half;
 mod kquants;
 mod legacy;
 mod simple;
 mod types;
 
+pub use file_type::{file_type_name, file_type_named, file_type_of};
 pub use half::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 pub use kquants::{unpack_q3_scales, unpack_scale_min_k4};
 pub use types::GgmlType;
