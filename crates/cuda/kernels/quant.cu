@@ -245,8 +245,10 @@ template <> __device__ __forceinline__ void sub32<F_Q6_K>(const Mat& m, u64 r, i
 // 4h"). `dot` (given the chunk index c) turns the bytes into integer levels and returns the dot
 // product with the chunk's quantized activations (integer dp4a products, one float scale per
 // group). `decode` does the first half alone (a `Dec`: levels and scales) and `dot` of a `Dec` the
-// second, so that a chunk multiplied by several activation rows is decoded once. The generic
-// chunk is a sub-block decoded by sub32.
+// second, so that a chunk multiplied by several activation rows is decoded once. Q5_0, Q4_K and
+// Q6_K keep the one-row `dot` as it was tuned, each group's levels decoded next to its products
+// (composed from `decode`, the one-row kernels compiled to other code); their per-group helpers
+// serve both. The generic chunk is a sub-block decoded by sub32.
 // Formats with NP > 0 can also be staged through shared memory: `stage` issues asynchronous copies
 // of a chunk's bytes (NP 16-byte pieces; the lane's piece p at dst[32 p]) and `unstage` reads them
 // back as the Raw that `load` would have returned (the matrix-vector loop keeps several chunks in
@@ -992,6 +994,8 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
                     for (int rr = 0; rr < R; rr++)
                         if (mi[rr] >= 0) raw[rr] = Chunk<T>::load(mr[rr], ri[rr], c);
                 }
+                // (One activation row: each row's chunk is decoded next to its product; decoding
+                // all R first held them all in registers, and matvec4 spilled for several formats.)
                 if constexpr (ROWS == 1) {
                     if (rows > 0) {
                         XGroup xg[2] = {xgroup(xq, k, Chunk<T>::xoff(c, 0)), xgroup(xq, k, Chunk<T>::xoff(c, 1))};

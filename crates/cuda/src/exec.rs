@@ -504,7 +504,8 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> Result<Ve
                     _ => None,
                 },
                 Op::MatVecs { glu: Some(g), ref steps, .. } => match plan.steps[steps[0]].kernel {
-                    // (Unless the launch would stream its weights without the quantization.)
+                    // (Unless the launch would stream its weights without the quantization; the
+                    // multiprocessor count only sizes a streamed grid, so 1 serves.)
                     Kernel::MatMul { n, k, w, .. }
                         if n.is_multiple_of(32)
                             && n <= GLU_QUANT_MAX
