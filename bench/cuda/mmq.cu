@@ -1,5 +1,6 @@
 // Tensor-core products of many activation rows at Gemma 3 12B and 270M shapes: kiln's `mmq` in
-// each block size (128, 64, 32, 8 weight rows), and cuBLAS's SGEMM on the dequantized weight
+// each block size (128, 64, 32, 8 weight rows; for at most 8 activation rows also the blocks of 8
+// activation rows, `mmqf`: 128, 64, 32, 16 weight rows), and cuBLAS's SGEMM on the dequantized weight
 // (exec.rs's path for the formats without `mmq`), each checked against kiln's one-warp-per-row
 // product (relative L2 of the whole output, every element written) and timed (median of 7 runs of
 // 5 launches, weights rotated over copies so that L2 does not hold them).
@@ -33,27 +34,36 @@ template <int T> static void ref_rows(const u8* w, u64 rb, int n, const u8* xq, 
 }
 
 typedef void (*MmqFn)(const u8*, u64, u64, int, const u8*, int, int, float*);
-template <int T> static MmqFn mmq_fn(int bw) {
-#define TILES(NAME, F)                        \
-    if (T == F) {                             \
-        if (bw == 128) return mmq128_##NAME;  \
-        if (bw == 64) return mmq64_##NAME;    \
-        if (bw == 32) return mmq32_##NAME;    \
-        return mmq8_##NAME;                   \
+// few: the blocks of 8 activation rows (mmqf{bw}), else of 32 (mmq{bw}).
+template <int T> static MmqFn mmq_fn(bool few, int bw) {
+#define TILES(NAME, F)                                \
+    if (T == F) {                                     \
+        if (few) {                                    \
+            if (bw == 128) return mmqf128_##NAME;     \
+            if (bw == 64) return mmqf64_##NAME;       \
+            if (bw == 32) return mmqf32_##NAME;       \
+            return mmqf16_##NAME;                     \
+        }                                             \
+        if (bw == 128) return mmq128_##NAME;          \
+        if (bw == 64) return mmq64_##NAME;            \
+        if (bw == 32) return mmq32_##NAME;            \
+        return mmq8_##NAME;                           \
     }
     TILES(q4_k, F_Q4_K) TILES(q6_k, F_Q6_K) TILES(q8_0, F_Q8_0) TILES(q5_0, F_Q5_0)
 #undef TILES
     return nullptr;
 }
-template <int T> static void mmq_tile(int bw, const u8* w, u64 rb, u64 nb, int n, const u8* xq, int k, int rows, float* out, cudaStream_t st) {
-    MmqFn f = mmq_fn<T>(bw);
-    int smem = MMQ_STAGES * mmq_stage<T>(bw);
-    static bool set[4][129];
-    if (!set[T % 4][bw]) {
+template <int T> static void mmq_tile(bool few, int bw, const u8* w, u64 rb, u64 nb, int n, const u8* xq, int k, int rows, float* out,
+                                      cudaStream_t st) {
+    MmqFn f = mmq_fn<T>(few, bw);
+    const int xr = few ? MMQF_ROWS : MMQ_ROWS;
+    int smem = (few ? MMQF_STAGES : MMQ_STAGES) * mmq_stage<T>(xr, bw);
+    static bool set[2][4][129];
+    if (!set[few][T % 4][bw]) {
         CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        set[T % 4][bw] = true;
+        set[few][T % 4][bw] = true;
     }
-    dim3 grid((rows + 31) / 32, (n + bw - 1) / bw);
+    dim3 grid((rows + xr - 1) / xr, (n + bw - 1) / bw);
     f<<<grid, 128, smem, st>>>(w, rb, nb, n, xq, k, rows, out);
 }
 template <int T> static void dequant_k(const u8* w, u64 rb, u64 nb, float* out, int k, u64 n, cudaStream_t st) {
@@ -110,17 +120,18 @@ template <int T> static void run(const Case& c, const std::vector<int>& row_coun
         int bad;
         int cur = 0;
         printf("%-10s %6d x %5d  rows %4d", c.name, c.n, c.k, rows);
-        for (int bw : {128, 64, 32, 8}) {
-            CK(cudaMemsetAsync(o, 0xff, outn * 4, st));
-            mmq_tile<T>(bw, ws[0], rb, nblk, c.n, xq, c.k, rows, o, st);
-            CK(cudaGetLastError());
-            CK(cudaMemcpy(got.data(), o, outn * 4, cudaMemcpyDeviceToHost));
-            double err = rel_l2(got, ref, &bad);
-            double us = time_us(st, 7, 5, [&] {
-                for (int i = 0; i < 5; i++) mmq_tile<T>(bw, ws[cur++ % copies], rb, nblk, c.n, xq, c.k, rows, o, st);
-            });
-            printf(" | mmq%-3d %7.1f us (%.0e%s)", bw, us, err, bad ? ", UNWRITTEN" : "");
-        }
+        for (int few = rows <= MMQF_ROWS; few >= 0; few--)
+            for (int bw : {128, 64, 32, few ? 16 : 8}) {
+                CK(cudaMemsetAsync(o, 0xff, outn * 4, st));
+                mmq_tile<T>(few, bw, ws[0], rb, nblk, c.n, xq, c.k, rows, o, st);
+                CK(cudaGetLastError());
+                CK(cudaMemcpy(got.data(), o, outn * 4, cudaMemcpyDeviceToHost));
+                double err = rel_l2(got, ref, &bad);
+                double us = time_us(st, 7, 5, [&] {
+                    for (int i = 0; i < 5; i++) mmq_tile<T>(few, bw, ws[cur++ % copies], rb, nblk, c.n, xq, c.k, rows, o, st);
+                });
+                printf(" | mmq%s%-3d %7.1f us %4.0f GB/s (%.0e%s)", few ? "f" : "", bw, us, mbytes / us / 1e3, err, bad ? ", UNWRITTEN" : "");
+            }
         if (cublas) {
             const float one = 1.f, zero = 0.f;
             CK(cudaMemsetAsync(o, 0xff, outn * 4, st));
@@ -155,6 +166,8 @@ int main(int argc, char** argv) {
     cublasCreate(&blas);
     cublasSetStream(blas, st);
     const bool quick = argc > 1 && !strcmp(argv[1], "quick");
+    // `mmq few`: the few-row blocks against the 32-row ones at 2-8 activation rows.
+    const bool few = argc > 1 && !strcmp(argv[1], "few");
     const std::vector<Case> cases = {
         {"12b.gate", F_Q4_K, 15360, 3840}, {"12b.q", F_Q4_K, 4096, 3840}, {"12b.v", F_Q6_K, 2048, 3840},
         {"12b.o", F_Q4_K, 3840, 4096},     {"12b.down", F_Q6_K, 3840, 15360}, {"270m.q", F_Q5_0, 1024, 640},
@@ -164,11 +177,13 @@ int main(int argc, char** argv) {
     // `mmq one NAME ROWS`: one case (for a profiler).
     const bool one = argc > 3 && !strcmp(argv[1], "one");
     const std::vector<int> rows = one ? std::vector<int>{atoi(argv[3])}
-                                : quick ? std::vector<int>{16, 64, 512} : std::vector<int>{9, 16, 33, 64, 128, 256, 512};
+                                : quick ? std::vector<int>{16, 64, 512}
+                                : few   ? std::vector<int>{2, 4, 8}
+                                        : std::vector<int>{9, 16, 33, 64, 128, 256, 512};
     for (const Case& c : cases) {
         if (one && strcmp(c.name, argv[2])) continue;
         std::vector<int> r = rows;
-        if (!one && !strcmp(c.name, "head.q8")) r = {16, 64};
+        if (!one && !strcmp(c.name, "head.q8")) r = few ? std::vector<int>{8} : std::vector<int>{16, 64};
         switch (c.fmt) {
         case F_Q4_K: run<F_Q4_K>(c, r, blas, st); break;
         case F_Q6_K: run<F_Q6_K>(c, r, blas, st); break;

@@ -1600,64 +1600,119 @@ template <> struct Tile<F_Q5_0> {
     }
 };
 
-// Bytes of one stage of a block of `bw` weight rows in format T: activation levels, activation
-// scales ({d, level sum} per 16 elements: 64 bytes a row), weight rows (`mmq_shared` in exec.rs).
-template <int T> __device__ constexpr int mmq_stage(int bw) { return MMQ_ROWS * MMQ_XS + MMQ_ROWS * 64 + bw * Tile<T>::STRIDE; }
+// Bytes of one stage of a block of `xr` activation rows and `bw` weight rows in format T: activation
+// levels, activation scales ({d, level sum} per 16 elements: 64 bytes a row), weight rows
+// (`MmqBlock::shared` in exec.rs).
+template <int T> __device__ constexpr int mmq_stage(int xr, int bw) { return xr * MMQ_XS + xr * 64 + bw * Tile<T>::STRIDE; }
 
-// The stages of one `mmq` block (below): acc[jb][g] += its products over all of k. FULL: the block
-// has all 4 groups of 8 activation rows, so the group loop runs unchecked and the compiler can
-// overlap one group's shared-memory loads with another's products (the checked loop, which partial
-// blocks keep, made every block as slow as a partial one).
-template <int T, int NB, int KS, bool FULL, class CopyW, class CopyX>
-__device__ __forceinline__ void mmq_walk(float (&acc)[NB][4][2], const Mat& m, u8* sm, int steps, int groups, u64 w0,
+// Activation rows of a few-row block (`mmqf`): A holds 16 weight rows, B 4 activation rows' hi and
+// lo levels as 8 columns (column 2t: row t's hi, 2t + 1: its lo), so lane (g, t) holds weight rows
+// g and g + 8 against activation row t, both levels; a block takes two such groups of 4 rows.
+#define MMQF_ROWS 8
+// Stages of a few-row block (4 measured faster than 6 and 10 at 270M widths, as wide blocks then
+// keep two a multiprocessor: bench/RESULTS.md "issue 4w").
+#define MMQF_STAGES 4
+
+// The stages of one `mmq` block (below): acc[jb][g] += its products over all of k (XR = MMQ_ROWS:
+// jb a warp's group of 8 weight rows, g a group of 8 activation rows; XR = MMQF_ROWS: jb a group of
+// 16 weight rows, g a group of 4 activation rows). FULL: the block has all its groups of
+// activation rows, so the group loop runs unchecked and the compiler can overlap one group's
+// shared-memory loads with another's products (the checked loop, which partial blocks keep, made
+// every block as slow as a partial one).
+template <int T, int XR, int ST, int NB, int KS, bool FULL, class CopyW, class CopyX>
+__device__ __forceinline__ void mmq_walk(float (&acc)[NB][XR == MMQ_ROWS ? 4 : 2][2], const Mat& m, u8* sm, int steps, int groups, u64 w0,
                                          const CopyW& copy_w, const CopyX& copy_x) {
-    constexpr int BW = 8 * NB * (MMQ_WARPS / KS), XB = MMQ_ROWS * MMQ_XS, SB = MMQ_ROWS * 64, STAGE = mmq_stage<T>(BW);
+    constexpr bool FEW = XR == MMQF_ROWS;
+    constexpr int G = FEW ? 2 : 4, WR = FEW ? 16 : 8;
+    constexpr int BW = WR * NB * (MMQ_WARPS / KS), XB = XR * MMQ_XS, SB = XR * 64, STAGE = mmq_stage<T>(XR, BW);
     const int lane = threadIdx.x & 31, wi = threadIdx.x >> 5, gid = lane >> 2, tid = lane & 3;
-    const int part = wi % KS, wt = 8 * NB * (wi / KS);
+    const int part = wi % KS, wt = WR * NB * (wi / KS);
     for (int j = 0; j < steps; j++) {
-        cp_async_wait<MMQ_STAGES - 2>();
+        cp_async_wait<ST - 2>();
         __syncthreads();
-        // Stage j + MMQ_STAGES - 1 goes where stage j - 1 was: every warp is past it.
-        if (j + MMQ_STAGES - 1 < steps) {
-            copy_w(j + MMQ_STAGES - 1);
-            copy_x(j + MMQ_STAGES - 1);
+        // Stage j + ST - 1 goes where stage j - 1 was: every warp is past it.
+        if (j + ST - 1 < steps) {
+            copy_w(j + ST - 1);
+            copy_x(j + ST - 1);
         }
         cp_async_commit();
-        const u8* st = sm + (j % MMQ_STAGES) * STAGE;
+        const u8* st = sm + (j % ST) * STAGE;
         const float4* xsc = (const float4*)(st + XB);
         const u8* ws = st + XB + SB;
+        if constexpr (FEW) {
 #pragma unroll
-        for (int i = part; i < 4; i += KS) {
-            u32 b[NB][2];
-            float2 d0[NB], m0[NB], d1[NB], m1[NB];
-#pragma unroll
-            for (int jb = 0; jb < NB; jb++) {
-                const int r = wt + 8 * jb;
-                Tile<T>::frag(ws + (r + gid) * Tile<T>::STRIDE, i, tid, b[jb][0], b[jb][1]);
-                Tile<T>::scales(ws + (r + 2 * tid) * Tile<T>::STRIDE, i, j, m, w0 + r + 2 * tid, d0[jb], m0[jb]);
-                Tile<T>::scales(ws + (r + 2 * tid + 1) * Tile<T>::STRIDE, i, j, m, w0 + r + 2 * tid + 1, d1[jb], m1[jb]);
-            }
-#pragma unroll
-            for (int g = 0; g < 4; g++) {
-                if (!FULL && g >= groups) break;
-                const u8* xr = st + (8 * g + gid) * MMQ_XS + 32 * i + 4 * tid;
-                const u32 h0 = ld32(xr), l0 = ld32(xr + MMQ_K), h1 = ld32(xr + 16), l1 = ld32(xr + MMQ_K + 16);
-                const float4 ds = xsc[4 * (8 * g + gid) + i];
-                const int sa0 = __float_as_int(ds.y), sa1 = __float_as_int(ds.w);
+            for (int i = part; i < 4; i += KS) {
+                // A: weight rows g (a0, a2) and g + 8 (a1, a3) of each group of 16.
+                u32 a[NB][4];
+                float2 d0[NB], m0[NB], d1[NB], m1[NB];
 #pragma unroll
                 for (int jb = 0; jb < NB; jb++) {
-                    if constexpr (Tile<T>::HALVES) {
-                        int p[4], q[4];
-                        mma_k16(p, h0, l0, b[jb][0]);
-                        mma_k16(q, h1, l1, b[jb][1]);
-                        acc[jb][g][0] += ds.x * (d0[jb].x * (float)(254 * p[0] + p[2]) - m0[jb].x * (float)sa0 + d0[jb].y * (float)(254 * q[0] + q[2]) - m0[jb].y * (float)sa1);
-                        acc[jb][g][1] += ds.x * (d1[jb].x * (float)(254 * p[1] + p[3]) - m1[jb].x * (float)sa0 + d1[jb].y * (float)(254 * q[1] + q[3]) - m1[jb].y * (float)sa1);
-                    } else {
-                        int p[4];
-                        mma_k32(p, h0, l0, h1, l1, b[jb][0], b[jb][1]);
-                        const float sa = (float)(sa0 + sa1);
-                        acc[jb][g][0] += ds.x * (d0[jb].x * (float)(254 * p[0] + p[2]) - m0[jb].x * sa);
-                        acc[jb][g][1] += ds.x * (d1[jb].x * (float)(254 * p[1] + p[3]) - m1[jb].x * sa);
+                    const int r = wt + 16 * jb + gid;
+                    Tile<T>::frag(ws + r * Tile<T>::STRIDE, i, tid, a[jb][0], a[jb][2]);
+                    Tile<T>::frag(ws + (r + 8) * Tile<T>::STRIDE, i, tid, a[jb][1], a[jb][3]);
+                    Tile<T>::scales(ws + r * Tile<T>::STRIDE, i, j, m, w0 + r, d0[jb], m0[jb]);
+                    Tile<T>::scales(ws + (r + 8) * Tile<T>::STRIDE, i, j, m, w0 + r + 8, d1[jb], m1[jb]);
+                }
+#pragma unroll
+                for (int g = 0; g < G; g++) {
+                    if (!FULL && g >= groups) break;
+                    // B column gid: activation row 4 g + gid / 2, its hi (even gid) or lo levels.
+                    const u8* xr = st + (4 * g + (gid >> 1)) * MMQ_XS + (gid & 1) * MMQ_K + 32 * i + 4 * tid;
+                    const u32 b0 = ld32(xr), b1 = ld32(xr + 16);
+                    const float4 ds = xsc[4 * (4 * g + tid) + i];
+                    const int sa0 = __float_as_int(ds.y), sa1 = __float_as_int(ds.w);
+#pragma unroll
+                    for (int jb = 0; jb < NB; jb++) {
+                        if constexpr (Tile<T>::HALVES) {
+                            int p[4], q[4];
+                            mma_k16(p, a[jb][0], a[jb][1], b0);
+                            mma_k16(q, a[jb][2], a[jb][3], b1);
+                            acc[jb][g][0] += ds.x * (d0[jb].x * (float)(254 * p[0] + p[1]) - m0[jb].x * (float)sa0 + d0[jb].y * (float)(254 * q[0] + q[1]) - m0[jb].y * (float)sa1);
+                            acc[jb][g][1] += ds.x * (d1[jb].x * (float)(254 * p[2] + p[3]) - m1[jb].x * (float)sa0 + d1[jb].y * (float)(254 * q[2] + q[3]) - m1[jb].y * (float)sa1);
+                        } else {
+                            int p[4];
+                            mma_k32(p, a[jb][0], a[jb][1], a[jb][2], a[jb][3], b0, b1);
+                            const float sa = (float)(sa0 + sa1);
+                            acc[jb][g][0] += ds.x * (d0[jb].x * (float)(254 * p[0] + p[1]) - m0[jb].x * sa);
+                            acc[jb][g][1] += ds.x * (d1[jb].x * (float)(254 * p[2] + p[3]) - m1[jb].x * sa);
+                        }
+                    }
+                }
+            }
+        } else {
+#pragma unroll
+            for (int i = part; i < 4; i += KS) {
+                u32 b[NB][2];
+                float2 d0[NB], m0[NB], d1[NB], m1[NB];
+#pragma unroll
+                for (int jb = 0; jb < NB; jb++) {
+                    const int r = wt + 8 * jb;
+                    Tile<T>::frag(ws + (r + gid) * Tile<T>::STRIDE, i, tid, b[jb][0], b[jb][1]);
+                    Tile<T>::scales(ws + (r + 2 * tid) * Tile<T>::STRIDE, i, j, m, w0 + r + 2 * tid, d0[jb], m0[jb]);
+                    Tile<T>::scales(ws + (r + 2 * tid + 1) * Tile<T>::STRIDE, i, j, m, w0 + r + 2 * tid + 1, d1[jb], m1[jb]);
+                }
+#pragma unroll
+                for (int g = 0; g < 4; g++) {
+                    if (!FULL && g >= groups) break;
+                    const u8* xr = st + (8 * g + gid) * MMQ_XS + 32 * i + 4 * tid;
+                    const u32 h0 = ld32(xr), l0 = ld32(xr + MMQ_K), h1 = ld32(xr + 16), l1 = ld32(xr + MMQ_K + 16);
+                    const float4 ds = xsc[4 * (8 * g + gid) + i];
+                    const int sa0 = __float_as_int(ds.y), sa1 = __float_as_int(ds.w);
+#pragma unroll
+                    for (int jb = 0; jb < NB; jb++) {
+                        if constexpr (Tile<T>::HALVES) {
+                            int p[4], q[4];
+                            mma_k16(p, h0, l0, b[jb][0]);
+                            mma_k16(q, h1, l1, b[jb][1]);
+                            acc[jb][g][0] += ds.x * (d0[jb].x * (float)(254 * p[0] + p[2]) - m0[jb].x * (float)sa0 + d0[jb].y * (float)(254 * q[0] + q[2]) - m0[jb].y * (float)sa1);
+                            acc[jb][g][1] += ds.x * (d1[jb].x * (float)(254 * p[1] + p[3]) - m1[jb].x * (float)sa0 + d1[jb].y * (float)(254 * q[1] + q[3]) - m1[jb].y * (float)sa1);
+                        } else {
+                            int p[4];
+                            mma_k32(p, h0, l0, h1, l1, b[jb][0], b[jb][1]);
+                            const float sa = (float)(sa0 + sa1);
+                            acc[jb][g][0] += ds.x * (d0[jb].x * (float)(254 * p[0] + p[2]) - m0[jb].x * sa);
+                            acc[jb][g][1] += ds.x * (d1[jb].x * (float)(254 * p[1] + p[3]) - m1[jb].x * sa);
+                        }
                     }
                 }
             }
@@ -1666,27 +1721,30 @@ __device__ __forceinline__ void mmq_walk(float (&acc)[NB][4][2], const Mat& m, u
 }
 
 // out[r, o] (row-major, n wide) for activation rows r < rows of xq (quantize_rows' layout, k a
-// multiple of MMQ_K): block (x, y) takes activation rows 32x.. and weight rows BW y.., BW =
-// 8 NB MMQ_WARPS / KS; its warps form teams of KS that share 8 NB weight rows, each warp of a team
-// taking every KS-th sub-block of a stage, summed over the team at the end.
-template <int T, int NB, int KS>
+// multiple of MMQ_K): block (x, y) takes activation rows XR x.. and weight rows BW y.., BW =
+// WR NB MMQ_WARPS / KS (WR = 8 weight rows a product for XR = MMQ_ROWS, 16 for MMQF_ROWS); its
+// warps form teams of KS that share WR NB weight rows, each warp of a team taking every KS-th
+// sub-block of a stage, summed over the team at the end.
+template <int T, int XR, int ST, int NB, int KS>
 __device__ __forceinline__ void mmq(const Mat& m, int n, const u8* xq, int k, int rows, float* out) {
-    constexpr int BW = 8 * NB * (MMQ_WARPS / KS), XB = MMQ_ROWS * MMQ_XS, SB = MMQ_ROWS * 64, STAGE = mmq_stage<T>(BW);
+    constexpr bool FEW = XR == MMQF_ROWS;
+    constexpr int G = FEW ? 2 : 4, WR = FEW ? 16 : 8, XG = XR / G;
+    constexpr int BW = WR * NB * (MMQ_WARPS / KS), XB = XR * MMQ_XS, SB = XR * 64, STAGE = mmq_stage<T>(XR, BW);
     extern __shared__ uint4 mmq_smem[];
     u8* const sm = (u8*)mmq_smem;
     const int lane = threadIdx.x & 31, wi = threadIdx.x >> 5, gid = lane >> 2, tid = lane & 3;
     const int team = wi / KS, part = wi % KS;
-    const int a0 = MMQ_ROWS * (int)blockIdx.x, groups = min(4, (rows - a0 + 7) / 8);
+    const int a0 = XR * (int)blockIdx.x, groups = min(G, (rows - a0 + XG - 1) / XG);
     const u64 w0 = (u64)BW * blockIdx.y;
-    const int steps = k / MMQ_K, xrows = min(MMQ_ROWS, rows - a0), wrows = (int)min((u64)BW, (u64)n - w0);
+    const int steps = k / MMQ_K, xrows = min(XR, rows - a0), wrows = (int)min((u64)BW, (u64)n - w0);
     const u64 xqb = xq_bytes(k);
     auto copy_w = [&](int j) {
-        u8* dst = sm + (j % MMQ_STAGES) * STAGE + XB + SB;
+        u8* dst = sm + (j % ST) * STAGE + XB + SB;
         for (int c = threadIdx.x; c < wrows * Tile<T>::UNITS; c += 32 * MMQ_WARPS)
             Tile<T>::copy(m, w0 + c / Tile<T>::UNITS, j, dst + (c / Tile<T>::UNITS) * Tile<T>::STRIDE, c % Tile<T>::UNITS);
     };
     auto copy_x = [&](int j) {
-        u8* dst = sm + (j % MMQ_STAGES) * STAGE;
+        u8* dst = sm + (j % ST) * STAGE;
         for (int c = threadIdx.x; c < xrows * MMQ_XUNITS; c += 32 * MMQ_WARPS) {
             const int r = c / MMQ_XUNITS, u = c % MMQ_XUNITS;
             const u8* src = xq + (u64)(a0 + r) * xqb;
@@ -1700,23 +1758,23 @@ __device__ __forceinline__ void mmq(const Mat& m, int n, const u8* xq, int k, in
     };
     // The weights of the first stages are asked for before waiting for the kernel before (nothing
     // in a step writes them), the activations after.
-    for (int j = 0; j < MMQ_STAGES - 1; j++)
+    for (int j = 0; j < ST - 1; j++)
         if (j < steps) copy_w(j);
     pdl_wait();
-    for (int j = 0; j < MMQ_STAGES - 1; j++) {
+    for (int j = 0; j < ST - 1; j++) {
         if (j < steps) copy_x(j);
         cp_async_commit();
     }
-    float acc[NB][4][2];
+    float acc[NB][G][2];
 #pragma unroll
     for (int jb = 0; jb < NB; jb++)
 #pragma unroll
-        for (int g = 0; g < 4; g++) acc[jb][g][0] = acc[jb][g][1] = 0.f;
-    const int wt = 8 * NB * team;
-    if (groups == 4)
-        mmq_walk<T, NB, KS, true>(acc, m, sm, steps, groups, w0, copy_w, copy_x);
+        for (int g = 0; g < G; g++) acc[jb][g][0] = acc[jb][g][1] = 0.f;
+    const int wt = WR * NB * team;
+    if (groups == G)
+        mmq_walk<T, XR, ST, NB, KS, true>(acc, m, sm, steps, groups, w0, copy_w, copy_x);
     else
-        mmq_walk<T, NB, KS, false>(acc, m, sm, steps, groups, w0, copy_w, copy_x);
+        mmq_walk<T, XR, ST, NB, KS, false>(acc, m, sm, steps, groups, w0, copy_w, copy_x);
     if constexpr (KS > 1) {
         // The stages are free once every warp is past its last products (no copy is in flight).
         float* red = (float*)sm;
@@ -1724,43 +1782,62 @@ __device__ __forceinline__ void mmq(const Mat& m, int n, const u8* xq, int k, in
 #pragma unroll
         for (int jb = 0; jb < NB; jb++)
 #pragma unroll
-            for (int g = 0; g < 4; g++) {
-                red[((wi * NB + jb) * 4 + g) * 64 + 2 * lane] = acc[jb][g][0];
-                red[((wi * NB + jb) * 4 + g) * 64 + 2 * lane + 1] = acc[jb][g][1];
+            for (int g = 0; g < G; g++) {
+                red[((wi * NB + jb) * G + g) * 64 + 2 * lane] = acc[jb][g][0];
+                red[((wi * NB + jb) * G + g) * 64 + 2 * lane + 1] = acc[jb][g][1];
             }
         __syncthreads();
         if (part != 0) return;
 #pragma unroll
         for (int jb = 0; jb < NB; jb++)
 #pragma unroll
-            for (int g = 0; g < 4; g++)
+            for (int g = 0; g < G; g++)
 #pragma unroll
                 for (int w = 1; w < KS; w++) {
-                    acc[jb][g][0] += red[(((wi + w) * NB + jb) * 4 + g) * 64 + 2 * lane];
-                    acc[jb][g][1] += red[(((wi + w) * NB + jb) * 4 + g) * 64 + 2 * lane + 1];
+                    acc[jb][g][0] += red[(((wi + w) * NB + jb) * G + g) * 64 + 2 * lane];
+                    acc[jb][g][1] += red[(((wi + w) * NB + jb) * G + g) * 64 + 2 * lane + 1];
                 }
     }
 #pragma unroll
     for (int jb = 0; jb < NB; jb++)
 #pragma unroll
-        for (int g = 0; g < 4; g++) {
-            const int a = a0 + 8 * g + gid;
-            const u64 o = w0 + wt + 8 * jb + 2 * tid;
-            if (g < groups && a < rows) {
-                if (o < (u64)n) out[(u64)a * n + o] = acc[jb][g][0];
-                if (o + 1 < (u64)n) out[(u64)a * n + o + 1] = acc[jb][g][1];
+        for (int g = 0; g < G; g++) {
+            // Lane (g, t): activation row 8 g' + g against weight rows 2t, 2t + 1; few rows:
+            // activation row 4 g' + t against weight rows g, g + 8.
+            if constexpr (FEW) {
+                const int a = a0 + 4 * g + tid;
+                const u64 o = w0 + wt + 16 * jb + gid;
+                if (g < groups && a < rows) {
+                    if (o < (u64)n) out[(u64)a * n + o] = acc[jb][g][0];
+                    if (o + 8 < (u64)n) out[(u64)a * n + o + 8] = acc[jb][g][1];
+                }
+            } else {
+                const int a = a0 + 8 * g + gid;
+                const u64 o = w0 + wt + 8 * jb + 2 * tid;
+                if (g < groups && a < rows) {
+                    if (o < (u64)n) out[(u64)a * n + o] = acc[jb][g][0];
+                    if (o + 1 < (u64)n) out[(u64)a * n + o + 1] = acc[jb][g][1];
+                }
             }
         }
 }
 
-// mmq{BW}_<fmt>: blocks of BW = 128, 64, 32 or 8 weight rows (`mmq_tile` in exec.rs).
-#define KILN_MMQ1(NAME, T, BW, NB, KS)                                                                                     \
+// mmq{BW}_<fmt>: blocks of 32 activation rows and BW = 128, 64, 32 or 8 weight rows; mmqf{BW}_<fmt>:
+// blocks of 8 activation rows and BW = 128, 64, 32 or 16 weight rows (`MmqBlock` in exec.rs).
+#define KILN_MMQ1(NAME, T, PRE, XR, ST, BW, NB, KS)                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * MMQ_WARPS)                                                          \
-        mmq##BW##_##NAME(const u8* w, u64 rb, u64 nb, int n, const u8* xq, int k, int rows, float* out) {                 \
-        mmq<T, NB, KS>(Mat{w, rb, nb}, n, xq, k, rows, out);                                                               \
+        PRE##BW##_##NAME(const u8* w, u64 rb, u64 nb, int n, const u8* xq, int k, int rows, float* out) {                 \
+        mmq<T, XR, ST, NB, KS>(Mat{w, rb, nb}, n, xq, k, rows, out);                                                       \
     }
-#define KILN_MMQ(NAME, T) \
-    KILN_MMQ1(NAME, T, 128, 4, 1) KILN_MMQ1(NAME, T, 64, 2, 1) KILN_MMQ1(NAME, T, 32, 1, 1) KILN_MMQ1(NAME, T, 8, 1, 4)
+#define KILN_MMQ(NAME, T)                                                                                                 \
+    KILN_MMQ1(NAME, T, mmq, MMQ_ROWS, MMQ_STAGES, 128, 4, 1)                                                              \
+    KILN_MMQ1(NAME, T, mmq, MMQ_ROWS, MMQ_STAGES, 64, 2, 1)                                                               \
+    KILN_MMQ1(NAME, T, mmq, MMQ_ROWS, MMQ_STAGES, 32, 1, 1)                                                               \
+    KILN_MMQ1(NAME, T, mmq, MMQ_ROWS, MMQ_STAGES, 8, 1, 4)                                                                \
+    KILN_MMQ1(NAME, T, mmqf, MMQF_ROWS, MMQF_STAGES, 128, 2, 1)                                                           \
+    KILN_MMQ1(NAME, T, mmqf, MMQF_ROWS, MMQF_STAGES, 64, 1, 1)                                                            \
+    KILN_MMQ1(NAME, T, mmqf, MMQF_ROWS, MMQF_STAGES, 32, 1, 2)                                                            \
+    KILN_MMQ1(NAME, T, mmqf, MMQF_ROWS, MMQF_STAGES, 16, 1, 4)
 KILN_MMQ(q4_k, F_Q4_K)
 KILN_MMQ(q6_k, F_Q6_K)
 KILN_MMQ(q8_0, F_Q8_0)

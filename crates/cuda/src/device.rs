@@ -177,8 +177,8 @@ impl Device {
                 let ring_rows = f.strip_prefix("matvecr").and_then(|r| r.split('_').next()?.parse().ok());
                 let bytes = if let Some(rows) = ring_rows {
                     Some(crate::exec::ring_shared(rows) as u32)
-                } else if let Some((tile, ty)) = mmq_kernel(&f) {
-                    Some(crate::exec::mmq_shared(ty, tile) as u32)
+                } else if let Some((block, tile, ty)) = mmq_kernel(&f) {
+                    Some(block.shared(ty, tile) as u32)
                 } else {
                     f.strip_prefix("matvec4_")
                         .or_else(|| f.strip_prefix("matvec4p_"))
@@ -310,7 +310,9 @@ fn kernel_names(src: &str) -> Vec<String> {
             names.extend(["matvecr8", "matvecr4", "matvecr2"].map(|k| format!("{k}_{fmt}")));
         } else if let Some(rest) = line.strip_prefix("KILN_MMQ(") {
             let fmt = rest.split(',').next().unwrap_or_default().trim();
-            names.extend(crate::exec::MMQ_TILES.map(|t| format!("mmq{t}_{fmt}")));
+            for block in [crate::exec::MMQ_MANY, crate::exec::MMQ_FEW] {
+                names.extend(block.tiles.map(|t| format!("{}{t}_{fmt}", block.prefix)));
+            }
         }
     }
     names
@@ -325,11 +327,15 @@ fn kernel_names(src: &str) -> Vec<String> {
 /// bench/RESULTS.md "issue 4s").
 const KEEP_CARVEOUT: [&str; 3] = ["matvec", "attention_qk", "argmax_head"];
 
-/// The block tile and format of an `mmq{tile}_<fmt>` kernel name.
-fn mmq_kernel(name: &str) -> Option<(usize, GgmlType)> {
-    let (tile, fmt) = name.strip_prefix("mmq")?.split_once('_')?;
+/// The block shape, tile and format of an `mmq{tile}_<fmt>` or `mmqf{tile}_<fmt>` kernel name.
+fn mmq_kernel(name: &str) -> Option<(crate::exec::MmqBlock, usize, GgmlType)> {
+    let (block, rest) = match name.strip_prefix(crate::exec::MMQ_FEW.prefix) {
+        Some(rest) => (crate::exec::MMQ_FEW, rest),
+        None => (crate::exec::MMQ_MANY, name.strip_prefix(crate::exec::MMQ_MANY.prefix)?),
+    };
+    let (tile, fmt) = rest.split_once('_')?;
     let ty = crate::exec::MMQ_FORMATS.into_iter().find(|&ty| format_name(ty) == Some(fmt))?;
-    Some((tile.parse().ok()?, ty))
+    Some((block, tile.parse().ok()?, ty))
 }
 
 /// The first CUDA library this backend loads at run time that cannot be found ("driver", "NVRTC"
@@ -460,10 +466,12 @@ mod tests {
     fn kernel_names_are_found_in_every_family() {
         let quant = kernel_names(FAMILIES[0].1);
         assert!(quant.contains(&"matvec_q4_k".to_string()) && quant.contains(&"dequant_q8_0".to_string()));
-        assert_eq!(quant.len(), 13 * 6 + 2 + 4 * 3 + 4 * 4);
+        assert_eq!(quant.len(), 13 * 6 + 2 + 4 * 3 + 4 * 4 * 2);
         assert!(quant.contains(&"matvecr2_q6_k".to_string()) && quant.contains(&"mmq8_q5_0".to_string()));
         assert!(quant.contains(&"mmq128_q4_k".to_string()));
-        assert_eq!(mmq_kernel("mmq64_q6_k"), Some((64, GgmlType::Q6_K)));
+        assert!(quant.contains(&"mmqf16_q4_k".to_string()));
+        assert_eq!(mmq_kernel("mmq64_q6_k"), Some((crate::exec::MMQ_MANY, 64, GgmlType::Q6_K)));
+        assert_eq!(mmq_kernel("mmqf16_q8_0"), Some((crate::exec::MMQ_FEW, 16, GgmlType::Q8_0)));
         assert_eq!(mmq_kernel("matvec_q6_k"), None);
         assert!(quant.contains(&"quantize_rows".to_string()));
         let ops = kernel_names(FAMILIES[1].1);

@@ -191,8 +191,9 @@ fn takes_mmq(ty: GgmlType, k: usize, arch: (i32, i32)) -> bool {
 const MMQ_MIN_ROWS: usize = 4;
 /// Widest rows (columns) of those products: a matrix-vector lane walks at most two 32-element
 /// chunks of a row that short, so those launches are bound by latency; longer rows keep the
-/// matrix-vector kernels up to `MATVEC_ROWS` rows (synthetic 12B, rows of 3840 and more: `mmq` 4
-/// sequences 173 against 328 tokens/s, 8 329 against 416).
+/// matrix-vector kernels up to `MATVEC_ROWS` rows (synthetic 12B, rows of 3840 and more, through
+/// the few-row `mmq` blocks: 4 sequences 334 -> 310 tokens/s, 5 373 -> 364, 6 405 -> 420, 7 426 ->
+/// 391, 8 446 -> 526; bench/RESULTS.md "issue 4w").
 const MMQ_SHORT_K: usize = 2048;
 
 /// Whether a product of `rows` activation rows by a `ty` matrix of `k` columns takes the
@@ -214,33 +215,63 @@ fn products_take_matvec(plan: &Plan, weights: &dyn WeightShapes, rows: usize, ar
     Ok(true)
 }
 
-/// Activation rows of an `mmq` block (`MMQ_ROWS` in quant.cu), its threads (`MMQ_WARPS`) and its
-/// stages in flight (`MMQ_STAGES`).
-const MMQ_ROWS: usize = 32;
+/// Threads of an `mmq` block (`MMQ_WARPS` in quant.cu).
 const MMQ_THREADS: u32 = 128;
-const MMQ_STAGES: usize = 3;
-/// Weight rows of an `mmq` block, one kernel each (`mmq{tile}_<fmt>`), widest first.
-pub(crate) const MMQ_TILES: [usize; 4] = [128, 64, 32, 8];
 
-/// Shared memory of an `mmq` block of `tile` weight rows of format `ty` (`mmq_stage` in
-/// quant.cu): per stage 32 activation rows (272 bytes of levels and 64 of scales each) and the
-/// weight rows' share (`Tile<T>::STRIDE` bytes each; none for a format without `mmq`).
-pub(crate) fn mmq_shared(ty: GgmlType, tile: usize) -> usize {
-    let stride = match ty {
-        GgmlType::Q4_K => 80,
-        GgmlType::Q6_K | GgmlType::Q5_0 => 112,
-        GgmlType::Q8_0 => 144,
-        _ => 0,
-    };
-    MMQ_STAGES * (MMQ_ROWS * (272 + 64) + tile * stride)
+/// One shape of `mmq` block (`mmq` in quant.cu): how many activation rows it takes, its stages in
+/// flight, and its kernels (`{prefix}{tile}_<fmt>`, one per tile of weight rows, widest first).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct MmqBlock {
+    /// Activation rows of a block (`MMQ_ROWS` or `MMQF_ROWS`).
+    pub(crate) rows: usize,
+    /// Stages of a block (`MMQ_STAGES` or `MMQF_STAGES`).
+    stages: usize,
+    /// Kernel name prefix.
+    pub(crate) prefix: &'static str,
+    /// Weight rows of a block, one kernel each, widest first.
+    pub(crate) tiles: [usize; 4],
 }
 
-/// Weight rows of the `mmq` blocks over `n` weight rows and `rows` activation rows on `sms`
-/// multiprocessors: the widest tile that still gives every multiprocessor a block (measured on an
-/// H200 at 12B and 270M shapes, bench/cuda/mmq.cu: within 5% of the best tile but for one shape).
-fn mmq_tile(n: usize, rows: usize, sms: usize) -> usize {
-    let by = rows.div_ceil(MMQ_ROWS);
-    MMQ_TILES.into_iter().find(|&t| n.div_ceil(t) * by >= sms).unwrap_or(MMQ_TILES[MMQ_TILES.len() - 1])
+/// Blocks of 32 activation rows: prompts and steps of more than 8 rows.
+pub(crate) const MMQ_MANY: MmqBlock = MmqBlock { rows: 32, stages: 3, prefix: "mmq", tiles: [128, 64, 32, 8] };
+/// Blocks of 8 activation rows: steps of 4-8 rows. Their stages hold 8 activation rows, not 32 (more
+/// blocks a multiprocessor), and their products hold weight rows in A (16 against 4 activation
+/// rows' two levels), so a lane's two weight scales serve two products, not one (synthetic 270M on
+/// an H200: 4 sequences 4,228 -> 4,395 tokens/s, 5 5,305 -> 5,607, 8 7,482 -> 7,804;
+/// bench/RESULTS.md "issue 4w").
+pub(crate) const MMQ_FEW: MmqBlock = MmqBlock { rows: 8, stages: 4, prefix: "mmqf", tiles: [128, 64, 32, 16] };
+
+impl MmqBlock {
+    /// The block shape for a product of `rows` activation rows.
+    fn of(rows: usize) -> MmqBlock {
+        if rows <= MMQ_FEW.rows {
+            MMQ_FEW
+        } else {
+            MMQ_MANY
+        }
+    }
+
+    /// Shared memory of a block of `tile` weight rows of format `ty` (`mmq_stage` in quant.cu):
+    /// per stage its activation rows (272 bytes of levels and 64 of scales each) and the weight
+    /// rows' share (`Tile<T>::STRIDE` bytes each; none for a format without `mmq`).
+    pub(crate) fn shared(&self, ty: GgmlType, tile: usize) -> usize {
+        let stride = match ty {
+            GgmlType::Q4_K => 80,
+            GgmlType::Q6_K | GgmlType::Q5_0 => 112,
+            GgmlType::Q8_0 => 144,
+            _ => 0,
+        };
+        self.stages * (self.rows * (272 + 64) + tile * stride)
+    }
+
+    /// Weight rows of the blocks over `n` weight rows and `rows` activation rows on `sms`
+    /// multiprocessors: the widest tile that still gives every multiprocessor a block (measured on
+    /// an H200 at 12B and 270M shapes, bench/cuda/mmq.cu: within 5% of the best tile but for one
+    /// shape).
+    fn tile(&self, n: usize, rows: usize, sms: usize) -> usize {
+        let by = rows.div_ceil(self.rows);
+        self.tiles.into_iter().find(|&t| n.div_ceil(t) * by >= sms).unwrap_or(self.tiles[self.tiles.len() - 1])
+    }
 }
 
 /// Widest row the norm kernels take (`NORM_PER * NORM_THREADS` in ops.cu).
@@ -1478,12 +1509,13 @@ impl CudaExecutable {
                 self.quantize_into(x, xq, m.k, rows)?;
                 scratch.quantized_of = Some((x, m.k, rows));
             }
-            let tile = mmq_tile(m.n, rows, d.sms as usize);
+            let block = MmqBlock::of(rows);
+            let tile = block.tile(m.n, rows, d.sms as usize);
             return d.launch_shared(
-                &format!("mmq{tile}_{fmt}"),
-                (rows.div_ceil(MMQ_ROWS) as u32, m.n.div_ceil(tile) as u32),
+                &format!("{}{tile}_{fmt}", block.prefix),
+                (rows.div_ceil(block.rows) as u32, m.n.div_ceil(tile) as u32),
                 MMQ_THREADS,
-                mmq_shared(m.ty, tile) as u32,
+                block.shared(m.ty, tile) as u32,
                 &[
                     Arg::U64(m.buf.ptr()),
                     Arg::U64(m.row_bytes as u64),
@@ -2005,8 +2037,11 @@ mod tests {
             assert!(takes_matvec(GgmlType::Q4_K, 3840, rows, SM90), "{rows}");
             assert!(takes_matvec(GgmlType::Q5_K, 640, rows, SM90), "{rows}");
             assert!(takes_matvec(GgmlType::Q4_K, 640, rows, (7, 5)), "{rows}");
+            // In blocks of 8 activation rows.
+            assert_eq!(MmqBlock::of(rows), MMQ_FEW);
         }
         assert!(!takes_matvec(GgmlType::Q4_K, 3840, MATVEC_ROWS + 1, SM90));
+        assert_eq!(MmqBlock::of(MATVEC_ROWS + 1), MMQ_MANY);
     }
 
     #[test]
@@ -2148,17 +2183,21 @@ mod tests {
 
     #[test]
     fn mmq_launches_take_the_widest_tile_that_fills_the_device() {
+        let tile = |n, rows| MmqBlock::of(rows).tile(n, rows, 132);
         // A 12B gate for 512 prompt rows and for 64 sequences: 128-row tiles.
-        assert_eq!(mmq_tile(15360, 512, 132), 128);
-        assert_eq!(mmq_tile(15360, 64, 132), 128);
+        assert_eq!(tile(15360, 512), 128);
+        assert_eq!(tile(15360, 64), 128);
         // For 16 sequences one activation block: 120 blocks of 128 rows are too few, 240 of 64 not.
-        assert_eq!(mmq_tile(15360, 16, 132), 64);
+        assert_eq!(tile(15360, 16), 64);
         // The 270M's key rows, few weight rows: 8-row blocks (warps splitting the sub-blocks).
-        assert_eq!(mmq_tile(256, 512, 132), 8);
-        assert_eq!(mmq_tile(1024, 16, 132), 8);
-        assert_eq!(mmq_tile(1024, 512, 132), 64);
+        assert_eq!(tile(256, 512), 8);
+        assert_eq!(tile(1024, 16), 8);
+        assert_eq!(tile(1024, 512), 64);
         // Partial tiles: 1000 rows (the tests' vocabulary), 150 activation rows in 5 blocks.
-        assert_eq!(mmq_tile(1000, 150, 132), 32);
+        assert_eq!(tile(1000, 150), 32);
+        // Few rows: the 270M's gate in 16-row blocks, its head in 128-row ones.
+        assert_eq!(tile(2048, 8), 16);
+        assert_eq!(tile(262144, 4), 128);
     }
 
     #[test]
@@ -2170,8 +2209,14 @@ mod tests {
         }
         assert!(!takes_mmq(GgmlType::Q5_K, 640, SM90));
         // Shared memory: the Q8_0 block of 128 rows is the largest (two blocks a multiprocessor).
-        assert_eq!(mmq_shared(GgmlType::Q8_0, 128), 3 * (32 * 336 + 128 * 144));
-        assert!(MMQ_FORMATS.iter().all(|&ty| mmq_shared(ty, 128) <= mmq_shared(GgmlType::Q8_0, 128)));
+        assert_eq!(MMQ_MANY.shared(GgmlType::Q8_0, 128), 3 * (32 * 336 + 128 * 144));
+        assert_eq!(MMQ_FEW.shared(GgmlType::Q4_K, 64), 4 * (8 * 336 + 64 * 80));
+        for block in [MMQ_MANY, MMQ_FEW] {
+            let most = block.shared(GgmlType::Q8_0, 128);
+            assert!(MMQ_FORMATS.iter().all(|&ty| block.shared(ty, 128) <= most));
+            // (A multiprocessor has 227 KiB for its blocks.)
+            assert!(most <= 227 * 1024, "{block:?}: {most}");
+        }
     }
 
     #[test]
