@@ -237,7 +237,7 @@ pub(crate) const MMQ_MANY: MmqBlock = MmqBlock { rows: 32, stages: 3, prefix: "m
 /// Blocks of 8 activation rows: steps of 4-8 rows. Their stages hold 8 activation rows, not 32 (more
 /// blocks a multiprocessor), and their products hold weight rows in A (16 against 4 activation
 /// rows' two levels), so a lane's two weight scales serve two products, not one (synthetic 270M on
-/// an H200: 4 sequences 4,228 -> 4,395 tokens/s, 5 5,305 -> 5,607, 8 7,482 -> 7,804;
+/// an H200: 4 sequences 4,222 -> 4,395 tokens/s, 5 5,303 -> 5,607, 8 7,482 -> 7,804;
 /// bench/RESULTS.md "issue 4w").
 pub(crate) const MMQ_FEW: MmqBlock = MmqBlock { rows: 8, stages: 4, prefix: "mmqf", tiles: [128, 64, 32, 16] };
 
