@@ -173,7 +173,7 @@ impl Device {
                 let func = module.load_function(&f).map_err(|e| cuda_err(format!("kernel '{f}': {e}")))?;
                 // Kernels whose blocks take more than the default 48 KiB of shared memory opt in.
                 // (The ring of matvec4 and matvec4p, and the latter's norm prologue row; the
-                // ring of matvecr{rows}; the stages of mmq{tile}.)
+                // ring of matvecr{rows}; the stages of mmq{tile} and mmqf{tile}.)
                 let ring_rows = f.strip_prefix("matvecr").and_then(|r| r.split('_').next()?.parse().ok());
                 let bytes = if let Some(rows) = ring_rows {
                     Some(crate::exec::ring_shared(rows) as u32)
