@@ -1613,6 +1613,30 @@ template <int T> __device__ constexpr int mmq_stage(int xr, int bw) { return xr 
 // keep two a multiprocessor: bench/RESULTS.md "issue 4w").
 #define MMQF_STAGES 4
 
+// One product of A (a0, a1: rows g, g + 8, elements 4t..; a2, a3: 16 on) and B (b0, b1): over 32
+// elements into p, or, where the format's halves have scales of their own, over each half (the
+// first into p, the second into q).
+template <bool HALVES>
+__device__ __forceinline__ void mmq_mma(int (&p)[4], int (&q)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    if constexpr (HALVES) {
+        mma_k16(p, a0, a1, b0);
+        mma_k16(q, a2, a3, b1);
+    } else {
+        mma_k32(p, a0, a1, a2, a3, b0, b1);
+    }
+}
+
+// One product's share of an output: `acc += ds.x * (d * level sum - mn * activation level sum)`,
+// the level sums 254 hi + lo from a product's hi and lo results, per 16-element half where the
+// format's halves have scales of their own (h1, l1, sa1: the second half's; else sa = sa0 + sa1).
+template <bool HALVES>
+__device__ __forceinline__ void mmq_scale(float& acc, float dsx, float2 d, float2 mn, int h0, int l0, int h1, int l1, int sa0, int sa1, float sa) {
+    if constexpr (HALVES)
+        acc += dsx * (d.x * (float)(254 * h0 + l0) - mn.x * (float)sa0 + d.y * (float)(254 * h1 + l1) - mn.y * (float)sa1);
+    else
+        acc += dsx * (d.x * (float)(254 * h0 + l0) - mn.x * sa);
+}
+
 // The stages of one `mmq` block (below): acc[jb][g] += its products over all of k (XR = MMQ_ROWS:
 // jb a warp's group of 8 weight rows, g a group of 8 activation rows; XR = MMQF_ROWS: jb a group of
 // 16 weight rows, g a group of 4 activation rows). FULL: the block has all its groups of
@@ -1663,19 +1687,12 @@ __device__ __forceinline__ void mmq_walk(float (&acc)[NB][XR == MMQ_ROWS ? 4 : 2
                     const int sa0 = __float_as_int(ds.y), sa1 = __float_as_int(ds.w);
 #pragma unroll
                     for (int jb = 0; jb < NB; jb++) {
-                        if constexpr (Tile<T>::HALVES) {
-                            int p[4], q[4];
-                            mma_k16(p, a[jb][0], a[jb][1], b0);
-                            mma_k16(q, a[jb][2], a[jb][3], b1);
-                            acc[jb][g][0] += ds.x * (d0[jb].x * (float)(254 * p[0] + p[1]) - m0[jb].x * (float)sa0 + d0[jb].y * (float)(254 * q[0] + q[1]) - m0[jb].y * (float)sa1);
-                            acc[jb][g][1] += ds.x * (d1[jb].x * (float)(254 * p[2] + p[3]) - m1[jb].x * (float)sa0 + d1[jb].y * (float)(254 * q[2] + q[3]) - m1[jb].y * (float)sa1);
-                        } else {
-                            int p[4];
-                            mma_k32(p, a[jb][0], a[jb][1], a[jb][2], a[jb][3], b0, b1);
-                            const float sa = (float)(sa0 + sa1);
-                            acc[jb][g][0] += ds.x * (d0[jb].x * (float)(254 * p[0] + p[1]) - m0[jb].x * sa);
-                            acc[jb][g][1] += ds.x * (d1[jb].x * (float)(254 * p[2] + p[3]) - m1[jb].x * sa);
-                        }
+                        // p[0], p[1]: weight row g's hi and lo; p[2], p[3]: row g + 8's.
+                        int p[4], q[4] = {0, 0, 0, 0};
+                        mmq_mma<Tile<T>::HALVES>(p, q, a[jb][0], a[jb][1], a[jb][2], a[jb][3], b0, b1);
+                        const float sa = (float)(sa0 + sa1);
+                        mmq_scale<Tile<T>::HALVES>(acc[jb][g][0], ds.x, d0[jb], m0[jb], p[0], p[1], q[0], q[1], sa0, sa1, sa);
+                        mmq_scale<Tile<T>::HALVES>(acc[jb][g][1], ds.x, d1[jb], m1[jb], p[2], p[3], q[2], q[3], sa0, sa1, sa);
                     }
                 }
             }
@@ -1700,19 +1717,12 @@ __device__ __forceinline__ void mmq_walk(float (&acc)[NB][XR == MMQ_ROWS ? 4 : 2
                     const int sa0 = __float_as_int(ds.y), sa1 = __float_as_int(ds.w);
 #pragma unroll
                     for (int jb = 0; jb < NB; jb++) {
-                        if constexpr (Tile<T>::HALVES) {
-                            int p[4], q[4];
-                            mma_k16(p, h0, l0, b[jb][0]);
-                            mma_k16(q, h1, l1, b[jb][1]);
-                            acc[jb][g][0] += ds.x * (d0[jb].x * (float)(254 * p[0] + p[2]) - m0[jb].x * (float)sa0 + d0[jb].y * (float)(254 * q[0] + q[2]) - m0[jb].y * (float)sa1);
-                            acc[jb][g][1] += ds.x * (d1[jb].x * (float)(254 * p[1] + p[3]) - m1[jb].x * (float)sa0 + d1[jb].y * (float)(254 * q[1] + q[3]) - m1[jb].y * (float)sa1);
-                        } else {
-                            int p[4];
-                            mma_k32(p, h0, l0, h1, l1, b[jb][0], b[jb][1]);
-                            const float sa = (float)(sa0 + sa1);
-                            acc[jb][g][0] += ds.x * (d0[jb].x * (float)(254 * p[0] + p[2]) - m0[jb].x * sa);
-                            acc[jb][g][1] += ds.x * (d1[jb].x * (float)(254 * p[1] + p[3]) - m1[jb].x * sa);
-                        }
+                        // p[0], p[2]: weight row 2t's hi and lo; p[1], p[3]: row 2t + 1's.
+                        int p[4], q[4] = {0, 0, 0, 0};
+                        mmq_mma<Tile<T>::HALVES>(p, q, h0, l0, h1, l1, b[jb][0], b[jb][1]);
+                        const float sa = (float)(sa0 + sa1);
+                        mmq_scale<Tile<T>::HALVES>(acc[jb][g][0], ds.x, d0[jb], m0[jb], p[0], p[2], q[0], q[2], sa0, sa1, sa);
+                        mmq_scale<Tile<T>::HALVES>(acc[jb][g][1], ds.x, d1[jb], m1[jb], p[1], p[3], q[1], q[3], sa0, sa1, sa);
                     }
                 }
             }

@@ -310,7 +310,7 @@ fn kernel_names(src: &str) -> Vec<String> {
             names.extend(["matvecr8", "matvecr4", "matvecr2"].map(|k| format!("{k}_{fmt}")));
         } else if let Some(rest) = line.strip_prefix("KILN_MMQ(") {
             let fmt = rest.split(',').next().unwrap_or_default().trim();
-            for block in [crate::exec::MMQ_MANY, crate::exec::MMQ_FEW] {
+            for block in crate::exec::MMQ_BLOCKS {
                 names.extend(block.tiles.map(|t| format!("{}{t}_{fmt}", block.prefix)));
             }
         }
@@ -328,14 +328,13 @@ fn kernel_names(src: &str) -> Vec<String> {
 const KEEP_CARVEOUT: [&str; 3] = ["matvec", "attention_qk", "argmax_head"];
 
 /// The block shape, tile and format of an `mmq{tile}_<fmt>` or `mmqf{tile}_<fmt>` kernel name.
+/// (A prefix that is another's start leaves a tile that does not parse: "mmq" of "mmqf16_q8_0".)
 fn mmq_kernel(name: &str) -> Option<(crate::exec::MmqBlock, usize, GgmlType)> {
-    let (block, rest) = match name.strip_prefix(crate::exec::MMQ_FEW.prefix) {
-        Some(rest) => (crate::exec::MMQ_FEW, rest),
-        None => (crate::exec::MMQ_MANY, name.strip_prefix(crate::exec::MMQ_MANY.prefix)?),
-    };
-    let (tile, fmt) = rest.split_once('_')?;
-    let ty = crate::exec::MMQ_FORMATS.into_iter().find(|&ty| format_name(ty) == Some(fmt))?;
-    Some((block, tile.parse().ok()?, ty))
+    crate::exec::MMQ_BLOCKS.into_iter().find_map(|block| {
+        let (tile, fmt) = name.strip_prefix(block.prefix)?.split_once('_')?;
+        let ty = crate::exec::MMQ_FORMATS.into_iter().find(|&ty| format_name(ty) == Some(fmt))?;
+        Some((block, tile.parse().ok()?, ty))
+    })
 }
 
 /// The first CUDA library this backend loads at run time that cannot be found ("driver", "NVRTC"

@@ -240,6 +240,8 @@ pub(crate) const MMQ_MANY: MmqBlock = MmqBlock { rows: 32, stages: 3, prefix: "m
 /// an H200: 4 sequences 4,222 -> 4,395 tokens/s, 5 5,303 -> 5,607, 8 7,482 -> 7,804;
 /// bench/RESULTS.md "issue 4w").
 pub(crate) const MMQ_FEW: MmqBlock = MmqBlock { rows: 8, stages: 4, prefix: "mmqf", tiles: [128, 64, 32, 16] };
+/// Every `mmq` block shape (`KILN_MMQ` in quant.cu instantiates each for every format).
+pub(crate) const MMQ_BLOCKS: [MmqBlock; 2] = [MMQ_MANY, MMQ_FEW];
 
 impl MmqBlock {
     /// The block shape for a product of `rows` activation rows.
@@ -2211,7 +2213,7 @@ mod tests {
         // Shared memory: the Q8_0 block of 128 rows is the largest (two blocks a multiprocessor).
         assert_eq!(MMQ_MANY.shared(GgmlType::Q8_0, 128), 3 * (32 * 336 + 128 * 144));
         assert_eq!(MMQ_FEW.shared(GgmlType::Q4_K, 64), 4 * (8 * 336 + 64 * 80));
-        for block in [MMQ_MANY, MMQ_FEW] {
+        for block in MMQ_BLOCKS {
             let most = block.shared(GgmlType::Q8_0, 128);
             assert!(MMQ_FORMATS.iter().all(|&ty| block.shared(ty, 128) <= most));
             // (A multiprocessor has 227 KiB for its blocks.)
