@@ -7,10 +7,15 @@
 #define ATT_WARPS 16
 #define ATT_UNROLL 4
 #define ATT_MAX_DIM 256
-// Fewest positions per block of a split head, and per head to split at all (a merge costs one more
-// round trip through memory; at tg128's short past no difference was measured on an H200).
+// Fewest positions per block of a split head, and per head to split at all. A block's warps take
+// ATT_WARPS * ATT_UNROLL = 64 positions per turn, and beside the weight stream each further turn
+// cost more than a merge: from 128 positions on (not 256) an H200 decodes at 128-255 positions of
+// past 1.07x (12B) and 1.14-1.18x (270M) faster; from 65 on, slower at 65-96 (bench/RESULTS.md
+// "issue 4x").
 #define ATT_SPLIT_MIN 64
-#define ATT_SPLIT_FROM 256
+#define ATT_SPLIT_FROM 128
+// Most shares of a head (`ATTENTION_SPLITS_MAX` in exec.rs).
+#define ATT_SPLITS_MAX 16
 
 // `splits` blocks per (new row, query head), each over one contiguous share of the row's
 // positions (from ATT_SPLIT_FROM positions on, as many shares as give each at least
@@ -18,7 +23,9 @@
 // every ATT_WARPS-th position of its block's share with an online softmax, then the warps'
 // partial results are merged. With more than one share each block writes its merged partial (d
 // sums, their maximum, their sum of weights) to `part` and the last block of the head to arrive
-// (counted in `cnt`, which it resets) merges the shares: a decode step's 4-16 heads would
+// (counted in `cnt`, which it resets) merges the shares, every share's values loaded in one round
+// trip (three before: at 256-2048 positions 12B decode 1-2% and 270M decode 3-4% faster, "issue
+// 4x"), in the same order as the warps' merge: a decode step's 4-16 heads would
 // otherwise run on as many multiprocessors, each reading its head's whole cache (12B decode on an
 // H200, with the early launches of common.cuh: 283 -> 303 tokens/s). Sliding layers keep `window`
 // rows in a ring (slot = pos % window); global layers keep every position (slot = pos).
@@ -206,20 +213,41 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
     // The last share to arrive merges them all (its reads bypass L1: the others wrote elsewhere).
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
-        s_last = atomicAdd(cnt + head, 1u) == (u32)shares - 1;
+        const bool last = arrive(cnt + head, 1u) == (u32)shares - 1;
+        if (last) {
+            acquire();
+            cnt[head] = 0;
+        }
+        s_last = last;
     }
     __syncthreads();
     if (!s_last) return;
-    __threadfence();
-    if (threadIdx.x == 0) cnt[head] = 0;
+    // Every share's maximum, weight sum and this thread's value, loaded in one round trip.
     const float* all = part + (u64)head * splits * (d + 2);
-    float m_all = -INFINITY, l_all = 0.f;
-    for (int s = 0; s < shares; s++) m_all = fmaxf(m_all, __ldcg(all + (u64)s * (d + 2) + d));
-    for (int s = 0; s < shares; s++) l_all += __ldcg(all + (u64)s * (d + 2) + d + 1) * expf(__ldcg(all + (u64)s * (d + 2) + d) - m_all);
-    for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        float a = 0.f;
-        for (int s = 0; s < shares; s++) a += __ldcg(all + (u64)s * (d + 2) + j) * expf(__ldcg(all + (u64)s * (d + 2) + d) - m_all);
+    const int j = threadIdx.x;
+    float ms[ATT_SPLITS_MAX], ls[ATT_SPLITS_MAX], as[ATT_SPLITS_MAX];
+#pragma unroll
+    for (int s = 0; s < ATT_SPLITS_MAX; s++) {
+        if (s < shares) {
+            ms[s] = __ldcg(all + (u64)s * (d + 2) + d);
+            ls[s] = __ldcg(all + (u64)s * (d + 2) + d + 1);
+            as[s] = j < d ? __ldcg(all + (u64)s * (d + 2) + j) : 0.f;
+        }
+    }
+    float m_all = -INFINITY, l_all = 0.f, a = 0.f;
+#pragma unroll
+    for (int s = 0; s < ATT_SPLITS_MAX; s++)
+        if (s < shares) m_all = fmaxf(m_all, ms[s]);
+#pragma unroll
+    for (int s = 0; s < ATT_SPLITS_MAX; s++) {
+        if (s < shares) {
+            const float c = expf(ms[s] - m_all);
+            l_all += ls[s] * c;
+            a += as[s] * c;
+        }
+    }
+    // (d is a multiple of 32 and at most blockDim.x: whole warps quantize their 32 values.)
+    if (j < d) {
         o[j] = a / l_all;
         if (xq) quantize32(a / l_all, xq + (u64)i * xq_bytes(q_heads * d), q_heads * d, h * d + j);
     }

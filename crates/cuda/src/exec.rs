@@ -40,7 +40,8 @@ const HEAD_WARPS: usize = 8;
 
 /// Threads of an attention block (`ATT_WARPS` warps in attention.cu).
 const ATTENTION_THREADS: u32 = 512;
-/// Most blocks a one-row attention gives each query head (each over a share of the positions).
+/// Most blocks a one-row attention gives each query head (each over a share of the positions;
+/// `ATT_SPLITS_MAX` in attention.cu, whose merge holds one value per share in registers).
 const ATTENTION_SPLITS_MAX: usize = 16;
 
 /// Blocks per query head of a one-row attention launch: enough to give every multiprocessor a

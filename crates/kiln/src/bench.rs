@@ -1,8 +1,8 @@
-//! `kiln bench`: llama-bench style throughput of prompt processing (`pp N`: N tokens from an empty
-//! cache in one forward call) and token generation (`tg N`: N greedy decode steps from an empty
-//! cache; with S parallel sequences, N batched steps of S sequences, as llama-batched-bench), mean
-//! and standard deviation over repetitions after a warm-up; a markdown table or JSON records with
-//! llama-bench's field names.
+//! `kiln bench`: llama-bench style throughput of prompt processing (`pp N`: N tokens in one forward
+//! call) and token generation (`tg N`: N greedy decode steps; with S parallel sequences, N batched
+//! steps of S sequences, as llama-batched-bench), from an empty cache or after D tokens of context
+//! (`@ dD`, llama-bench's `-d`), mean and standard deviation over repetitions after a warm-up; a
+//! markdown table or JSON records with llama-bench's field names.
 
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -13,26 +13,32 @@ use serde_json::{json, Value};
 use crate::cli::{BenchArgs, BenchOutput};
 
 /// One test: `n_prompt` tokens processed at once, or `n_gen` tokens generated one by one in each
-/// of `seqs` sequences decoded together.
+/// of `seqs` sequences decoded together, after `depth` tokens of context (untimed).
 #[derive(Clone, Copy, Debug)]
 struct Test {
     n_prompt: usize,
     n_gen: usize,
     seqs: usize,
+    depth: usize,
 }
 
 impl Test {
     fn name(&self) -> String {
-        match (self.n_prompt, self.seqs) {
+        let name = match (self.n_prompt, self.seqs) {
             (0, 1) => format!("tg{}", self.n_gen),
             (0, s) => format!("tg{} x{s}", self.n_gen),
             (p, _) => format!("pp{p}"),
+        };
+        if self.depth > 0 {
+            format!("{name} @ d{}", self.depth)
+        } else {
+            name
         }
     }
 
     /// Tokens one sequence holds at the end.
     fn context_needed(&self) -> usize {
-        self.n_prompt + self.n_gen
+        self.depth + self.n_prompt + self.n_gen
     }
 
     /// Tokens processed or generated in all.
@@ -47,18 +53,27 @@ fn prompt_tokens(n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|i| (1000 + (i * 7919 + 13) % span).min(vocab - 1) as u32).collect()
 }
 
-/// Runs `test` once and returns its duration in nanoseconds. Generation decodes its sequences
-/// together, one batched greedy step per token (one sequence: a plain decode step); the first
-/// starts from `<bos>`, the others from their own tokens.
+/// Runs `test` once and returns its duration in nanoseconds. Each sequence first processes the
+/// test's depth in prompt tokens (untimed). Generation decodes its sequences together, one batched
+/// greedy step per token (one sequence: a plain decode step); the first starts from `<bos>`, the
+/// others from their own tokens.
 fn run_once(model: &Model, test: Test) -> Result<u128> {
     let vocab = model.architecture().vocab_size();
-    if test.n_prompt > 0 {
+    let context = prompt_tokens(test.depth + test.n_prompt, vocab);
+    let new_session = || -> Result<_> {
         let mut session = model.new_session()?;
+        if test.depth > 0 {
+            session.forward(&context[..test.depth], OutputMode::NextToken)?;
+        }
+        Ok(session)
+    };
+    if test.n_prompt > 0 {
+        let mut session = new_session()?;
         let t0 = Instant::now();
-        session.forward(&prompt_tokens(test.n_prompt, vocab), OutputMode::NextToken)?;
+        session.forward(&context[test.depth..], OutputMode::NextToken)?;
         return Ok(t0.elapsed().as_nanos());
     }
-    let mut sessions = (0..test.seqs).map(|_| model.new_session()).collect::<Result<Vec<_>, _>>()?;
+    let mut sessions = (0..test.seqs).map(|_| new_session()).collect::<Result<Vec<_>>>()?;
     let bos = model.tokenizer().bos_id().unwrap_or(2);
     let mut tokens: Vec<u32> = std::iter::once(bos).chain(prompt_tokens(test.seqs - 1, vocab)).collect();
     let t0 = Instant::now();
@@ -107,9 +122,12 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if a.seqs.contains(&0) {
         bail!("-s/--seqs must be at least 1");
     }
-    let mut tests: Vec<Test> = a.n_prompt.iter().filter(|&&n| n > 0).map(|&n| Test { n_prompt: n, n_gen: 0, seqs: 1 }).collect();
-    for &n in a.n_gen.iter().filter(|&&n| n > 0) {
-        tests.extend(a.seqs.iter().map(|&seqs| Test { n_prompt: 0, n_gen: n, seqs }));
+    let mut tests = Vec::new();
+    for &depth in &a.n_depth {
+        tests.extend(a.n_prompt.iter().filter(|&&n| n > 0).map(|&n| Test { n_prompt: n, n_gen: 0, seqs: 1, depth }));
+        for &n in a.n_gen.iter().filter(|&&n| n > 0) {
+            tests.extend(a.seqs.iter().map(|&seqs| Test { n_prompt: 0, n_gen: n, seqs, depth }));
+        }
     }
     if tests.is_empty() {
         bail!("nothing to measure: give a positive -p or -n");
@@ -172,6 +190,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 "kernels": if a.model.exact { "exact" } else { "fast" },
                 "n_prompt": test.n_prompt,
                 "n_gen": test.n_gen,
+                "n_depth": test.depth,
                 "n_seqs": test.seqs,
                 "test_time": iso8601_now(),
                 "avg_ns": avg_ns as u64,
@@ -203,10 +222,12 @@ mod tests {
 
     #[test]
     fn test_names_follow_llama_bench() {
-        assert_eq!(Test { n_prompt: 512, n_gen: 0, seqs: 1 }.name(), "pp512");
-        assert_eq!(Test { n_prompt: 0, n_gen: 128, seqs: 1 }.name(), "tg128");
-        assert_eq!(Test { n_prompt: 0, n_gen: 64, seqs: 8 }.name(), "tg64 x8");
-        assert_eq!(Test { n_prompt: 0, n_gen: 64, seqs: 8 }.tokens(), 512);
+        assert_eq!(Test { n_prompt: 512, n_gen: 0, seqs: 1, depth: 0 }.name(), "pp512");
+        assert_eq!(Test { n_prompt: 0, n_gen: 128, seqs: 1, depth: 0 }.name(), "tg128");
+        assert_eq!(Test { n_prompt: 0, n_gen: 64, seqs: 8, depth: 0 }.name(), "tg64 x8");
+        assert_eq!(Test { n_prompt: 0, n_gen: 32, seqs: 1, depth: 512 }.name(), "tg32 @ d512");
+        assert_eq!(Test { n_prompt: 512, n_gen: 0, seqs: 1, depth: 4096 }.context_needed(), 4608);
+        assert_eq!(Test { n_prompt: 0, n_gen: 64, seqs: 8, depth: 0 }.tokens(), 512);
     }
 
     #[test]

@@ -240,6 +240,10 @@ pub struct BenchArgs {
     /// together, one batched step per token, and reports their aggregate tokens/s.
     #[arg(short = 's', long = "seqs", value_delimiter = ',', default_value = "1")]
     pub seqs: Vec<usize>,
+    /// Tokens already in the context before each test (comma-separated, as llama-bench's
+    /// `-d`): each sequence first processes that many prompt tokens, untimed.
+    #[arg(short = 'd', long = "n-depth", value_delimiter = ',', default_value = "0")]
+    pub n_depth: Vec<usize>,
     /// Repetitions of each test (after one warm-up run).
     #[arg(short = 'r', long, default_value_t = 5)]
     pub repetitions: usize,
