@@ -1644,8 +1644,8 @@ __device__ __forceinline__ void mmq_scale(float& acc, float dsx, float2 d, float
 // shared-memory loads with another's products (the checked loop, which partial blocks keep, made
 // every block as slow as a partial one).
 template <int T, int XR, int ST, int NB, int KS, bool FULL, class CopyW, class CopyX>
-__device__ __forceinline__ void mmq_walk(float (&acc)[NB][XR == MMQ_ROWS ? 4 : 2][2], const Mat& m, u8* sm, int steps, int groups, u64 w0,
-                                         const CopyW& copy_w, const CopyX& copy_x) {
+__device__ __forceinline__ void mmq_walk(float (&acc)[NB][XR == MMQ_ROWS ? 4 : 2][2], const Mat& m, u8* sm, int j0, int steps, int groups,
+                                         u64 w0, const CopyW& copy_w, const CopyX& copy_x) {
     constexpr bool FEW = XR == MMQF_ROWS;
     constexpr int G = FEW ? 2 : 4, WR = FEW ? 16 : 8;
     constexpr int BW = WR * NB * (MMQ_WARPS / KS), XB = XR * MMQ_XS, SB = XR * 64, STAGE = mmq_stage<T>(XR, BW);
@@ -1674,8 +1674,8 @@ __device__ __forceinline__ void mmq_walk(float (&acc)[NB][XR == MMQ_ROWS ? 4 : 2
                     const int r = wt + 16 * jb + gid;
                     Tile<T>::frag(ws + r * Tile<T>::STRIDE, i, tid, a[jb][0], a[jb][2]);
                     Tile<T>::frag(ws + (r + 8) * Tile<T>::STRIDE, i, tid, a[jb][1], a[jb][3]);
-                    Tile<T>::scales(ws + r * Tile<T>::STRIDE, i, j, m, w0 + r, d0[jb], m0[jb]);
-                    Tile<T>::scales(ws + (r + 8) * Tile<T>::STRIDE, i, j, m, w0 + r + 8, d1[jb], m1[jb]);
+                    Tile<T>::scales(ws + r * Tile<T>::STRIDE, i, j0 + j, m, w0 + r, d0[jb], m0[jb]);
+                    Tile<T>::scales(ws + (r + 8) * Tile<T>::STRIDE, i, j0 + j, m, w0 + r + 8, d1[jb], m1[jb]);
                 }
 #pragma unroll
                 for (int g = 0; g < G; g++) {
@@ -1705,8 +1705,8 @@ __device__ __forceinline__ void mmq_walk(float (&acc)[NB][XR == MMQ_ROWS ? 4 : 2
                 for (int jb = 0; jb < NB; jb++) {
                     const int r = wt + 8 * jb;
                     Tile<T>::frag(ws + (r + gid) * Tile<T>::STRIDE, i, tid, b[jb][0], b[jb][1]);
-                    Tile<T>::scales(ws + (r + 2 * tid) * Tile<T>::STRIDE, i, j, m, w0 + r + 2 * tid, d0[jb], m0[jb]);
-                    Tile<T>::scales(ws + (r + 2 * tid + 1) * Tile<T>::STRIDE, i, j, m, w0 + r + 2 * tid + 1, d1[jb], m1[jb]);
+                    Tile<T>::scales(ws + (r + 2 * tid) * Tile<T>::STRIDE, i, j0 + j, m, w0 + r + 2 * tid, d0[jb], m0[jb]);
+                    Tile<T>::scales(ws + (r + 2 * tid + 1) * Tile<T>::STRIDE, i, j0 + j, m, w0 + r + 2 * tid + 1, d1[jb], m1[jb]);
                 }
 #pragma unroll
                 for (int g = 0; g < 4; g++) {
@@ -1734,36 +1734,46 @@ __device__ __forceinline__ void mmq_walk(float (&acc)[NB][XR == MMQ_ROWS ? 4 : 2
 // multiple of MMQ_K): block (x, y) takes activation rows XR x.. and weight rows BW y.., BW =
 // WR NB MMQ_WARPS / KS (WR = 8 weight rows a product for XR = MMQ_ROWS, 16 for MMQF_ROWS); its
 // warps form teams of KS that share WR NB weight rows, each warp of a team taking every KS-th
-// sub-block of a stage, summed over the team at the end.
+// sub-block of a stage, summed over the team at the end. With gridDim.z = Z > 1 (few-row blocks of
+// KS = 1 only), block z takes the z-th of Z runs of stages over k, writes its sums to `part` and the last block
+// of (x, y) to arrive (counted in `cnt`, which it resets) adds the Z partial sums in order of z
+// (every run gets the same bits whichever block is last) and writes the outputs.
 template <int T, int XR, int ST, int NB, int KS>
-__device__ __forceinline__ void mmq(const Mat& m, int n, const u8* xq, int k, int rows, float* out) {
+__device__ __forceinline__ void mmq(const Mat& m, int n, const u8* xq, int k, int rows, float* out, float* part, u32* cnt) {
     constexpr bool FEW = XR == MMQF_ROWS;
     constexpr int G = FEW ? 2 : 4, WR = FEW ? 16 : 8, XG = XR / G;
     constexpr int BW = WR * NB * (MMQ_WARPS / KS), XB = XR * MMQ_XS, SB = XR * 64, STAGE = mmq_stage<T>(XR, BW);
     extern __shared__ uint4 mmq_smem[];
+    __shared__ int s_last;
     u8* const sm = (u8*)mmq_smem;
     const int lane = threadIdx.x & 31, wi = threadIdx.x >> 5, gid = lane >> 2, tid = lane & 3;
-    const int team = wi / KS, part = wi % KS;
+    const int team = wi / KS, part_of = wi % KS;
     const int a0 = XR * (int)blockIdx.x, groups = min(G, (rows - a0 + XG - 1) / XG);
     const u64 w0 = (u64)BW * blockIdx.y;
-    const int steps = k / MMQ_K, xrows = min(XR, rows - a0), wrows = (int)min((u64)BW, (u64)n - w0);
+    // This block's run of stages: [j0, j0 + steps) (all of them but in a few-row block of one team
+    // a warp: only those take runs, and the other kernels keep their code).
+    constexpr bool SPLIT = FEW && KS == 1;
+    const int all_steps = k / MMQ_K, per = SPLIT ? (all_steps + (int)gridDim.z - 1) / (int)gridDim.z : all_steps;
+    const int j0 = SPLIT ? (int)blockIdx.z * per : 0, steps = SPLIT ? max(0, min(all_steps, j0 + per) - j0) : all_steps;
+    const int xrows = min(XR, rows - a0), wrows = (int)min((u64)BW, (u64)n - w0);
     const u64 xqb = xq_bytes(k);
     auto copy_w = [&](int j) {
         u8* dst = sm + (j % ST) * STAGE + XB + SB;
         for (int c = threadIdx.x; c < wrows * Tile<T>::UNITS; c += 32 * MMQ_WARPS)
-            Tile<T>::copy(m, w0 + c / Tile<T>::UNITS, j, dst + (c / Tile<T>::UNITS) * Tile<T>::STRIDE, c % Tile<T>::UNITS);
+            Tile<T>::copy(m, w0 + c / Tile<T>::UNITS, j0 + j, dst + (c / Tile<T>::UNITS) * Tile<T>::STRIDE, c % Tile<T>::UNITS);
     };
     auto copy_x = [&](int j) {
         u8* dst = sm + (j % ST) * STAGE;
+        const int jg = j0 + j;
         for (int c = threadIdx.x; c < xrows * MMQ_XUNITS; c += 32 * MMQ_WARPS) {
             const int r = c / MMQ_XUNITS, u = c % MMQ_XUNITS;
             const u8* src = xq + (u64)(a0 + r) * xqb;
             if (u < 8)
-                cp_async16(dst + r * MMQ_XS + 16 * u, src + MMQ_K * j + 16 * u);
+                cp_async16(dst + r * MMQ_XS + 16 * u, src + MMQ_K * jg + 16 * u);
             else if (u < 16)
-                cp_async16(dst + r * MMQ_XS + 16 * u, src + k + MMQ_K * j + 16 * (u - 8));
+                cp_async16(dst + r * MMQ_XS + 16 * u, src + k + MMQ_K * jg + 16 * (u - 8));
             else
-                cp_async16(dst + XB + 64 * r + 16 * (u - 16), src + 2 * (u64)k + 64 * j + 16 * (u - 16));
+                cp_async16(dst + XB + 64 * r + 16 * (u - 16), src + 2 * (u64)k + 64 * jg + 16 * (u - 16));
         }
     };
     // The weights of the first stages are asked for before waiting for the kernel before (nothing
@@ -1782,9 +1792,9 @@ __device__ __forceinline__ void mmq(const Mat& m, int n, const u8* xq, int k, in
         for (int g = 0; g < G; g++) acc[jb][g][0] = acc[jb][g][1] = 0.f;
     const int wt = WR * NB * team;
     if (groups == G)
-        mmq_walk<T, XR, ST, NB, KS, true>(acc, m, sm, steps, groups, w0, copy_w, copy_x);
+        mmq_walk<T, XR, ST, NB, KS, true>(acc, m, sm, j0, steps, groups, w0, copy_w, copy_x);
     else
-        mmq_walk<T, XR, ST, NB, KS, false>(acc, m, sm, steps, groups, w0, copy_w, copy_x);
+        mmq_walk<T, XR, ST, NB, KS, false>(acc, m, sm, j0, steps, groups, w0, copy_w, copy_x);
     if constexpr (KS > 1) {
         // The stages are free once every warp is past its last products (no copy is in flight).
         float* red = (float*)sm;
@@ -1797,7 +1807,7 @@ __device__ __forceinline__ void mmq(const Mat& m, int n, const u8* xq, int k, in
                 red[((wi * NB + jb) * G + g) * 64 + 2 * lane + 1] = acc[jb][g][1];
             }
         __syncthreads();
-        if (part != 0) return;
+        if (part_of != 0) return;
 #pragma unroll
         for (int jb = 0; jb < NB; jb++)
 #pragma unroll
@@ -1807,6 +1817,34 @@ __device__ __forceinline__ void mmq(const Mat& m, int n, const u8* xq, int k, in
                     acc[jb][g][0] += red[(((wi + w) * NB + jb) * G + g) * 64 + 2 * lane];
                     acc[jb][g][1] += red[(((wi + w) * NB + jb) * G + g) * 64 + 2 * lane + 1];
                 }
+    }
+    if (SPLIT && gridDim.z > 1) {
+        // Each thread's sums at part[((tile Z + z) NACC + q) threads + thread] (coalesced).
+        constexpr int NACC = NB * G * 2, THREADS = 32 * MMQ_WARPS;
+        const u64 tile = (u64)blockIdx.y * gridDim.x + blockIdx.x;
+        float* mine = part + ((tile * gridDim.z + blockIdx.z) * NACC) * THREADS + threadIdx.x;
+#pragma unroll
+        for (int q = 0; q < NACC; q++) mine[q * THREADS] = acc[q / (G * 2)][(q / 2) % G][q % 2];
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const bool last = arrive(cnt + tile, 1u) == gridDim.z - 1;
+            if (last) {
+                acquire();
+                cnt[tile] = 0;
+            }
+            s_last = last;
+        }
+        __syncthreads();
+        if (!s_last) return;
+        const float* all = part + (tile * gridDim.z * NACC) * THREADS + threadIdx.x;
+        float v[NACC];
+#pragma unroll
+        for (int q = 0; q < NACC; q++) v[q] = 0.f;
+        for (u32 z = 0; z < gridDim.z; z++)
+#pragma unroll
+            for (int q = 0; q < NACC; q++) v[q] += __ldcg(all + ((u64)z * NACC + q) * THREADS);
+#pragma unroll
+        for (int q = 0; q < NACC; q++) acc[q / (G * 2)][(q / 2) % G][q % 2] = v[q];
     }
 #pragma unroll
     for (int jb = 0; jb < NB; jb++)
@@ -1836,8 +1874,9 @@ __device__ __forceinline__ void mmq(const Mat& m, int n, const u8* xq, int k, in
 // blocks of 8 activation rows and BW = 128, 64, 32 or 16 weight rows (`MmqBlock` in exec.rs).
 #define KILN_MMQ1(NAME, T, PRE, XR, ST, BW, NB, KS)                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * MMQ_WARPS)                                                          \
-        PRE##BW##_##NAME(const u8* w, u64 rb, u64 nb, int n, const u8* xq, int k, int rows, float* out) {                 \
-        mmq<T, XR, ST, NB, KS>(Mat{w, rb, nb}, n, xq, k, rows, out);                                                       \
+        PRE##BW##_##NAME(const u8* w, u64 rb, u64 nb, int n, const u8* xq, int k, int rows, float* out, float* part,      \
+                         u32* cnt) {                                                                                      \
+        mmq<T, XR, ST, NB, KS>(Mat{w, rb, nb}, n, xq, k, rows, out, part, cnt);                                            \
     }
 #define KILN_MMQ(NAME, T)                                                                                                 \
     KILN_MMQ1(NAME, T, mmq, MMQ_ROWS, MMQ_STAGES, 128, 4, 1)                                                              \

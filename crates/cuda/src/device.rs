@@ -223,11 +223,18 @@ impl Device {
     /// programmatic dependent launch (sm_90+) the kernel may start while the previous one runs:
     /// every kernel waits for its predecessor before touching what it wrote (common.cuh).
     pub(crate) fn launch(&self, name: &str, grid: (u32, u32), block: u32, args: &[Arg]) -> Result<(), RuntimeError> {
-        self.launch_shared(name, grid, block, 0, args)
+        self.launch_shared(name, (grid.0, grid.1, 1), block, 0, args)
     }
 
-    /// `launch` with `shared` bytes of dynamic shared memory per block.
-    pub(crate) fn launch_shared(&self, name: &str, grid: (u32, u32), block: u32, shared: u32, args: &[Arg]) -> Result<(), RuntimeError> {
+    /// `launch` with a grid of three dimensions and `shared` bytes of dynamic shared memory per block.
+    pub(crate) fn launch_shared(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        shared: u32,
+        args: &[Arg],
+    ) -> Result<(), RuntimeError> {
         let f = self.function(name)?;
         // Each argument in its own 8-byte word (4-byte arguments in the low bytes: little-endian).
         let mut words: Vec<u64> = args
@@ -246,7 +253,7 @@ impl Device {
         let cfg = sys::CUlaunchConfig {
             gridDimX: grid.0.max(1),
             gridDimY: grid.1.max(1),
-            gridDimZ: 1,
+            gridDimZ: grid.2.max(1),
             blockDimX: block,
             blockDimY: 1,
             blockDimZ: 1,

@@ -185,23 +185,27 @@ fn takes_mmq(ty: GgmlType, k: usize, arch: (i32, i32)) -> bool {
     MMQ_FORMATS.contains(&ty) && arch.0 >= 8 && k.is_multiple_of(MMQ_K)
 }
 
-/// Fewest activation rows of a product of short rows (`MMQ_SHORT_K`) that takes `mmq` rather than
-/// the matrix-vector kernels (measured on an H200, synthetic 270M, every row at most 2048 wide: 4
-/// sequences 2,381 -> 2,871 tokens/s, 6 2,871 -> 4,206, 8 3,233 -> 5,566 through `mmq`;
-/// bench/RESULTS.md "issue 4q").
+/// Fewest activation rows of a product that takes `mmq` rather than the matrix-vector kernels
+/// (measured on an H200: synthetic 270M, 4 sequences 2,381 -> 2,871 tokens/s, 6 2,871 -> 4,206,
+/// 8 3,233 -> 5,566, bench/RESULTS.md "issue 4q"; synthetic 12B with long rows split into runs,
+/// 4 sequences 335 -> 542, 8 447 -> 993, "issue 4y").
 const MMQ_MIN_ROWS: usize = 4;
-/// Widest rows (columns) of those products: a matrix-vector lane walks at most two 32-element
-/// chunks of a row that short, so those launches are bound by latency; longer rows keep the
-/// matrix-vector kernels up to `MATVEC_ROWS` rows (synthetic 12B, rows of 3840 and more, through
-/// the few-row `mmq` blocks: 4 sequences 334 -> 310 tokens/s, 5 373 -> 364, 6 405 -> 420, 7 426 ->
-/// 391, 8 446 -> 526; bench/RESULTS.md "issue 4w").
+/// Widest rows (columns) of the products whose few-row `mmq` blocks each walk all of k: a block
+/// over longer rows reads more activation bytes than its multiprocessor's share of the weights and
+/// waits on each stage, so those launches split k into runs (`MmqBlock::shape`).
 const MMQ_SHORT_K: usize = 2048;
+/// Partial sums a few-row `mmq` block of the widest tile writes per run (128 threads x 8).
+const MMQ_RUN_SUMS: usize = 128 * 8;
+/// Fewest stages (`MMQ_K` elements each) in one run of a few-row `mmq` block over part of k.
+const MMQ_RUN_MIN_STEPS: usize = 4;
+/// Blocks a multiprocessor that a few-row `mmq` launch over long rows aims at by splitting k.
+const MMQ_RUN_BLOCKS_PER_SM: usize = 4;
 
 /// Whether a product of `rows` activation rows by a `ty` matrix of `k` columns takes the
 /// matrix-vector kernels on a device of `arch`: up to `MMQ_MIN_ROWS` - 1 rows, and up to
-/// `MATVEC_ROWS` unless its rows are short and `mmq` takes its format.
+/// `MATVEC_ROWS` where `mmq` does not take its format.
 fn takes_matvec(ty: GgmlType, k: usize, rows: usize, arch: (i32, i32)) -> bool {
-    rows < MMQ_MIN_ROWS || rows <= MATVEC_ROWS && (k > MMQ_SHORT_K || !takes_mmq(ty, k, arch))
+    rows < MMQ_MIN_ROWS || rows <= MATVEC_ROWS && !takes_mmq(ty, k, arch)
 }
 
 /// Whether every product of `plan` takes the matrix-vector kernels at `rows` rows.
@@ -274,6 +278,22 @@ impl MmqBlock {
     fn tile(&self, n: usize, rows: usize, sms: usize) -> usize {
         let by = rows.div_ceil(self.rows);
         self.tiles.into_iter().find(|&t| n.div_ceil(t) * by >= sms).unwrap_or(self.tiles[self.tiles.len() - 1])
+    }
+
+    /// The launch of a product of `rows` activation rows of `k` columns by `n` weight rows on `sms`
+    /// multiprocessors: weight rows of a block and runs k is split into (the grid's third
+    /// dimension). Few-row blocks over rows longer than `MMQ_SHORT_K` take the widest tile (one
+    /// warp a team: the kernel splits only those) and as many runs of at least
+    /// `MMQ_RUN_MIN_STEPS` stages as give `MMQ_RUN_BLOCKS_PER_SM` blocks a multiprocessor, no run
+    /// empty; other launches `tile`, one run.
+    fn shape(&self, n: usize, k: usize, rows: usize, sms: usize) -> (usize, usize) {
+        if *self != MMQ_FEW || k <= MMQ_SHORT_K {
+            return (self.tile(n, rows, sms), 1);
+        }
+        let tile = self.tiles[0];
+        let (blocks, steps) = (n.div_ceil(tile) * rows.div_ceil(self.rows), k / MMQ_K);
+        let runs = (MMQ_RUN_BLOCKS_PER_SM * sms / blocks).clamp(1, (steps / MMQ_RUN_MIN_STEPS).max(1));
+        (tile, steps.div_ceil(steps.div_ceil(runs)))
     }
 }
 
@@ -1036,10 +1056,17 @@ pub struct CudaExecutable {
     /// Zeroed counters and argmax slots of the fused kernels (each kernel leaves them zeroed):
     /// `MATVEC_ROWS * ARGMAX_SLOTS` keys, `MATVEC_ROWS` flags, the epilogue and argmax arrival
     /// counters, then the per-32-row counters of the quantized `GeluMul` outputs, then one
-    /// arrival counter per query head of a split one-row attention.
+    /// arrival counter per query head of a split one-row attention, then one per block of rows of
+    /// a few-row `mmq` launch split over k.
     sync: DeviceBuffer,
     /// Byte offset of the attention counters in `sync`.
     sync_attention: u64,
+    /// Byte offset of the `mmq` run counters in `sync`, and how many there are.
+    sync_mmq: u64,
+    mmq_counters: usize,
+    /// The partial sums of few-row `mmq` launches split over k (`MMQ_RUN_SUMS` floats a block and
+    /// run).
+    mmq_parts: DeviceBuffer,
     /// The partial results of a split one-row attention: per query head and share, `head_dim`
     /// sums, their maximum and their sum of weights.
     attention_parts: DeviceBuffer,
@@ -1184,8 +1211,26 @@ impl CudaExecutable {
                 parts = parts.max(q_heads * attention_splits(q_heads, device.sms as usize) * (head_dim + 2));
             }
         }
-        let sync_bytes = sync_attention as usize + 4 * heads;
+        // Few-row mmq launches over long rows: each run's partial sums, a counter per block of (x, y).
+        let (mut runs_sums, mut mmq_counters) = (0, 0);
+        if plan.rows() >= MMQ_MIN_ROWS {
+            for st in &plan.steps {
+                if let Kernel::MatMul { w, k, .. } | Kernel::MatMulArgmax { w, k, .. } = st.kernel {
+                    let m = weights.matrix(w)?;
+                    if takes_mmq(m.ty, k, device.arch) {
+                        let (tile, runs) = MMQ_FEW.shape(m.n, k, MMQ_FEW.rows, device.sms as usize);
+                        if runs > 1 {
+                            runs_sums = runs_sums.max(m.n.div_ceil(tile) * runs * MMQ_RUN_SUMS);
+                            mmq_counters = mmq_counters.max(m.n.div_ceil(tile));
+                        }
+                    }
+                }
+            }
+        }
+        let sync_mmq = (sync_attention as usize + 4 * heads) as u64;
+        let sync_bytes = sync_mmq as usize + 4 * mmq_counters;
         let sync = DeviceBuffer::new(&device.ctx, sync_bytes)?;
+        let mmq_parts = DeviceBuffer::new(&device.ctx, runs_sums.max(1) * 4)?;
         // (Only one-row plans split their attention.)
         let attention_parts = DeviceBuffer::new(&device.ctx, if plan.rows() == 1 { parts.max(1) * 4 } else { 4 })?;
         let private = DeviceBuffer::new(&device.ctx, PRIVATE_ROWS * PROLOGUE_MAX * 4)?;
@@ -1227,6 +1272,9 @@ impl CudaExecutable {
             sync,
             sync_attention,
             attention_parts,
+            sync_mmq,
+            mmq_counters,
+            mmq_parts,
         })
     }
 
@@ -1462,7 +1510,7 @@ impl CudaExecutable {
         if let Some(RingGeometry { rows, warps, stages, blocks }) = ring {
             args.extend([Arg::I32(stages as i32), Arg::U64(sync), Arg::U64(a.argmax), Arg::U64(sync + SYNC_ARGMAX)]);
             let shared = (stages * rows * m.row_bytes) as u32;
-            return self.device.launch_shared(&format!("matvecr{rows}_{fmt}"), (blocks as u32, 1), 32 * warps as u32, shared, &args);
+            return self.device.launch_shared(&format!("matvecr{rows}_{fmt}"), (blocks as u32, 1, 1), 32 * warps as u32, shared, &args);
         }
         let shape = MatVecShape { rows: a.rows, total: rows_of.iter().sum(), n: m.n, k: m.k, glu: a.glu != 0, prologue: a.px != 0 };
         let MatVecGeometry { kernel, per_warp, split, blocks } = shape.geometry(self.device.sms as usize);
@@ -1482,7 +1530,7 @@ impl CudaExecutable {
         ]);
         let ring = if per_warp == 4 { matvec4_shared_bytes(fmt) } else { 0 };
         let shared = if a.px != 0 { ring + (xq_bytes(m.k) as u32).next_multiple_of(16) } else { ring };
-        self.device.launch_shared(&format!("{kernel}_{fmt}"), (blocks as u32, 1), 32 * MATVEC_WARPS as u32, shared, &args)
+        self.device.launch_shared(&format!("{kernel}_{fmt}"), (blocks as u32, 1, 1), 32 * MATVEC_WARPS as u32, shared, &args)
     }
 
     /// Whether the product of `rows` rows by matrix `w` takes the matrix-vector kernels.
@@ -1513,10 +1561,14 @@ impl CudaExecutable {
                 scratch.quantized_of = Some((x, m.k, rows));
             }
             let block = MmqBlock::of(rows);
-            let tile = block.tile(m.n, rows, d.sms as usize);
+            let (tile, runs) = block.shape(m.n, m.k, rows, d.sms as usize);
+            let blocks = rows.div_ceil(block.rows) * m.n.div_ceil(tile);
+            if runs > 1 && (blocks * runs * MMQ_RUN_SUMS > self.mmq_parts.bytes() / 4 || blocks > self.mmq_counters) {
+                return Err(cuda_err(format!("an mmq launch of {blocks} x {runs} blocks outgrows the executable's partial sums")));
+            }
             return d.launch_shared(
                 &format!("{}{tile}_{fmt}", block.prefix),
-                (rows.div_ceil(block.rows) as u32, m.n.div_ceil(tile) as u32),
+                (rows.div_ceil(block.rows) as u32, m.n.div_ceil(tile) as u32, runs as u32),
                 MMQ_THREADS,
                 block.shared(m.ty, tile) as u32,
                 &[
@@ -1528,6 +1580,8 @@ impl CudaExecutable {
                     Arg::I32(m.k as i32),
                     Arg::I32(rows as i32),
                     Arg::U64(out),
+                    Arg::U64(self.mmq_parts.ptr()),
+                    Arg::U64(self.sync.ptr() + self.sync_mmq),
                 ],
             );
         }
@@ -2029,15 +2083,17 @@ mod tests {
     }
 
     #[test]
-    fn products_of_short_rows_take_mmq_from_four_rows() {
+    fn products_take_mmq_from_four_rows() {
         for rows in 1..MMQ_MIN_ROWS {
             assert!(takes_matvec(GgmlType::Q4_K, 640, rows, SM90));
+            assert!(takes_matvec(GgmlType::Q4_K, 3840, rows, SM90));
         }
         for rows in MMQ_MIN_ROWS..=MATVEC_ROWS {
             assert!(!takes_matvec(GgmlType::Q4_K, 640, rows, SM90), "{rows}");
             assert!(!takes_matvec(GgmlType::Q8_0, MMQ_SHORT_K, rows, SM90), "{rows}");
-            // Long rows, formats without mmq and devices without its mma stay.
-            assert!(takes_matvec(GgmlType::Q4_K, 3840, rows, SM90), "{rows}");
+            assert!(!takes_matvec(GgmlType::Q4_K, 3840, rows, SM90), "{rows}");
+            assert!(!takes_matvec(GgmlType::Q6_K, 15360, rows, SM90), "{rows}");
+            // Formats without mmq and devices without its mma stay.
             assert!(takes_matvec(GgmlType::Q5_K, 640, rows, SM90), "{rows}");
             assert!(takes_matvec(GgmlType::Q4_K, 640, rows, (7, 5)), "{rows}");
             // In blocks of 8 activation rows.
@@ -2201,6 +2257,29 @@ mod tests {
         // Few rows: the 270M's gate in 16-row blocks, its head in 128-row ones.
         assert_eq!(tile(2048, 8), 16);
         assert_eq!(tile(262144, 4), 128);
+    }
+
+    #[test]
+    fn few_row_mmq_launches_split_long_rows_into_runs() {
+        let shape = |n, k, rows| MmqBlock::of(rows).shape(n, k, rows, 132);
+        // 12B shapes at 4-8 rows: 128-row tiles, runs of at least 4 stages up to ~4 blocks a
+        // multiprocessor, none empty.
+        for rows in MMQ_MIN_ROWS..=MATVEC_ROWS {
+            assert_eq!(shape(15360, 3840, rows), (128, 4), "gate"); // 120 x 4 blocks, runs of 8 stages
+            assert_eq!(shape(4096, 3840, rows), (128, 6), "q"); // 32 x 6, runs of 5
+            assert_eq!(shape(3840, 15360, rows), (128, 15), "down"); // 30 x 15, runs of 8
+            assert_eq!(shape(262144, 3840, rows), (128, 1), "head");
+        }
+        for (n, k) in [(15360, 3840), (4096, 3840), (3840, 15360), (2304, 4608)] {
+            let (_, runs) = shape(n, k, 8);
+            let per = (k / MMQ_K).div_ceil(runs);
+            assert!(per >= MMQ_RUN_MIN_STEPS && (runs - 1) * per < k / MMQ_K, "{n} x {k}: {runs} runs of {per}");
+            assert!(n.div_ceil(128) * runs * MMQ_RUN_SUMS <= MMQ_RUN_BLOCKS_PER_SM * 132 * MMQ_RUN_SUMS);
+        }
+        // Short rows, and blocks of 32 rows, walk all of k.
+        assert_eq!(shape(2048, 640, 8), (16, 1));
+        assert_eq!(shape(640, 2048, 4), (MmqBlock::of(4).tile(640, 4, 132), 1));
+        assert_eq!(shape(15360, 3840, 16), (64, 1));
     }
 
     #[test]

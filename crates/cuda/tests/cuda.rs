@@ -243,8 +243,9 @@ fn batched_steps_match_each_sequence_alone() {
     }
 }
 
-/// Batched steps at widths whose products of 4-8 rows take the matrix-vector kernels (rows over
-/// 2048 wide, as at 4B and 12B), not `mmq`: 7 sequences run as a step of 8 rows.
+/// Batched steps at widths over 2048 (as at 4B and 12B), where the few-row `mmq` launches of 4-8
+/// rows split k into runs and the last block of each tile adds the runs' partial sums (here 4-9
+/// runs a product): 7 sequences.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
 fn batched_steps_of_wide_rows_match_each_sequence_alone() {
