@@ -194,8 +194,8 @@ const MMQ_MIN_ROWS: usize = 4;
 /// over longer rows reads more activation bytes than its multiprocessor's share of the weights and
 /// waits on each stage, so those launches split k into runs (`MmqBlock::shape`).
 const MMQ_SHORT_K: usize = 2048;
-/// Partial sums a few-row `mmq` block of the widest tile writes per run (128 threads x 8).
-const MMQ_RUN_SUMS: usize = 128 * 8;
+/// Partial sums a few-row `mmq` block of the widest tile writes per run (8 a thread).
+const MMQ_RUN_SUMS: usize = MMQ_THREADS as usize * 8;
 /// Fewest stages (`MMQ_K` elements each) in one run of a few-row `mmq` block over part of k.
 const MMQ_RUN_MIN_STEPS: usize = 4;
 /// Blocks a multiprocessor that a few-row `mmq` launch over long rows aims at by splitting k.
@@ -1061,9 +1061,8 @@ pub struct CudaExecutable {
     sync: DeviceBuffer,
     /// Byte offset of the attention counters in `sync`.
     sync_attention: u64,
-    /// Byte offset of the `mmq` run counters in `sync`, and how many there are.
+    /// Byte offset of the `mmq` run counters in `sync` (they fill it to its end).
     sync_mmq: u64,
-    mmq_counters: usize,
     /// The partial sums of few-row `mmq` launches split over k (`MMQ_RUN_SUMS` floats a block and
     /// run).
     mmq_parts: DeviceBuffer,
@@ -1273,7 +1272,6 @@ impl CudaExecutable {
             sync_attention,
             attention_parts,
             sync_mmq,
-            mmq_counters,
             mmq_parts,
         })
     }
@@ -1563,7 +1561,9 @@ impl CudaExecutable {
             let block = MmqBlock::of(rows);
             let (tile, runs) = block.shape(m.n, m.k, rows, d.sms as usize);
             let blocks = rows.div_ceil(block.rows) * m.n.div_ceil(tile);
-            if runs > 1 && (blocks * runs * MMQ_RUN_SUMS > self.mmq_parts.bytes() / 4 || blocks > self.mmq_counters) {
+            if runs > 1
+                && (blocks * runs * MMQ_RUN_SUMS > self.mmq_parts.bytes() / 4 || 4 * blocks > self.sync.bytes() - self.sync_mmq as usize)
+            {
                 return Err(cuda_err(format!("an mmq launch of {blocks} x {runs} blocks outgrows the executable's partial sums")));
             }
             return d.launch_shared(
