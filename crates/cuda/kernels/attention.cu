@@ -49,7 +49,6 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
     __shared__ float s_acc[ATT_WARPS][ATT_MAX_DIM];
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
     __shared__ float s_qk[2][ATT_MAX_DIM];
-    __shared__ int s_last;
     int head = blockIdx.x / splits, share = blockIdx.x % splits;
     int i = head / q_heads, h = head % q_heads;
     int g = h / (q_heads / kv_heads);
@@ -211,17 +210,7 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
         mine[d + 1] = sum;
     }
     // The last share to arrive merges them all (its reads bypass L1: the others wrote elsewhere).
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const bool last = arrive(cnt + head, 1u) == (u32)shares - 1;
-        if (last) {
-            acquire();
-            cnt[head] = 0;
-        }
-        s_last = last;
-    }
-    __syncthreads();
-    if (!s_last) return;
+    if (!last_to_arrive(cnt + head, (u32)shares)) return;
     // Every share's maximum, weight sum and this thread's value, loaded in one round trip.
     const float* all = part + (u64)head * splits * (d + 2);
     const int j = threadIdx.x;

@@ -144,6 +144,25 @@ __device__ __forceinline__ void acquire() {
 #endif
 }
 
+// Whether this block is the last of `n` blocks to arrive at the counter *c, after every thread of it
+// has written what it shares: thread 0 adds the block's arrival (release); the last block acquires
+// (its reads then see every other block's writes) and resets *c for the next launch. Every
+// thread of the block calls it (two block barriers).
+__device__ __forceinline__ bool last_to_arrive(u32* c, u32 n) {
+    __shared__ int s_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const bool last = arrive(c, 1u) == n - 1;
+        if (last) {
+            acquire();
+            *c = 0;
+        }
+        s_last = last;
+    }
+    __syncthreads();
+    return s_last;
+}
+
 // Asks for the 128-byte line holding `p` to be brought into L2 (no register holds the data).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
