@@ -250,6 +250,141 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
 extern "C" __global__ void attention(ATT_ARGS) { attention_impl<false>(ATT_PASS); }
 extern "C" __global__ void attention_qk(ATT_ARGS) { attention_impl<true>(ATT_PASS); }
 
+// Attention of prompt rows (plans of several rows of a sequence): a block takes ATT_TILE_ROWS
+// consecutive rows and one query head. The rows of one sequence among them (a segment: usually
+// all of them) walk the positions they attend to in chunks of ATT_TILE_KEYS, each chunk's keys and
+// values copied into shared memory once for all the segment's rows (`attention` reads a row's
+// whole past from L2 for every row and head: a prompt of n rows reads it n times). Each warp takes
+// ATT_TILE_RPW rows: lane j scores the chunk's key j against them, an online softmax over the
+// chunks, then every lane adds its d / 32 output elements. Blocks take the last row tiles (the
+// longest pasts) first. Appends nothing (`kv_append` after it).
+#define ATT_TILE_ROWS 16
+#define ATT_TILE_WARPS 8
+#define ATT_TILE_RPW (ATT_TILE_ROWS / ATT_TILE_WARPS)
+#define ATT_TILE_KEYS 32
+// Floats of a key row in shared memory: d + 4, so that the float4 loads of 8 lanes (one per key)
+// fall in distinct banks.
+#define ATT_TILE_KS(d) ((d) + 4)
+extern "C" __global__ void __launch_bounds__(32 * ATT_TILE_WARPS) attention_tiled(const float* q, const float* k_new, const float* v_new, const u64* cache, float* out, const int* step,
+                    int rows, int q_heads, int kv_heads, int d, int window, float scale, u8* xq) {
+    extern __shared__ float4 att_tile_smem[];
+    float* const sq = (float*)att_tile_smem;            // [ATT_TILE_ROWS][d]
+    float* const sk = sq + ATT_TILE_ROWS * d;            // [ATT_TILE_KEYS][ATT_TILE_KS(d)]
+    float* const sv = sk + ATT_TILE_KEYS * ATT_TILE_KS(d); // [ATT_TILE_KEYS][d]
+    const int h = blockIdx.y, g = h / (q_heads / kv_heads);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, per = d >> 5, d4 = d >> 2, kvw = kv_heads * d;
+    const int r0 = ((int)gridDim.x - 1 - (int)blockIdx.x) * ATT_TILE_ROWS, r1 = min(rows, r0 + ATT_TILE_ROWS);
+    pdl_wait();
+    for (int a = r0; a < r1;) {
+        // Rows a..b of the tile are one sequence's: row i at position ra.pos + i - a; the
+        // sequence's cache holds positions 0..start, its new rows ra.first.. the positions start...
+        const StepRow ra = step_row(step, a);
+        const int b = min(r1, ra.end), start = ra.pos - (a - ra.first);
+        const float *k_cache = (const float*)cache[2 * ra.seq], *v_cache = (const float*)cache[2 * ra.seq + 1];
+        const int p0 = window > 0 ? max(0, ra.pos + 1 - window) : 0, p1 = ra.pos + (b - 1 - a);
+        // (Every warp is past the previous segment's last chunk and query rows.)
+        __syncthreads();
+        for (int c = threadIdx.x; c < (b - a) * d4; c += blockDim.x)
+            cp_async16(sq + (c / d4 + a - r0) * d + 4 * (c % d4), q + ((u64)(a + c / d4) * q_heads + h) * d + 4 * (c % d4));
+        float m[ATT_TILE_RPW], l[ATT_TILE_RPW], acc[ATT_TILE_RPW][ATT_MAX_DIM / 32];
+#pragma unroll
+        for (int r = 0; r < ATT_TILE_RPW; r++) {
+            m[r] = -INFINITY;
+            l[r] = 0.f;
+#pragma unroll
+            for (int u = 0; u < ATT_MAX_DIM / 32; u++) acc[r][u] = 0.f;
+        }
+        for (int c0 = p0; c0 <= p1; c0 += ATT_TILE_KEYS) {
+            const int nk = min(ATT_TILE_KEYS, p1 + 1 - c0);
+            if (c0 != p0) __syncthreads();
+            for (int c = threadIdx.x; c < nk * d4; c += blockDim.x) {
+                const int j = c / d4, t = 4 * (c % d4), pos = c0 + j;
+                const float *kr, *vr;
+                if (pos < start) {
+                    const u64 slot = window > 0 ? (u64)(pos % window) : (u64)pos;
+                    kr = k_cache + slot * kvw + g * d;
+                    vr = v_cache + slot * kvw + g * d;
+                } else {
+                    const u64 r = (u64)(ra.first + pos - start);
+                    kr = k_new + r * kvw + g * d;
+                    vr = v_new + r * kvw + g * d;
+                }
+                cp_async16(sk + j * ATT_TILE_KS(d) + t, kr + t);
+                cp_async16(sv + j * d + t, vr + t);
+            }
+            cp_async_commit();
+            cp_async_wait<0>();
+            __syncthreads();
+            float s[ATT_TILE_RPW];
+#pragma unroll
+            for (int r = 0; r < ATT_TILE_RPW; r++) s[r] = 0.f;
+            if (lane < nk) {
+                const float4* kj = (const float4*)(sk + lane * ATT_TILE_KS(d));
+#pragma unroll 4
+                for (int t = 0; t < d4; t++) {
+                    const float4 kv = kj[t];
+#pragma unroll
+                    for (int r = 0; r < ATT_TILE_RPW; r++) {
+                        const float4 qv = ((const float4*)(sq + (warp * ATT_TILE_RPW + r) * d))[t];
+                        s[r] = fmaf(qv.x, kv.x, s[r]);
+                        s[r] = fmaf(qv.y, kv.y, s[r]);
+                        s[r] = fmaf(qv.z, kv.z, s[r]);
+                        s[r] = fmaf(qv.w, kv.w, s[r]);
+                    }
+                }
+            }
+            // Each row's weights e of the chunk's keys (0 where masked; all 0 for a row outside
+            // the segment or with no key in the chunk, whose state stays as it is).
+            float e[ATT_TILE_RPW];
+#pragma unroll
+            for (int r = 0; r < ATT_TILE_RPW; r++) {
+                const int i = r0 + warp * ATT_TILE_RPW + r, p = ra.pos + (i - a);
+                const int lo = window > 0 ? max(0, p + 1 - window) : 0, pos = c0 + lane;
+                const bool ok = i >= a && i < b && lane < nk && pos >= lo && pos <= p;
+                const float sc = ok ? s[r] * scale : -INFINITY, mx = warp_max(sc);
+                e[r] = 0.f;
+                if (mx != -INFINITY) {
+                    const float mn = fmaxf(m[r], mx), c = expf(m[r] - mn);
+                    e[r] = ok ? expf(sc - mn) : 0.f;
+                    l[r] = l[r] * c + warp_sum(e[r]);
+#pragma unroll
+                    for (int u = 0; u < ATT_MAX_DIM / 32; u++) acc[r][u] *= c;
+                    m[r] = mn;
+                }
+            }
+            for (int j = 0; j < nk; j++) {
+                float pj[ATT_TILE_RPW];
+#pragma unroll
+                for (int r = 0; r < ATT_TILE_RPW; r++) pj[r] = __shfl_sync(0xffffffffu, e[r], j);
+#pragma unroll
+                for (int u = 0; u < ATT_MAX_DIM / 32; u++) {
+                    if (u < per) {
+                        const float v = sv[j * d + lane + 32 * u];
+#pragma unroll
+                        for (int r = 0; r < ATT_TILE_RPW; r++) acc[r][u] = fmaf(pj[r], v, acc[r][u]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < ATT_TILE_RPW; r++) {
+            const int i = r0 + warp * ATT_TILE_RPW + r;
+            if (i < a || i >= b) continue;
+            float* o = out + ((u64)i * q_heads + h) * d;
+#pragma unroll
+            for (int u = 0; u < ATT_MAX_DIM / 32; u++) {
+                if (u < per) {
+                    const float y = acc[r][u] / l[r];
+                    o[lane + 32 * u] = y;
+                    // (Whole warps quantize 32 consecutive values.)
+                    if (xq) quantize32(y, xq + (u64)i * xq_bytes(q_heads * d), q_heads * d, h * d + lane + 32 * u);
+                }
+            }
+        }
+        a = b;
+    }
+}
+
 // Appends the step's new rows to one layer's cache of their sequence (only a sequence's last
 // `window` rows on a sliding layer, so no two blocks write one slot). One block per new row.
 extern "C" __global__ void kv_append(const float* k_new, const float* v_new, const u64* cache, const int* step, int width,

@@ -173,12 +173,14 @@ impl Device {
                 let func = module.load_function(&f).map_err(|e| cuda_err(format!("kernel '{f}': {e}")))?;
                 // Kernels whose blocks take more than the default 48 KiB of shared memory opt in.
                 // (The ring of matvec4 and matvec4p, and the latter's norm prologue row; the
-                // ring of matvecr{rows}; the stages of mmq{tile} and mmqf{tile}.)
+                // ring of matvecr{rows}; the stages of mmq{tile} and mmqf{tile}; a chunk of attention_tiled.)
                 let ring_rows = f.strip_prefix("matvecr").and_then(|r| r.split('_').next()?.parse().ok());
                 let bytes = if let Some(rows) = ring_rows {
                     Some(crate::exec::ring_shared(rows) as u32)
                 } else if let Some((block, tile, ty)) = mmq_kernel(&f) {
                     Some(block.shared(ty, tile) as u32)
+                } else if f == "attention_tiled" {
+                    Some(crate::exec::attention_tile_shared(crate::exec::ATTENTION_MAX_DIM) as u32)
                 } else {
                     f.strip_prefix("matvec4_")
                         .or_else(|| f.strip_prefix("matvec4p_"))
@@ -494,6 +496,9 @@ mod tests {
         ] {
             assert!(ops.contains(&k.to_string()), "{k}");
         }
-        assert_eq!(kernel_names(FAMILIES[2].1), vec!["attention".to_string(), "attention_qk".to_string(), "kv_append".to_string()]);
+        assert_eq!(
+            kernel_names(FAMILIES[2].1),
+            vec!["attention".to_string(), "attention_qk".to_string(), "attention_tiled".to_string(), "kv_append".to_string()]
+        );
     }
 }

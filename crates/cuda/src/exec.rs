@@ -44,6 +44,31 @@ const ATTENTION_THREADS: u32 = 512;
 /// `ATT_SPLITS_MAX` in attention.cu, whose merge holds one value per share in registers).
 const ATTENTION_SPLITS_MAX: usize = 16;
 
+/// Largest head size the attention kernels take (`ATT_MAX_DIM` in attention.cu).
+pub(crate) const ATTENTION_MAX_DIM: usize = 256;
+/// Rows of a block of `attention_tiled` (`ATT_TILE_ROWS`), its threads (`ATT_TILE_WARPS` warps)
+/// and the keys of a chunk (`ATT_TILE_KEYS`).
+const ATTENTION_TILE_ROWS: usize = 16;
+const ATTENTION_TILE_THREADS: u32 = 256;
+const ATTENTION_TILE_KEYS: usize = 32;
+
+/// Dynamic shared memory of an `attention_tiled` block for heads of `d`: its query rows, a chunk's
+/// keys (rows of d + 4) and values.
+pub(crate) fn attention_tile_shared(d: usize) -> usize {
+    4 * (ATTENTION_TILE_ROWS * d + ATTENTION_TILE_KEYS * (d + 4) + ATTENTION_TILE_KEYS * d)
+}
+
+/// Whether the attention of `rows` new rows of `seqs` sequences with `q_heads` query heads takes
+/// `attention_tiled` rather than `attention` (a block per row and head, each reading its row's
+/// past from L2) on a device of `sms` multiprocessors: where the sequences have a tile of rows
+/// each on average (prompts, not decode steps) and the tiles of all heads give at least a quarter
+/// of the multiprocessors a block. Measured on an H200 (bench/RESULTS.md "issue 4z"): default
+/// model prompts of 512 tokens 1.19x, 2048 1.9x, 256 1.03x, 64 after 2048 of context 0.57x (16
+/// blocks: kept on `attention`); synthetic 12B prompts of 512 1.14x, 64 after 2048 1.11x.
+fn takes_tiled_attention(rows: usize, seqs: usize, q_heads: usize, sms: usize) -> bool {
+    rows >= ATTENTION_TILE_ROWS * seqs.max(1) && rows.div_ceil(ATTENTION_TILE_ROWS) * q_heads >= sms / 4
+}
+
 /// Blocks per query head of a one-row attention launch: enough to give every multiprocessor a
 /// block (a decode step has only 4-16 heads), at most `ATTENTION_SPLITS_MAX`; the kernel uses
 /// fewer when the past is short.
@@ -1160,7 +1185,8 @@ impl CudaExecutable {
                     }
                 }
                 Kernel::Attention { head_dim, q_heads, kv_heads, .. } => {
-                    if *head_dim > 256 || !head_dim.is_multiple_of(32) || *kv_heads == 0 || !q_heads.is_multiple_of(*kv_heads) {
+                    if *head_dim > ATTENTION_MAX_DIM || !head_dim.is_multiple_of(32) || *kv_heads == 0 || !q_heads.is_multiple_of(*kv_heads)
+                    {
                         return Err(cuda_err(format!(
                             "attention with head size {head_dim}, {q_heads} query / {kv_heads} key heads is not supported (head size must be a multiple of 32, at most 256)"
                         )));
@@ -1806,33 +1832,57 @@ impl CudaExecutable {
         let append = self.plan.rows() == 1;
         let splits = if append { attention_splits(q_heads, d.sms as usize) } else { 1 };
         let (q, k) = (self.slot(q), self.slot(k));
-        d.launch(
-            if qk.is_some() { "attention_qk" } else { "attention" },
-            ((active * q_heads * splits) as u32, 1),
-            ATTENTION_THREADS,
-            &[
-                Arg::U64(q),
-                Arg::U64(k),
-                Arg::U64(self.slot(v)),
-                Arg::U64(cache),
-                Arg::U64(self.slot(out)),
-                Arg::U64(self.step.ptr()),
-                Arg::I32(q_heads as i32),
-                Arg::I32(kv_heads as i32),
-                Arg::I32(head_dim as i32),
-                Arg::I32(ring),
-                Arg::F32(scale),
-                Arg::I32(append as i32),
-                Arg::U64(quant_out),
-                Arg::U64(wq),
-                Arg::U64(wk),
-                Arg::U64(rope),
-                Arg::F32(eps),
-                Arg::I32(splits as i32),
-                Arg::U64(self.attention_parts.ptr()),
-                Arg::U64(self.sync.ptr() + self.sync_attention),
-            ],
-        )?;
+        if !append && qk.is_none() && takes_tiled_attention(active, run.seqs, q_heads, d.sms as usize) {
+            d.launch_shared(
+                "attention_tiled",
+                (active.div_ceil(ATTENTION_TILE_ROWS) as u32, q_heads as u32, 1),
+                ATTENTION_TILE_THREADS,
+                attention_tile_shared(head_dim) as u32,
+                &[
+                    Arg::U64(q),
+                    Arg::U64(k),
+                    Arg::U64(self.slot(v)),
+                    Arg::U64(cache),
+                    Arg::U64(self.slot(out)),
+                    Arg::U64(self.step.ptr()),
+                    Arg::I32(active as i32),
+                    Arg::I32(q_heads as i32),
+                    Arg::I32(kv_heads as i32),
+                    Arg::I32(head_dim as i32),
+                    Arg::I32(ring),
+                    Arg::F32(scale),
+                    Arg::U64(quant_out),
+                ],
+            )?;
+        } else {
+            d.launch(
+                if qk.is_some() { "attention_qk" } else { "attention" },
+                ((active * q_heads * splits) as u32, 1),
+                ATTENTION_THREADS,
+                &[
+                    Arg::U64(q),
+                    Arg::U64(k),
+                    Arg::U64(self.slot(v)),
+                    Arg::U64(cache),
+                    Arg::U64(self.slot(out)),
+                    Arg::U64(self.step.ptr()),
+                    Arg::I32(q_heads as i32),
+                    Arg::I32(kv_heads as i32),
+                    Arg::I32(head_dim as i32),
+                    Arg::I32(ring),
+                    Arg::F32(scale),
+                    Arg::I32(append as i32),
+                    Arg::U64(quant_out),
+                    Arg::U64(wq),
+                    Arg::U64(wk),
+                    Arg::U64(rope),
+                    Arg::F32(eps),
+                    Arg::I32(splits as i32),
+                    Arg::U64(self.attention_parts.ptr()),
+                    Arg::U64(self.sync.ptr() + self.sync_attention),
+                ],
+            )?;
+        }
         if append {
             return Ok(());
         }
@@ -2191,6 +2241,20 @@ mod tests {
             MatVecShape { rows: 4, total: 4096, n: 4096, k: 640, glu: false, prologue: false }.geometry(132),
             g("matvec", 2, 1, 512)
         );
+    }
+
+    #[test]
+    fn prompts_take_the_tiled_attention_where_its_blocks_fill_the_device() {
+        // Default model (4 query heads) on 132 multiprocessors: from 256 rows (64 blocks).
+        assert!(!takes_tiled_attention(128, 1, 4, 132));
+        assert!(takes_tiled_attention(256, 1, 4, 132));
+        // 12B (16 query heads): from 64 rows.
+        assert!(!takes_tiled_attention(32, 1, 16, 132));
+        assert!(takes_tiled_attention(64, 1, 16, 132));
+        // Decode steps (a row per sequence) and short rows of many sequences never.
+        assert!(!takes_tiled_attention(64, 64, 16, 132));
+        assert!(!takes_tiled_attention(300, 30, 16, 132));
+        assert!(takes_tiled_attention(300, 12, 16, 132));
     }
 
     #[test]

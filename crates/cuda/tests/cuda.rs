@@ -212,6 +212,32 @@ fn decode_over_a_long_past_matches_cpu() {
     }
 }
 
+/// Prompts through the tiled attention (`attention_tiled`: 4 query heads a key head): a batched
+/// prefill of three sequences whose rows share tiles (segments ending inside a tile), then a
+/// second chunk of one of them over its cached past (sliding rings of 8 wrapped, the global layer
+/// over all of it); each against the same sequence alone on the CPU.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+fn prompt_attention_tiles_match_cpu() {
+    let shape = Gemma3Shape { q_heads: 8, kv_heads: 2, context: 512, ..small_shape() };
+    let m = gemma3(&shape, FormatMix::Q4KM, 21);
+    let (c, g) = (load_with_context(&m, cpu(), 512), load_with_context(&m, cuda(), 512));
+    let prompts: Vec<Vec<u32>> = [40, 70, 33].iter().enumerate().map(|(i, &n)| prompt(n, 1000 - 71 * i)).collect();
+    let mut cpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| c.new_session().unwrap()).collect();
+    let mut gpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| g.new_session().unwrap()).collect();
+    let want: Vec<Vec<f32>> = cpu_seqs.iter_mut().zip(&prompts).map(|(s, p)| logits(s, p)).collect();
+    let chunks: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    let mut refs: Vec<&mut Session<'_>> = gpu_seqs.iter_mut().collect();
+    for (i, (got, want)) in g.forward_batch(&mut refs, &chunks, OutputMode::Logits).unwrap().into_iter().zip(&want).enumerate() {
+        let StepOutput::Logits(got) = got.unwrap() else { panic!("batched prefill gave no logits") };
+        let e = rel_l2(&got, want);
+        assert!(e < 1e-3, "batched prefill, sequence {i}: relative L2 {e:.2e}");
+    }
+    let more = prompt(90, 800);
+    let e = rel_l2(&logits(&mut gpu_seqs[1], &more), &logits(&mut cpu_seqs[1], &more));
+    assert!(e < 1e-3, "a second chunk over a past of 70: relative L2 {e:.2e}");
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
 fn q4_k_m_mix_greedy_tokens_match_cpu() {
