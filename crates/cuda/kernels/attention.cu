@@ -266,7 +266,7 @@ extern "C" __global__ void attention_qk(ATT_ARGS) { attention_impl<true>(ATT_PAS
 // fall in distinct banks.
 #define ATT_TILE_KS(d) ((d) + 4)
 extern "C" __global__ void __launch_bounds__(32 * ATT_TILE_WARPS) attention_tiled(const float* q, const float* k_new, const float* v_new, const u64* cache, float* out, const int* step,
-                    int rows, int q_heads, int kv_heads, int d, int window, float scale, u8* xq) {
+                    int q_heads, int kv_heads, int d, int window, float scale, u8* xq, int rows) {
     extern __shared__ float4 att_tile_smem[];
     float* const sq = (float*)att_tile_smem;            // [ATT_TILE_ROWS][d]
     float* const sk = sq + ATT_TILE_ROWS * d;            // [ATT_TILE_KEYS][ATT_TILE_KS(d)]

@@ -1801,8 +1801,9 @@ impl CudaExecutable {
         Ok(())
     }
 
-    /// Attention step `i` over `active` new rows, its output also quantized into `quant_out` (0:
-    /// not), and the KV append into each sequence's cache (checked by `check_kv`); with `qk` (see
+    /// Attention step `i` over `active` new rows (a prompt's through `attention_tiled` where
+    /// `takes_tiled_attention`), its output also quantized into `quant_out` (0: not), and the KV
+    /// append into each sequence's cache (checked by `check_kv`); with `qk` (see
     /// `Op::QkAttention`), the q/k norm and RoPE steps before it too.
     fn attention(&self, i: usize, run: Active, quant_out: u64, qk: Option<[usize; 4]>) -> Result<(), RuntimeError> {
         let active = run.rows;
@@ -1832,56 +1833,42 @@ impl CudaExecutable {
         let append = self.plan.rows() == 1;
         let splits = if append { attention_splits(q_heads, d.sms as usize) } else { 1 };
         let (q, k) = (self.slot(q), self.slot(k));
+        // The arguments both attention kernels begin with.
+        let common = [
+            Arg::U64(q),
+            Arg::U64(k),
+            Arg::U64(self.slot(v)),
+            Arg::U64(cache),
+            Arg::U64(self.slot(out)),
+            Arg::U64(self.step.ptr()),
+            Arg::I32(q_heads as i32),
+            Arg::I32(kv_heads as i32),
+            Arg::I32(head_dim as i32),
+            Arg::I32(ring),
+            Arg::F32(scale),
+        ];
         if !append && qk.is_none() && takes_tiled_attention(active, run.seqs, q_heads, d.sms as usize) {
             d.launch_shared(
                 "attention_tiled",
                 (active.div_ceil(ATTENTION_TILE_ROWS) as u32, q_heads as u32, 1),
                 ATTENTION_TILE_THREADS,
                 attention_tile_shared(head_dim) as u32,
-                &[
-                    Arg::U64(q),
-                    Arg::U64(k),
-                    Arg::U64(self.slot(v)),
-                    Arg::U64(cache),
-                    Arg::U64(self.slot(out)),
-                    Arg::U64(self.step.ptr()),
-                    Arg::I32(active as i32),
-                    Arg::I32(q_heads as i32),
-                    Arg::I32(kv_heads as i32),
-                    Arg::I32(head_dim as i32),
-                    Arg::I32(ring),
-                    Arg::F32(scale),
-                    Arg::U64(quant_out),
-                ],
+                &[&common[..], &[Arg::U64(quant_out), Arg::I32(active as i32)]].concat(),
             )?;
         } else {
-            d.launch(
-                if qk.is_some() { "attention_qk" } else { "attention" },
-                ((active * q_heads * splits) as u32, 1),
-                ATTENTION_THREADS,
-                &[
-                    Arg::U64(q),
-                    Arg::U64(k),
-                    Arg::U64(self.slot(v)),
-                    Arg::U64(cache),
-                    Arg::U64(self.slot(out)),
-                    Arg::U64(self.step.ptr()),
-                    Arg::I32(q_heads as i32),
-                    Arg::I32(kv_heads as i32),
-                    Arg::I32(head_dim as i32),
-                    Arg::I32(ring),
-                    Arg::F32(scale),
-                    Arg::I32(append as i32),
-                    Arg::U64(quant_out),
-                    Arg::U64(wq),
-                    Arg::U64(wk),
-                    Arg::U64(rope),
-                    Arg::F32(eps),
-                    Arg::I32(splits as i32),
-                    Arg::U64(self.attention_parts.ptr()),
-                    Arg::U64(self.sync.ptr() + self.sync_attention),
-                ],
-            )?;
+            let rest = [
+                Arg::I32(append as i32),
+                Arg::U64(quant_out),
+                Arg::U64(wq),
+                Arg::U64(wk),
+                Arg::U64(rope),
+                Arg::F32(eps),
+                Arg::I32(splits as i32),
+                Arg::U64(self.attention_parts.ptr()),
+                Arg::U64(self.sync.ptr() + self.sync_attention),
+            ];
+            let name = if qk.is_some() { "attention_qk" } else { "attention" };
+            d.launch(name, ((active * q_heads * splits) as u32, 1), ATTENTION_THREADS, &[&common[..], &rest[..]].concat())?;
         }
         if append {
             return Ok(());
