@@ -1847,7 +1847,9 @@ impl CudaExecutable {
             Arg::I32(ring),
             Arg::F32(scale),
         ];
-        if !append && qk.is_none() && takes_tiled_attention(active, run.seqs, q_heads, d.sms as usize) {
+        // (The tiled kernel copies query, key and value rows in 16-byte pieces.)
+        let aligned = [q, k, self.slot(v)].iter().all(|p| p.is_multiple_of(16));
+        if !append && qk.is_none() && aligned && takes_tiled_attention(active, run.seqs, q_heads, d.sms as usize) {
             d.launch_shared(
                 "attention_tiled",
                 (active.div_ceil(ATTENTION_TILE_ROWS) as u32, q_heads as u32, 1),
