@@ -2233,6 +2233,20 @@ mod tests {
     }
 
     #[test]
+    fn prompt_plans_keep_the_attention_rows_aligned_for_the_tiled_kernel() {
+        // attention_tiled copies query, key and value rows in 16-byte pieces (else the one-row
+        // kernel runs): the arena keeps them at multiples of 4 words in prompt plans.
+        for (rows, seqs) in [(16, 1), (64, 1), (256, 1), (512, 1), (512, 4)] {
+            let (plan, _) = launches(Bucket::Prefill { rows, seqs }, FormatMix::Q4KM);
+            for st in &plan.steps {
+                if let Kernel::Attention { q, k, v, .. } = st.kernel {
+                    assert!([q, k, v].iter().all(|s| s.offset.is_multiple_of(4)), "{rows} rows of {seqs}: {q:?} {k:?} {v:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn prompts_take_the_tiled_attention_where_its_blocks_fill_the_device() {
         // Default model (4 query heads) on 132 multiprocessors: from 256 rows (64 blocks).
         assert!(!takes_tiled_attention(128, 1, 4, 132));
