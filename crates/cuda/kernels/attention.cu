@@ -40,6 +40,11 @@
 // shared memory, so the decode step needs no separate q/k norm kernel.
 // (attention_qk: the kernel with the q/k norms; `attention` has no code for them, whose registers
 // slowed 12B decode.)
+// The cache slot of position `pos` (a ring of `window` rows on a sliding layer, else every
+// position), and the first position a row at position `p` attends to.
+__device__ __forceinline__ u64 cache_slot(int pos, int window) { return window > 0 ? (u64)(pos % window) : (u64)pos; }
+__device__ __forceinline__ int first_visible(int p, int window) { return window > 0 ? max(0, p + 1 - window) : 0; }
+
 template <bool QK>
 __device__ __forceinline__ void attention_impl(const float* q, const float* k_new, const float* v_new, const u64* cache,
                                                float* out, const int* step, int q_heads, int kv_heads,
@@ -60,7 +65,7 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
     float *k_cache = (float*)cache[2 * seq], *v_cache = (float*)cache[2 * seq + 1];
     // The sequence's cached positions are 0..start; its new rows first.. hold start...
     int p = row.pos, start = p - (i - row.first);
-    int lo = window > 0 ? max(0, p + 1 - window) : 0;
+    int lo = first_visible(p, window);
     // This block's share of the positions lo..p: [b0, e0].
     int len = p + 1 - lo, shares = len < ATT_SPLIT_FROM ? 1 : min(splits, (len + ATT_SPLIT_MIN - 1) / ATT_SPLIT_MIN);
     int per_share = (len + shares - 1) / shares;
@@ -92,7 +97,7 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
         int lines = d >> 5;
         for (int t = threadIdx.x; t < (min(e0 + 1, start) - b0) * lines; t += blockDim.x) {
             int pos = b0 + t / lines;
-            u64 slot = window > 0 ? (u64)(pos % window) : (u64)pos;
+            u64 slot = cache_slot(pos, window);
             prefetch_l2(k_cache + slot * kvw + g * d + 32 * (t % lines));
             prefetch_l2(v_cache + slot * kvw + g * d + 32 * (t % lines));
         }
@@ -129,7 +134,7 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
         acc[t] = 0.f;
     }
     if (append && share == 0 && h % (q_heads / kv_heads) == 0) {
-        u64 slot = window > 0 ? (u64)(p % window) : (u64)p;
+        u64 slot = cache_slot(p, window);
         for (int j = threadIdx.x; j < d; j += blockDim.x) {
             k_cache[slot * kvw + g * d + j] = kh_new[j];
             v_cache[slot * kvw + g * d + j] = v_new[(u64)i * kvw + g * d + j];
@@ -146,7 +151,7 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
             if (pos <= e0) {
                 const float *kr, *vr;
                 if (pos < start) {
-                    u64 slot = window > 0 ? (u64)(pos % window) : (u64)pos;
+                    u64 slot = cache_slot(pos, window);
                     kr = k_cache + slot * kvw + g * d;
                     vr = v_cache + slot * kvw + g * d;
                 } else {
@@ -281,7 +286,7 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_TILE_WARPS) attention_tile
         const StepRow ra = step_row(step, a);
         const int b = min(r1, ra.end), start = ra.pos - (a - ra.first);
         const float *k_cache = (const float*)cache[2 * ra.seq], *v_cache = (const float*)cache[2 * ra.seq + 1];
-        const int p0 = window > 0 ? max(0, ra.pos + 1 - window) : 0, p1 = ra.pos + (b - 1 - a);
+        const int p0 = first_visible(ra.pos, window), p1 = ra.pos + (b - 1 - a);
         // (Every warp is past the previous segment's last chunk and query rows.)
         __syncthreads();
         for (int c = threadIdx.x; c < (b - a) * d4; c += blockDim.x)
@@ -301,7 +306,7 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_TILE_WARPS) attention_tile
                 const int j = c / d4, t = 4 * (c % d4), pos = c0 + j;
                 const float *kr, *vr;
                 if (pos < start) {
-                    const u64 slot = window > 0 ? (u64)(pos % window) : (u64)pos;
+                    const u64 slot = cache_slot(pos, window);
                     kr = k_cache + slot * kvw + g * d;
                     vr = v_cache + slot * kvw + g * d;
                 } else {
@@ -339,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_TILE_WARPS) attention_tile
 #pragma unroll
             for (int r = 0; r < ATT_TILE_RPW; r++) {
                 const int i = r0 + warp * ATT_TILE_RPW + r, p = ra.pos + (i - a);
-                const int lo = window > 0 ? max(0, p + 1 - window) : 0, pos = c0 + lane;
+                const int lo = first_visible(p, window), pos = c0 + lane;
                 const bool ok = i >= a && i < b && lane < nk && pos >= lo && pos <= p;
                 const float sc = ok ? s[r] * scale : -INFINITY, mx = warp_max(sc);
                 e[r] = 0.f;
@@ -396,7 +401,7 @@ extern "C" __global__ void kv_append(const float* k_new, const float* v_new, con
     if (window > 0 && r < row.end - window) return;
     float *k_cache = (float*)cache[2 * row.seq], *v_cache = (float*)cache[2 * row.seq + 1];
     int pos = row.pos;
-    u64 slot = window > 0 ? (u64)(pos % window) : (u64)pos;
+    u64 slot = cache_slot(pos, window);
     for (int j = threadIdx.x; j < width; j += blockDim.x) {
         k_cache[slot * width + j] = k_new[(u64)r * width + j];
         v_cache[slot * width + j] = v_new[(u64)r * width + j];

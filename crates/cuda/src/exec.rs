@@ -1188,7 +1188,7 @@ impl CudaExecutable {
                     if *head_dim > ATTENTION_MAX_DIM || !head_dim.is_multiple_of(32) || *kv_heads == 0 || !q_heads.is_multiple_of(*kv_heads)
                     {
                         return Err(cuda_err(format!(
-                            "attention with head size {head_dim}, {q_heads} query / {kv_heads} key heads is not supported (head size must be a multiple of 32, at most 256)"
+                            "attention with head size {head_dim}, {q_heads} query / {kv_heads} key heads is not supported (head size must be a multiple of 32, at most {ATTENTION_MAX_DIM})"
                         )));
                     }
                 }
