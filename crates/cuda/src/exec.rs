@@ -40,8 +40,8 @@ const HEAD_WARPS: usize = 8;
 
 /// Threads of an attention block (`ATT_WARPS` warps in attention.cu).
 const ATTENTION_THREADS: u32 = 512;
-/// Most blocks a one-row attention gives each query head (each over a share of the positions;
-/// `ATT_SPLITS_MAX` in attention.cu, whose merge holds one value per share in registers).
+/// Most blocks an `attention` launch gives each (row, query head) (each over a share of the
+/// positions; `ATT_SPLITS_MAX` in attention.cu, whose merge holds one value per share in registers).
 const ATTENTION_SPLITS_MAX: usize = 16;
 
 /// Largest head size the attention kernels take (`ATT_MAX_DIM` in attention.cu).
@@ -69,11 +69,12 @@ fn takes_tiled_attention(rows: usize, seqs: usize, q_heads: usize, sms: usize) -
     rows >= ATTENTION_TILE_ROWS * seqs.max(1) && rows.div_ceil(ATTENTION_TILE_ROWS) * q_heads >= sms / 4
 }
 
-/// Blocks per query head of a one-row attention launch: enough to give every multiprocessor a
-/// block (a decode step has only 4-16 heads), at most `ATTENTION_SPLITS_MAX`; the kernel uses
-/// fewer when the past is short.
-fn attention_splits(q_heads: usize, sms: usize) -> usize {
-    (sms / q_heads.max(1)).clamp(1, ATTENTION_SPLITS_MAX)
+/// Blocks per (row, query head) of an `attention` launch over `pairs` of them (a step's rows times
+/// its query heads): enough to give every multiprocessor a block (a decode step of one sequence
+/// has only 4-16 heads; one of 8 sequences 32-128 pairs), at most `ATTENTION_SPLITS_MAX`; the
+/// kernel uses fewer when the past is short.
+fn attention_splits(pairs: usize, sms: usize) -> usize {
+    (sms / pairs.max(1)).clamp(1, ATTENTION_SPLITS_MAX)
 }
 /// Warps of a matrix-vector block (`MV_WARPS` in quant.cu).
 const MATVEC_WARPS: usize = 4;
@@ -1232,8 +1233,12 @@ impl CudaExecutable {
         let (mut heads, mut parts) = (0, 0);
         for st in &plan.steps {
             if let Kernel::Attention { q_heads, head_dim, .. } = st.kernel {
-                heads = heads.max(q_heads);
-                parts = parts.max(q_heads * attention_splits(q_heads, device.sms as usize) * (head_dim + 2));
+                let pairs = plan.rows() * q_heads;
+                heads = heads.max(pairs);
+                let splits = attention_splits(pairs, device.sms as usize);
+                if splits > 1 {
+                    parts = parts.max(pairs * splits * (head_dim + 2));
+                }
             }
         }
         // Few-row mmq launches over long rows: each run's partial sums, a counter per block of (x, y).
@@ -1256,8 +1261,7 @@ impl CudaExecutable {
         let sync_bytes = sync_mmq as usize + 4 * mmq_counters;
         let sync = DeviceBuffer::new(&device.ctx, sync_bytes)?;
         let mmq_parts = DeviceBuffer::new(&device.ctx, runs_sums.max(1) * 4)?;
-        // (Only one-row plans split their attention.)
-        let attention_parts = DeviceBuffer::new(&device.ctx, if plan.rows() == 1 { parts.max(1) * 4 } else { 4 })?;
+        let attention_parts = DeviceBuffer::new(&device.ctx, parts.max(1) * 4)?;
         let private = DeviceBuffer::new(&device.ctx, PRIVATE_ROWS * PROLOGUE_MAX * 4)?;
         let mut ropes = Vec::new();
         for l in &launches {
@@ -1829,9 +1833,10 @@ impl CudaExecutable {
         // The layer's key and value cache addresses, in the step buffer.
         let cache = self.step.ptr() + self.layout.cache(layer) as u64;
         let ring = window.map_or(0, |w| w.min(run.context)) as i32;
-        // A one-row plan appends inside the attention kernel and splits each head's positions.
+        // A one-row plan appends inside the attention kernel.
         let append = self.plan.rows() == 1;
-        let splits = if append { attention_splits(q_heads, d.sms as usize) } else { 1 };
+        // (From the plan's rows, as `parts` was sized.)
+        let splits = attention_splits(self.plan.rows() * q_heads, d.sms as usize);
         let (q, k) = (self.slot(q), self.slot(k));
         // The arguments both attention kernels begin with.
         let common = [
@@ -2262,9 +2267,12 @@ mod tests {
 
     #[test]
     fn one_row_attention_gives_every_multiprocessor_a_block() {
-        // 12B (16 query heads), 270M (4), a device smaller than the heads.
+        // One row of 12B (16 query heads) and 270M (4); 8 rows of 270M, of 12B; a device smaller
+        // than the heads.
         assert_eq!(attention_splits(16, 132), 8);
         assert_eq!(attention_splits(4, 132), ATTENTION_SPLITS_MAX);
+        assert_eq!(attention_splits(32, 132), 4);
+        assert_eq!(attention_splits(128, 132), 1);
         assert_eq!(attention_splits(32, 16), 1);
     }
 

@@ -197,17 +197,31 @@ streamed!(
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
 fn decode_over_a_long_past_matches_cpu() {
-    let m = gemma3(&Gemma3Shape { context: 512, ..small_shape() }, FormatMix::All(GgmlType::Q8_0), 11);
-    let (c, g) = (load_with_context(&m, cpu(), 512), load_with_context(&m, cuda(), 512));
+    decode_over_a_long_past(&Gemma3Shape { context: 512, ..small_shape() }, 100, 180);
+}
+
+/// The same past 2,048 positions with heads of 256: up to the most shares a head has
+/// (`ATT_SPLITS_MAX`, 16).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+fn decode_over_the_longest_splits_matches_cpu() {
+    decode_over_a_long_past(&Gemma3Shape { q_heads: 2, kv_heads: 1, head_dim: 256, context: 2304, ..small_shape() }, 2000, 100);
+}
+
+/// Prefills `past` prompt tokens on the CPU and CUDA, then decodes `steps` greedy tokens: every
+/// step's logits within relative L2 1e-3 of the CPU's.
+fn decode_over_a_long_past(shape: &Gemma3Shape, past: usize, steps: usize) {
+    let m = gemma3(shape, FormatMix::All(GgmlType::Q8_0), 11);
+    let (c, g) = (load_with_context(&m, cpu(), shape.context), load_with_context(&m, cuda(), shape.context));
     let (mut sc, mut sg) = (c.new_session().unwrap(), g.new_session().unwrap());
-    let p = prompt(100, 1000);
+    let p = prompt(past, 1000);
     let want = logits(&mut sc, &p);
     assert!(rel_l2(&logits(&mut sg, &p), &want) < 1e-3);
     let mut tok = argmax(&want);
-    for step in 0..180 {
+    for step in 0..steps {
         let want = logits(&mut sc, &[tok]);
         let e = rel_l2(&logits(&mut sg, &[tok]), &want);
-        assert!(e < 1e-3, "decode step {step} after 100: relative L2 {e:.2e}");
+        assert!(e < 1e-3, "decode step {step} after {past}: relative L2 {e:.2e}");
         tok = argmax(&want);
     }
 }
@@ -277,6 +291,40 @@ fn batched_steps_match_each_sequence_alone() {
 fn batched_steps_of_wide_rows_match_each_sequence_alone() {
     let shape = Gemma3Shape { hidden: 2304, layers: 2, q_heads: 8, kv_heads: 4, head_dim: 256, ffn: 4608, ..small_shape() };
     batched_steps_match_shape(cuda(), &shape, &[5, 11, 2, 9, 4, 6, 3]);
+}
+
+/// Batched decode steps over long pasts split each (sequence, head)'s positions over blocks as one
+/// sequence's steps do (here 4 sequences of 4 heads: up to 8 shares each), with graphs and with
+/// host launches: every step's logits within relative L2 1e-3 of each sequence alone on the CPU.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+fn batched_decode_over_long_pasts_matches_each_sequence_alone() {
+    let shape = Gemma3Shape { context: 1024, ..small_shape() };
+    let m = gemma3(&shape, FormatMix::All(GgmlType::Q8_0), 17);
+    let c = load_with_context(&m, cpu(), 1024);
+    for backend in [cuda(), cuda_host_launches()] {
+        let g = load_with_context(&m, backend, 1024);
+        let prompts: Vec<Vec<u32>> = [150, 700, 420, 90].iter().enumerate().map(|(i, &n)| prompt(n, 1000 - 53 * i)).collect();
+        let mut cpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| c.new_session().unwrap()).collect();
+        let mut gpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| g.new_session().unwrap()).collect();
+        let mut tokens = Vec::new();
+        for ((sc, sg), p) in cpu_seqs.iter_mut().zip(gpu_seqs.iter_mut()).zip(&prompts) {
+            let want = logits(sc, p);
+            assert!(rel_l2(&logits(sg, p), &want) < 1e-3);
+            tokens.push(argmax(&want));
+        }
+        for step in 0..60 {
+            let want: Vec<Vec<f32>> = cpu_seqs.iter_mut().zip(&tokens).map(|(s, &t)| logits(s, &[t])).collect();
+            let mut refs: Vec<&mut Session<'_>> = gpu_seqs.iter_mut().collect();
+            let got = g.decode_batch(&mut refs, &tokens, OutputMode::Logits).unwrap();
+            for (i, (got, want)) in got.into_iter().zip(&want).enumerate() {
+                let StepOutput::Logits(got) = got.unwrap() else { panic!("batched decode gave no logits") };
+                let e = rel_l2(&got, want);
+                assert!(e < 1e-3, "batched decode step {step}, sequence {i}: relative L2 {e:.2e}");
+            }
+            tokens = want.iter().map(|w| argmax(w)).collect();
+        }
+    }
 }
 
 fn batched_steps_match(backend: Arc<CudaBackend>, lengths: &[usize]) {
