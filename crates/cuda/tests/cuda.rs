@@ -313,18 +313,31 @@ fn batched_decode_over_long_pasts_matches_each_sequence_alone() {
             assert!(rel_l2(&logits(sg, p), &want) < 1e-3);
             tokens.push(argmax(&want));
         }
-        for step in 0..60 {
-            let want: Vec<Vec<f32>> = cpu_seqs.iter_mut().zip(&tokens).map(|(s, &t)| logits(s, &[t])).collect();
-            let mut refs: Vec<&mut Session<'_>> = gpu_seqs.iter_mut().collect();
-            let got = g.decode_batch(&mut refs, &tokens, OutputMode::Logits).unwrap();
-            for (i, (got, want)) in got.into_iter().zip(&want).enumerate() {
-                let StepOutput::Logits(got) = got.unwrap() else { panic!("batched decode gave no logits") };
-                let e = rel_l2(&got, want);
-                assert!(e < 1e-3, "batched decode step {step}, sequence {i}: relative L2 {e:.2e}");
-            }
-            tokens = want.iter().map(|w| argmax(w)).collect();
-        }
+        batched_decode_steps(&g, &mut cpu_seqs, &mut gpu_seqs, tokens, 60);
     }
+}
+
+/// `steps` batched decode steps of `gpu_seqs` from `tokens`, each sequence's logits within relative
+/// L2 1e-3 of its CPU twin decoding alone; greedy tokens fed back. Returns the last step's tokens.
+fn batched_decode_steps(
+    g: &Model,
+    cpu_seqs: &mut [Session<'_>],
+    gpu_seqs: &mut [Session<'_>],
+    mut tokens: Vec<u32>,
+    steps: usize,
+) -> Vec<u32> {
+    for step in 0..steps {
+        let want: Vec<Vec<f32>> = cpu_seqs.iter_mut().zip(&tokens).map(|(s, &t)| logits(s, &[t])).collect();
+        let mut refs: Vec<&mut Session<'_>> = gpu_seqs.iter_mut().collect();
+        let got = g.decode_batch(&mut refs, &tokens, OutputMode::Logits).unwrap();
+        for (i, (got, want)) in got.into_iter().zip(&want).enumerate() {
+            let StepOutput::Logits(got) = got.unwrap() else { panic!("batched decode gave no logits") };
+            let e = rel_l2(&got, want);
+            assert!(e < 1e-3, "batched decode step {step}, sequence {i}: relative L2 {e:.2e}");
+        }
+        tokens = want.iter().map(|w| argmax(w)).collect();
+    }
+    tokens
 }
 
 fn batched_steps_match(backend: Arc<CudaBackend>, lengths: &[usize]) {
@@ -349,17 +362,7 @@ fn batched_steps_match_shape(backend: Arc<CudaBackend>, shape: &Gemma3Shape, len
         assert!(e < 1e-3, "batched prefill, sequence {i}: relative L2 {e:.2e}");
         tokens.push(argmax(want));
     }
-    for step in 0..10 {
-        let want: Vec<Vec<f32>> = cpu_seqs.iter_mut().zip(&tokens).map(|(s, &t)| logits(s, &[t])).collect();
-        let mut refs: Vec<&mut Session<'_>> = gpu_seqs.iter_mut().collect();
-        let got = g.decode_batch(&mut refs, &tokens, OutputMode::Logits).unwrap();
-        for (i, (got, want)) in got.into_iter().zip(&want).enumerate() {
-            let StepOutput::Logits(got) = got.unwrap() else { panic!("batched decode gave no logits") };
-            let e = rel_l2(&got, want);
-            assert!(e < 1e-3, "batched decode step {step}, sequence {i}: relative L2 {e:.2e}");
-        }
-        tokens = want.iter().map(|w| argmax(w)).collect();
-    }
+    let tokens = batched_decode_steps(&g, &mut cpu_seqs, &mut gpu_seqs, tokens, 10);
     let want: Vec<u32> = cpu_seqs.iter_mut().zip(&tokens).map(|(s, &t)| next_token(s, &[t])).collect();
     let mut refs: Vec<&mut Session<'_>> = gpu_seqs.iter_mut().collect();
     let got: Vec<u32> = g
