@@ -1082,7 +1082,7 @@ pub struct CudaExecutable {
     /// Zeroed counters and argmax slots of the fused kernels (each kernel leaves them zeroed):
     /// `MATVEC_ROWS * ARGMAX_SLOTS` keys, `MATVEC_ROWS` flags, the epilogue and argmax arrival
     /// counters, then the per-32-row counters of the quantized `GeluMul` outputs, then one
-    /// arrival counter per query head of a split one-row attention, then one per block of rows of
+    /// arrival counter per (row, query head) of a split attention, then one per block of rows of
     /// a few-row `mmq` launch split over k.
     sync: DeviceBuffer,
     /// Byte offset of the attention counters in `sync`.
@@ -1092,8 +1092,8 @@ pub struct CudaExecutable {
     /// The partial sums of few-row `mmq` launches split over k (`MMQ_RUN_SUMS` floats a block and
     /// run).
     mmq_parts: DeviceBuffer,
-    /// The partial results of a split one-row attention: per query head and share, `head_dim`
-    /// sums, their maximum and their sum of weights.
+    /// The partial results of a split attention: per (row, query head) and share, `head_dim` sums,
+    /// their maximum and their sum of weights.
     attention_parts: DeviceBuffer,
 }
 
@@ -1230,11 +1230,11 @@ impl CudaExecutable {
             None
         };
         let sync_attention = (SYNC_GLU as usize + 4 * MATVEC_ROWS * max_n.div_ceil(32)) as u64;
-        let (mut heads, mut parts) = (0, 0);
+        let (mut pairs_max, mut parts) = (0, 0);
         for st in &plan.steps {
             if let Kernel::Attention { q_heads, head_dim, .. } = st.kernel {
                 let pairs = plan.rows() * q_heads;
-                heads = heads.max(pairs);
+                pairs_max = pairs_max.max(pairs);
                 let splits = attention_splits(pairs, device.sms as usize);
                 if splits > 1 {
                     parts = parts.max(pairs * splits * (head_dim + 2));
@@ -1257,7 +1257,7 @@ impl CudaExecutable {
                 }
             }
         }
-        let sync_mmq = (sync_attention as usize + 4 * heads) as u64;
+        let sync_mmq = (sync_attention as usize + 4 * pairs_max) as u64;
         let sync_bytes = sync_mmq as usize + 4 * mmq_counters;
         let sync = DeviceBuffer::new(&device.ctx, sync_bytes)?;
         let mmq_parts = DeviceBuffer::new(&device.ctx, runs_sums.max(1) * 4)?;
@@ -2266,7 +2266,7 @@ mod tests {
     }
 
     #[test]
-    fn one_row_attention_gives_every_multiprocessor_a_block() {
+    fn attention_gives_every_multiprocessor_a_block() {
         // One row of 12B (16 query heads) and 270M (4); 8 rows of 270M, of 12B; a device smaller
         // than the heads.
         assert_eq!(attention_splits(16, 132), 8);
