@@ -3,10 +3,11 @@
 use std::cell::RefCell;
 
 use kiln_ir::{RopeMode, RopeSpec};
+use kiln_runtime::KvType;
 
-use crate::kv::LayerStore;
+use crate::kv::{LayerStore, StoredRow};
 use crate::pool::ThreadPool;
-use crate::simd::{dot4, dots, exp_shifted, weighted_sum, Isa, MAX_QUERIES};
+use crate::simd::{self, dot4, dots, exp_shifted, weighted_sum, Isa, MAX_QUERIES};
 use crate::weights::PackedMatrix;
 
 thread_local! {
@@ -272,6 +273,9 @@ struct AttentionScratch {
     sum: Vec<f32>,
     acc: Vec<f32>,
     scores: Vec<f32>,
+    /// One key block's keys and values as f32 (f16 caches only).
+    keys: Vec<f32>,
+    values: Vec<f32>,
 }
 
 thread_local! {
@@ -344,40 +348,57 @@ pub fn attention(pool: &ThreadPool, isa: Isa, segments: &mut [AttentionSegment<'
         let (r0, r1) = (c * chunk, ((c + 1) * chunk).min(rows));
         let (h0, h1) = (g * group + ti * tile, (g * group + (ti + 1) * tile).min((g + 1) * group));
         let nq = h1 - h0;
-        let key = |pos: usize| -> &[f32] {
-            if pos < start {
-                &layer.k_row(pos)[g * d..(g + 1) * d]
-            } else {
-                &k_new[(pos - start) * kvw + g * d..][..d]
-            }
-        };
-        let value = |pos: usize| -> &[f32] {
-            if pos < start {
-                &layer.v_row(pos)[g * d..(g + 1) * d]
-            } else {
-                &v_new[(pos - start) * kvw + g * d..][..d]
+        // Head g's key or value of a position: cached (as stored) or new in this step (f32).
+        let (heads, half) = (g * d..(g + 1) * d, layer.elem() == KvType::F16);
+        let stored = |pos: usize, key: bool| -> Result<StoredRow<'_>, &[f32]> {
+            match (pos < start, key) {
+                (true, true) => Ok(layer.k_row(pos)),
+                (true, false) => Ok(layer.v_row(pos)),
+                (false, true) => Err(&k_new[(pos - start) * kvw + g * d..][..d]),
+                (false, false) => Err(&v_new[(pos - start) * kvw + g * d..][..d]),
             }
         };
         ATTENTION_SCRATCH.with(|s| {
             let mut guard = s.borrow_mut();
-            let st = &mut *guard;
+            let AttentionScratch { max, sum, acc, scores, keys: kbuf, values: vbuf } = &mut *guard;
             let states = (r1 - r0) * nq;
-            st.max.clear();
-            st.max.resize(states, f32::NEG_INFINITY);
-            st.sum.clear();
-            st.sum.resize(states, 0.0);
-            st.acc.clear();
-            st.acc.resize(states * d, 0.0);
-            st.scores.resize(nq * KEY_BLOCK, 0.0);
+            max.clear();
+            max.resize(states, f32::NEG_INFINITY);
+            sum.clear();
+            sum.resize(states, 0.0);
+            acc.clear();
+            acc.resize(states * d, 0.0);
+            scores.resize(nq * KEY_BLOCK, 0.0);
+            kbuf.resize(KEY_BLOCK * d, 0.0);
+            vbuf.resize(KEY_BLOCK * d, 0.0);
             let (lo, hi) = (first_visible(start + r0), start + r1);
-            let mut keys: [&[f32]; KEY_BLOCK] = [&[]; KEY_BLOCK];
-            let mut values: [&[f32]; KEY_BLOCK] = [&[]; KEY_BLOCK];
             let mut b0 = lo / KEY_BLOCK * KEY_BLOCK;
             while b0 < hi {
                 let b1 = (b0 + KEY_BLOCK).min(hi);
+                // An f16 cache's block is read as f32 once for all the task's rows, the step's
+                // own rows rounded as the cache will hold them (so a row's attention is the same
+                // whether its keys were cached by an earlier step or are new in this one).
+                if half {
+                    for pos in b0.max(lo)..b1 {
+                        for (buf, key) in [(&mut *kbuf, true), (&mut *vbuf, false)] {
+                            let out = &mut buf[(pos - b0) * d..][..d];
+                            match stored(pos, key) {
+                                Ok(row) => row.read_f32(isa, heads.clone(), out),
+                                Err(new) => simd::round_f16(isa, new, out),
+                            }
+                        }
+                    }
+                }
+                let mut keys: [&[f32]; KEY_BLOCK] = [&[]; KEY_BLOCK];
+                let mut values: [&[f32]; KEY_BLOCK] = [&[]; KEY_BLOCK];
                 for pos in b0.max(lo)..b1 {
-                    keys[pos - b0] = key(pos);
-                    values[pos - b0] = value(pos);
+                    let j = pos - b0;
+                    (keys[j], values[j]) = match (stored(pos, true), stored(pos, false)) {
+                        (Ok(StoredRow::F32(k)), Ok(StoredRow::F32(v))) if !half => (&k[heads.clone()], &v[heads.clone()]),
+                        (Err(k), Err(v)) if !half => (k, v),
+                        // (An f16 layer: the block converted above.)
+                        _ => (&kbuf[j * d..][..d], &vbuf[j * d..][..d]),
+                    };
                 }
                 for i in r0..r1 {
                     let p = start + i;
@@ -391,7 +412,7 @@ pub fn attention(pool: &ThreadPool, isa: Isa, segments: &mut [AttentionSegment<'
                         let h = (h0 + j).min(h1 - 1);
                         &q[(i * q_heads + h) * d..][..d]
                     });
-                    let sc = &mut st.scores[..nq * nk];
+                    let sc = &mut scores[..nq * nk];
                     dots(isa, &qs[..nq], ks, sc);
                     let state = (i - r0) * nq;
                     let mut alpha = [0f32; MAX_QUERIES];
@@ -400,7 +421,7 @@ pub fn attention(pool: &ThreadPool, isa: Isa, segments: &mut [AttentionSegment<'
                         if let Some(cap) = softcap {
                             row.iter_mut().for_each(|s| *s = soft_cap(*s, cap));
                         }
-                        let (m, l) = (&mut st.max[state + j], &mut st.sum[state + j]);
+                        let (m, l) = (&mut max[state + j], &mut sum[state + j]);
                         let m_new = row.iter().copied().fold(*m, f32::max);
                         // Nothing finite seen yet (only possible for non-finite scores): wait.
                         if m_new == f32::NEG_INFINITY {
@@ -413,23 +434,23 @@ pub fn attention(pool: &ThreadPool, isa: Isa, segments: &mut [AttentionSegment<'
                         *l = *l * alpha[j] + row.iter().sum::<f32>();
                         *m = m_new;
                     }
-                    weighted_sum(isa, &mut st.acc[state * d..(state + nq) * d], &alpha[..nq], sc, vs);
+                    weighted_sum(isa, &mut acc[state * d..(state + nq) * d], &alpha[..nq], sc, vs);
                 }
                 b0 += KEY_BLOCK;
             }
             for i in r0..r1 {
                 for j in 0..nq {
                     let state = (i - r0) * nq + j;
-                    let inv = 1.0 / st.sum[state];
+                    let inv = 1.0 / sum[state];
                     // SAFETY: row i, head h0 + j of the output is written by this task only.
                     let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.ptr().add((i * q_heads + h0 + j) * d), d) };
-                    o.iter_mut().zip(&st.acc[state * d..(state + 1) * d]).for_each(|(o, a)| *o = a * inv);
+                    o.iter_mut().zip(&acc[state * d..(state + 1) * d]).for_each(|(o, a)| *o = a * inv);
                 }
             }
         });
     });
     for seg in segments.iter_mut() {
-        seg.layer.append(&seg.k_new[..seg.rows * kvw], &seg.v_new[..seg.rows * kvw], seg.rows);
+        seg.layer.append(isa, &seg.k_new[..seg.rows * kvw], &seg.v_new[..seg.rows * kvw], seg.rows);
     }
 }
 

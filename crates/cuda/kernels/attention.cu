@@ -40,12 +40,57 @@
 // shared memory, so the decode step needs no separate q/k norm kernel.
 // (attention_qk: the kernel with the q/k norms; `attention` has no code for them, whose registers
 // slowed 12B decode.)
+// A cache element: f32 as computed, or f16 (IEEE half bits, rounded to nearest even). With an
+// f16 cache the step's new rows are read rounded as well (`round`), so a row's attention sees the
+// same keys and values whether they were cached by an earlier step or are new in this one: chunked
+// prompts, decode and batched decode stay the same function of the positions.
+template <class C> struct KvElem;
+template <> struct KvElem<float> {
+    static __device__ __forceinline__ float get(const float* p) { return *p; }
+    static __device__ __forceinline__ void put(float* p, float x) { *p = x; }
+    static __device__ __forceinline__ float round(float x) { return x; }
+};
+template <> struct KvElem<u16> {
+    static __device__ __forceinline__ float of(u16 h) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+        return f;
+    }
+    static __device__ __forceinline__ u16 bits(float x) {
+        u16 h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+        return h;
+    }
+    static __device__ __forceinline__ float get(const u16* p) { return of(*p); }
+    static __device__ __forceinline__ void put(u16* p, float x) { *p = bits(x); }
+    static __device__ __forceinline__ float round(float x) { return of(bits(x)); }
+};
+
+// A lane's `per` consecutive halves at p (per = d / 32: 1, 2, 4 or 8; 2 per bytes, aligned) in
+// one load, as floats.
+__device__ __forceinline__ void halves(const u16* p, int per, float* out) {
+    u32 w[4] = {0u, 0u, 0u, 0u};
+    if (per == 8) {
+        const uint4 v = *(const uint4*)p;
+        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+    } else if (per == 4) {
+        const uint2 v = *(const uint2*)p;
+        w[0] = v.x, w[1] = v.y;
+    } else if (per == 2) {
+        w[0] = *(const u32*)p;
+    } else {
+        w[0] = *p;
+    }
+#pragma unroll
+    for (int t = 0; t < ATT_MAX_DIM / 32; t++) out[t] = KvElem<u16>::of((u16)(w[t / 2] >> (16 * (t % 2))));
+}
+
 // The cache slot of position `pos` (a ring of `window` rows on a sliding layer, else every
 // position), and the first position a row at position `p` attends to.
 __device__ __forceinline__ u64 cache_slot(int pos, int window) { return window > 0 ? (u64)(pos % window) : (u64)pos; }
 __device__ __forceinline__ int first_visible(int p, int window) { return window > 0 ? max(0, p + 1 - window) : 0; }
 
-template <bool QK>
+template <bool QK, class C>
 __device__ __forceinline__ void attention_impl(const float* q, const float* k_new, const float* v_new, const u64* cache,
                                                float* out, const int* step, int q_heads, int kv_heads,
                                                int d, int window, float scale, int append, u8* xq, const float* wq,
@@ -62,7 +107,7 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
     // (A one-row plan's row is sequence 0: its cache addresses are loaded beside its record, not
     // after it.)
     int seq = append ? 0 : row.seq;
-    float *k_cache = (float*)cache[2 * seq], *v_cache = (float*)cache[2 * seq + 1];
+    C *k_cache = (C*)cache[2 * seq], *v_cache = (C*)cache[2 * seq + 1];
     // The sequence's cached positions are 0..start; its new rows first.. hold start...
     int p = row.pos, start = p - (i - row.first);
     int lo = first_visible(p, window);
@@ -94,12 +139,13 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
     // The cached rows were written by earlier steps: brought into L2 before waiting for this step's
     // q, k and v (one 128-byte line per thread and turn; the blocks of a sequence's first row do it).
     if (i == row.first) {
-        int lines = d >> 5;
+        constexpr int LINE = 128 / sizeof(C);
+        int lines = max(1, d / LINE);
         for (int t = threadIdx.x; t < (min(e0 + 1, start) - b0) * lines; t += blockDim.x) {
             int pos = b0 + t / lines;
             u64 slot = cache_slot(pos, window);
-            prefetch_l2(k_cache + slot * kvw + g * d + 32 * (t % lines));
-            prefetch_l2(v_cache + slot * kvw + g * d + 32 * (t % lines));
+            prefetch_l2(k_cache + slot * kvw + g * d + LINE * (t % lines));
+            prefetch_l2(v_cache + slot * kvw + g * d + LINE * (t % lines));
         }
     }
     pdl_wait();
@@ -128,16 +174,20 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
     const float* kh_new = wq ? s_qk[1] : k_new + (u64)i * kvw + g * d;
     float qv[ATT_MAX_DIM / 32], acc[ATT_MAX_DIM / 32];
     const float* qh = wq ? s_qk[0] : q + ((u64)i * q_heads + h) * d;
+    // Lane l holds elements l + 32t of the head (f32 caches: a warp's loads of one t are one
+    // 128-byte line), or l per + t (f16 caches: its per halves of a row are one load).
+    constexpr bool CONTIG = sizeof(C) == 2;
+    auto el = [&](int t) { return CONTIG ? lane * per + t : lane + 32 * t; };
 #pragma unroll
     for (int t = 0; t < ATT_MAX_DIM / 32; t++) {
-        qv[t] = t < per ? qh[lane + 32 * t] : 0.f;
+        qv[t] = t < per ? qh[el(t)] : 0.f;
         acc[t] = 0.f;
     }
     if (append && share == 0 && h % (q_heads / kv_heads) == 0) {
         u64 slot = cache_slot(p, window);
         for (int j = threadIdx.x; j < d; j += blockDim.x) {
-            k_cache[slot * kvw + g * d + j] = kh_new[j];
-            v_cache[slot * kvw + g * d + j] = v_new[(u64)i * kvw + g * d + j];
+            KvElem<C>::put(k_cache + slot * kvw + g * d + j, kh_new[j]);
+            KvElem<C>::put(v_cache + slot * kvw + g * d + j, v_new[(u64)i * kvw + g * d + j]);
         }
     }
     float m = -INFINITY, l = 0.f;
@@ -149,21 +199,38 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
             int pos = pos0 + u * ATT_WARPS;
             s[u] = 0.f;
             if (pos <= e0) {
-                const float *kr, *vr;
-                if (pos < start) {
-                    u64 slot = cache_slot(pos, window);
-                    kr = k_cache + slot * kvw + g * d;
-                    vr = v_cache + slot * kvw + g * d;
-                } else {
-                    // (Position pos of the row's sequence is new row i + pos - p.)
-                    kr = wq ? s_qk[1] : k_new + (u64)(i + pos - p) * kvw + g * d;
-                    vr = v_new + (u64)(i + pos - p) * kvw + g * d;
-                }
+                // (Position pos of the row's sequence is new row i + pos - p.)
+                const float* kn = wq ? s_qk[1] : k_new + (u64)(i + pos - p) * kvw + g * d;
+                const float* vn = v_new + (u64)(i + pos - p) * kvw + g * d;
+                if constexpr (sizeof(C) == 4) {
+                    const float *kr = kn, *vr = vn;
+                    if (pos < start) {
+                        u64 slot = cache_slot(pos, window);
+                        kr = k_cache + slot * kvw + g * d;
+                        vr = v_cache + slot * kvw + g * d;
+                    }
 #pragma unroll
-                for (int t = 0; t < ATT_MAX_DIM / 32; t++) {
-                    if (t < per) {
-                        s[u] += qv[t] * kr[lane + 32 * t];
-                        vv[u][t] = vr[lane + 32 * t];
+                    for (int t = 0; t < ATT_MAX_DIM / 32; t++) {
+                        if (t < per) {
+                            s[u] += qv[t] * kr[lane + 32 * t];
+                            vv[u][t] = vr[lane + 32 * t];
+                        }
+                    }
+                } else if (pos < start) {
+                    u64 slot = cache_slot(pos, window);
+                    float kx[ATT_MAX_DIM / 32];
+                    halves(k_cache + slot * kvw + g * d + lane * per, per, kx);
+                    halves(v_cache + slot * kvw + g * d + lane * per, per, vv[u]);
+#pragma unroll
+                    for (int t = 0; t < ATT_MAX_DIM / 32; t++)
+                        if (t < per) s[u] += qv[t] * kx[t];
+                } else {
+#pragma unroll
+                    for (int t = 0; t < ATT_MAX_DIM / 32; t++) {
+                        if (t < per) {
+                            s[u] += qv[t] * KvElem<C>::round(kn[el(t)]);
+                            vv[u][t] = KvElem<C>::round(vn[el(t)]);
+                        }
                     }
                 }
             }
@@ -185,7 +252,7 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
     }
 #pragma unroll
     for (int t = 0; t < ATT_MAX_DIM / 32; t++)
-        if (t < per) s_acc[warp][lane + 32 * t] = acc[t];
+        if (t < per) s_acc[warp][el(t)] = acc[t];
     if (lane == 0) {
         s_m[warp] = m;
         s_l[warp] = l;
@@ -252,8 +319,10 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
         int q_heads, int kv_heads, int d, int window, float scale, int append, u8 *xq, const float *wq, const float *wk,  \
         const float2 *rope, float eps, int splits, float *part, u32 *cnt
 #define ATT_PASS q, k_new, v_new, cache, out, step, q_heads, kv_heads, d, window, scale, append, xq, wq, wk, rope, eps, splits, part, cnt
-extern "C" __global__ void attention(ATT_ARGS) { attention_impl<false>(ATT_PASS); }
-extern "C" __global__ void attention_qk(ATT_ARGS) { attention_impl<true>(ATT_PASS); }
+extern "C" __global__ void attention(ATT_ARGS) { attention_impl<false, float>(ATT_PASS); }
+extern "C" __global__ void attention_qk(ATT_ARGS) { attention_impl<true, float>(ATT_PASS); }
+extern "C" __global__ void attention_f16(ATT_ARGS) { attention_impl<false, u16>(ATT_PASS); }
+extern "C" __global__ void attention_qk_f16(ATT_ARGS) { attention_impl<true, u16>(ATT_PASS); }
 
 // Attention of prompt rows (plans of several rows of a sequence): a block takes ATT_TILE_ROWS
 // consecutive rows and one query head. The rows of one sequence among them (a segment: usually
@@ -270,8 +339,11 @@ extern "C" __global__ void attention_qk(ATT_ARGS) { attention_impl<true>(ATT_PAS
 // Floats of a key row in shared memory: d + 4, so that the float4 loads of 8 lanes (one per key)
 // fall in distinct banks.
 #define ATT_TILE_KS(d) ((d) + 4)
-extern "C" __global__ void __launch_bounds__(32 * ATT_TILE_WARPS) attention_tiled(const float* q, const float* k_new, const float* v_new, const u64* cache, float* out, const int* step,
-                    int q_heads, int kv_heads, int d, int window, float scale, u8* xq, int rows) {
+#define ATT_TILE_ARGS                                                                                                     \
+    const float *q, const float *k_new, const float *v_new, const u64 *cache, float *out, const int *step, int q_heads,    \
+        int kv_heads, int d, int window, float scale, u8 *xq, int rows
+#define ATT_TILE_PASS q, k_new, v_new, cache, out, step, q_heads, kv_heads, d, window, scale, xq, rows
+template <class C> __device__ __forceinline__ void attention_tiled_impl(ATT_TILE_ARGS) {
     extern __shared__ float4 att_tile_smem[];
     float* const sq = (float*)att_tile_smem;            // [ATT_TILE_ROWS][d]
     float* const sk = sq + ATT_TILE_ROWS * d;            // [ATT_TILE_KEYS][ATT_TILE_KS(d)]
@@ -285,7 +357,7 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_TILE_WARPS) attention_tile
         // sequence's cache holds positions 0..start, its new rows ra.first.. the positions start...
         const StepRow ra = step_row(step, a);
         const int b = min(r1, ra.end), start = ra.pos - (a - ra.first);
-        const float *k_cache = (const float*)cache[2 * ra.seq], *v_cache = (const float*)cache[2 * ra.seq + 1];
+        const C *k_cache = (const C*)cache[2 * ra.seq], *v_cache = (const C*)cache[2 * ra.seq + 1];
         const int p0 = first_visible(ra.pos, window), p1 = ra.pos + (b - 1 - a);
         // (Every warp is past the previous segment's last chunk and query rows.)
         __syncthreads();
@@ -302,20 +374,42 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_TILE_WARPS) attention_tile
         for (int c0 = p0; c0 <= p1; c0 += ATT_TILE_KEYS) {
             const int nk = min(ATT_TILE_KEYS, p1 + 1 - c0);
             if (c0 != p0) __syncthreads();
-            for (int c = threadIdx.x; c < nk * d4; c += blockDim.x) {
-                const int j = c / d4, t = 4 * (c % d4), pos = c0 + j;
-                const float *kr, *vr;
-                if (pos < start) {
-                    const u64 slot = cache_slot(pos, window);
-                    kr = k_cache + slot * kvw + g * d;
-                    vr = v_cache + slot * kvw + g * d;
+            // (A thread takes 4 elements, or with an f16 cache 8: 16 bytes of a cached row, in one load.)
+            constexpr int PER = sizeof(C) == 4 ? 2 : 3;
+            const int dp = d >> PER;
+            for (int c = threadIdx.x; c < nk * dp; c += blockDim.x) {
+                const int j = c / dp, t = (c % dp) << PER, pos = c0 + j;
+                const u64 r = (u64)(ra.first + pos - start);
+                const float *kn = k_new + r * kvw + g * d, *vn = v_new + r * kvw + g * d;
+                if constexpr (sizeof(C) == 4) {
+                    const float *kr = kn, *vr = vn;
+                    if (pos < start) {
+                        const u64 slot = cache_slot(pos, window);
+                        kr = k_cache + slot * kvw + g * d;
+                        vr = v_cache + slot * kvw + g * d;
+                    }
+                    cp_async16(sk + j * ATT_TILE_KS(d) + t, kr + t);
+                    cp_async16(sv + j * d + t, vr + t);
                 } else {
-                    const u64 r = (u64)(ra.first + pos - start);
-                    kr = k_new + r * kvw + g * d;
-                    vr = v_new + r * kvw + g * d;
+                    // (Half rows are converted by the threads.)
+                    float kx[8], vx[8];
+                    if (pos < start) {
+                        const u64 slot = cache_slot(pos, window);
+                        halves(k_cache + slot * kvw + g * d + t, 8, kx);
+                        halves(v_cache + slot * kvw + g * d + t, 8, vx);
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 8; e++) {
+                            kx[e] = KvElem<C>::round(kn[t + e]);
+                            vx[e] = KvElem<C>::round(vn[t + e]);
+                        }
+                    }
+#pragma unroll
+                    for (int e = 0; e < 8; e += 4) {
+                        *(float4*)(sk + j * ATT_TILE_KS(d) + t + e) = make_float4(kx[e], kx[e + 1], kx[e + 2], kx[e + 3]);
+                        *(float4*)(sv + j * d + t + e) = make_float4(vx[e], vx[e + 1], vx[e + 2], vx[e + 3]);
+                    }
                 }
-                cp_async16(sk + j * ATT_TILE_KS(d) + t, kr + t);
-                cp_async16(sv + j * d + t, vr + t);
             }
             cp_async_commit();
             cp_async_wait<0>();
@@ -389,21 +483,31 @@ extern "C" __global__ void __launch_bounds__(32 * ATT_TILE_WARPS) attention_tile
         a = b;
     }
 }
+extern "C" __global__ void __launch_bounds__(32 * ATT_TILE_WARPS) attention_tiled(ATT_TILE_ARGS) {
+    attention_tiled_impl<float>(ATT_TILE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(32 * ATT_TILE_WARPS) attention_tiled_f16(ATT_TILE_ARGS) {
+    attention_tiled_impl<u16>(ATT_TILE_PASS);
+}
 
 // Appends the step's new rows to one layer's cache of their sequence (only a sequence's last
 // `window` rows on a sliding layer, so no two blocks write one slot). One block per new row.
-extern "C" __global__ void kv_append(const float* k_new, const float* v_new, const u64* cache, const int* step, int width,
-                                     int window) {
+template <class C>
+__device__ __forceinline__ void kv_append_impl(const float* k_new, const float* v_new, const u64* cache, const int* step, int width,
+                                               int window) {
     int r = blockIdx.x;
     pdl_wait();
     if (r >= step[0]) return;
     StepRow row = step_row(step, r);
     if (window > 0 && r < row.end - window) return;
-    float *k_cache = (float*)cache[2 * row.seq], *v_cache = (float*)cache[2 * row.seq + 1];
+    C *k_cache = (C*)cache[2 * row.seq], *v_cache = (C*)cache[2 * row.seq + 1];
     int pos = row.pos;
     u64 slot = cache_slot(pos, window);
     for (int j = threadIdx.x; j < width; j += blockDim.x) {
-        k_cache[slot * width + j] = k_new[(u64)r * width + j];
-        v_cache[slot * width + j] = v_new[(u64)r * width + j];
+        KvElem<C>::put(k_cache + slot * width + j, k_new[(u64)r * width + j]);
+        KvElem<C>::put(v_cache + slot * width + j, v_new[(u64)r * width + j]);
     }
 }
+#define KV_APPEND_ARGS const float *k_new, const float *v_new, const u64 *cache, const int *step, int width, int window
+extern "C" __global__ void kv_append(KV_APPEND_ARGS) { kv_append_impl<float>(k_new, v_new, cache, step, width, window); }
+extern "C" __global__ void kv_append_f16(KV_APPEND_ARGS) { kv_append_impl<u16>(k_new, v_new, cache, step, width, window); }

@@ -179,7 +179,7 @@ impl Device {
                     Some(crate::exec::ring_shared(rows) as u32)
                 } else if let Some((block, tile, ty)) = mmq_kernel(&f) {
                     Some(block.shared(ty, tile) as u32)
-                } else if f == "attention_tiled" {
+                } else if f.starts_with("attention_tiled") {
                     Some(crate::exec::attention_tile_shared(crate::exec::ATTENTION_MAX_DIM) as u32)
                 } else {
                     f.strip_prefix("matvec4_")
@@ -498,7 +498,17 @@ mod tests {
         }
         assert_eq!(
             kernel_names(FAMILIES[2].1),
-            vec!["attention".to_string(), "attention_qk".to_string(), "attention_tiled".to_string(), "kv_append".to_string()]
+            [
+                "attention",
+                "attention_qk",
+                "attention_f16",
+                "attention_qk_f16",
+                "attention_tiled",
+                "attention_tiled_f16",
+                "kv_append",
+                "kv_append_f16"
+            ]
+            .map(String::from)
         );
     }
 }

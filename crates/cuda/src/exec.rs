@@ -8,7 +8,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaGraph};
 use kiln_ir::{Bucket, DType};
 use kiln_quant::GgmlType;
-use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KvCache, Plan, Rows, RuntimeError, Slot, Step, StepInputs, WeightId};
+use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KvCache, KvType, Plan, Rows, RuntimeError, Slot, Step, StepInputs, WeightId};
 
 use crate::device::{cuda_err, Arg, Device, DeviceBuffer, Scratch};
 use crate::kv::CudaKvCache;
@@ -972,10 +972,12 @@ fn fuse_at(steps: &[Step], i: usize, weights: &dyn WeightShapes) -> Result<Optio
 
 /// A captured decode step of `rows` sequences. It reads the caches' addresses and the positions
 /// from the step buffer, so it replays for any sessions of the model, but bakes in the launches'
-/// grids (the row count) and the ring sizes of sliding layers, which depend on the caches' context.
+/// grids (the row count), the ring sizes of sliding layers, which depend on the caches' context,
+/// and the attention kernels of the caches' element type.
 struct CapturedStep {
     rows: usize,
     context: usize,
+    kv: KvType,
     graph: CudaGraph,
 }
 
@@ -1144,12 +1146,27 @@ fn mats_k(weights: &CudaWeights, mats: &[(WeightId, u64)]) -> Result<usize, Runt
 }
 
 /// What one run of an executable covers: its active rows, their sequences, and the context of
-/// the sequences' caches (which sets the ring size of sliding layers).
+/// the sequences' caches (which sets the ring size of sliding layers) and their element type
+/// (which picks the attention kernels).
 #[derive(Clone, Copy)]
 struct Active {
     rows: usize,
     seqs: usize,
     context: usize,
+    kv: KvType,
+}
+
+/// The name of attention kernel `base` for caches of `kv` (`attention.cu`: f16 caches take the
+/// `_f16` instances).
+fn kv_kernel(base: &'static str, kv: KvType) -> &'static str {
+    match (kv, base) {
+        (KvType::F32, _) => base,
+        (KvType::F16, "attention") => "attention_f16",
+        (KvType::F16, "attention_qk") => "attention_qk_f16",
+        (KvType::F16, "attention_tiled") => "attention_tiled_f16",
+        (KvType::F16, "kv_append") => "kv_append_f16",
+        (KvType::F16, other) => other,
+    }
 }
 
 /// Rows of a step in a run over `active` rows of `seqs` sequences.
@@ -1856,7 +1873,7 @@ impl CudaExecutable {
         let aligned = [q, k, self.slot(v)].iter().all(|p| p.is_multiple_of(16));
         if !append && qk.is_none() && aligned && takes_tiled_attention(active, run.seqs, q_heads, d.sms as usize) {
             d.launch_shared(
-                "attention_tiled",
+                kv_kernel("attention_tiled", run.kv),
                 (active.div_ceil(ATTENTION_TILE_ROWS) as u32, q_heads as u32, 1),
                 ATTENTION_TILE_THREADS,
                 attention_tile_shared(head_dim) as u32,
@@ -1874,14 +1891,14 @@ impl CudaExecutable {
                 Arg::U64(self.attention_parts.ptr()),
                 Arg::U64(self.sync.ptr() + self.sync_attention),
             ];
-            let name = if qk.is_some() { "attention_qk" } else { "attention" };
+            let name = kv_kernel(if qk.is_some() { "attention_qk" } else { "attention" }, run.kv);
             d.launch(name, ((active * q_heads * splits) as u32, 1), ATTENTION_THREADS, &[&common[..], &rest[..]].concat())?;
         }
         if append {
             return Ok(());
         }
         d.launch(
-            "kv_append",
+            kv_kernel("kv_append", run.kv),
             (active as u32, 1),
             256,
             &[
@@ -1920,7 +1937,7 @@ impl CudaExecutable {
 
     /// Replays the captured step for `run` (one row per sequence), capturing it first if needed.
     fn replay(&mut self, run: Active, scratch: &mut Scratch) -> Result<(), RuntimeError> {
-        let captured = self.graphs.iter().position(|g| g.rows == run.rows && g.context == run.context);
+        let captured = self.graphs.iter().position(|g| g.rows == run.rows && g.context == run.context && g.kv == run.kv);
         let at = if let Some(at) = captured {
             at
         } else {
@@ -1933,7 +1950,7 @@ impl CudaExecutable {
                 stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(|e| cuda_err(format!("capturing a decode graph: {e}")));
             enqueued?;
             let graph = graph?.ok_or_else(|| cuda_err("capturing a decode graph gave no graph"))?;
-            self.graphs.push(CapturedStep { rows: run.rows, context: run.context, graph });
+            self.graphs.push(CapturedStep { rows: run.rows, context: run.context, kv: run.kv, graph });
             self.device.graph_captures.fetch_add(1, Ordering::Relaxed);
             self.graphs.len() - 1
         };
@@ -1980,8 +1997,15 @@ impl CudaExecutable {
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.vocab) {
             return Err(RuntimeError::TokenOutOfRange { id: bad, vocab: self.vocab });
         }
-        let context = kvs[0].context;
+        let (context, elem) = (kvs[0].context, kvs[0].elem);
         for (kv, &r) in kvs.iter().zip(rows) {
+            if kv.elem != elem {
+                return Err(RuntimeError::StepShape(format!(
+                    "the caches of one step must store one element type (got {} and {})",
+                    elem.name(),
+                    kv.elem.name()
+                )));
+            }
             if !Arc::ptr_eq(&kv.device, &self.device) {
                 return Err(RuntimeError::StepShape("the KV cache lives on another CUDA device".into()));
             }
@@ -2004,7 +2028,7 @@ impl CudaExecutable {
         // SAFETY: the step buffer holds layout.bytes() bytes, as many as the words (n <= the
         // plan's rows, sequences <= its sequences); pageable memory is staged before return.
         unsafe { cudarc::driver::result::memcpy_htod_async(self.step.ptr(), &step, device.stream.cu_stream()) }.map_err(cuda_err)?;
-        let run = Active { rows: n, seqs: kvs.len(), context };
+        let run = Active { rows: n, seqs: kvs.len(), context, kv: elem };
         if !self.graphed(n) {
             self.enqueue(run, &mut scratch)?;
         } else if n > self.matvec_rows {

@@ -3,11 +3,11 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use kiln_runtime::{KvCache, KvLayout, LayerKv, RuntimeError};
+use kiln_runtime::{KvCache, KvLayout, KvType, LayerKv, RuntimeError};
 
 use crate::device::{Device, DeviceBuffer};
 
-/// One layer's keys and values on the device: `rows` rows of `k_width`/`v_width` floats.
+/// One layer's keys and values on the device: `rows` rows of `k_width`/`v_width` elements.
 pub(crate) struct DeviceLayer {
     pub(crate) spec: LayerKv,
     pub(crate) k: DeviceBuffer,
@@ -20,6 +20,8 @@ pub struct CudaKvCache {
     pub(crate) layers: Vec<DeviceLayer>,
     pub(crate) len: usize,
     pub(crate) context: usize,
+    /// What the keys and values are stored as.
+    pub(crate) elem: KvType,
 }
 
 impl CudaKvCache {
@@ -30,11 +32,11 @@ impl CudaKvCache {
             let rows = spec.stored_rows(layout.context);
             layers.push(DeviceLayer {
                 spec: *spec,
-                k: DeviceBuffer::new(&device.ctx, rows * spec.k_width() * 4)?,
-                v: DeviceBuffer::new(&device.ctx, rows * spec.v_width() * 4)?,
+                k: DeviceBuffer::new(&device.ctx, rows * spec.k_width() * layout.elem.bytes())?,
+                v: DeviceBuffer::new(&device.ctx, rows * spec.v_width() * layout.elem.bytes())?,
             });
         }
-        Ok(CudaKvCache { device, layers, len: 0, context: layout.context })
+        Ok(CudaKvCache { device, layers, len: 0, context: layout.context, elem: layout.elem })
     }
 }
 

@@ -11,7 +11,7 @@ use kiln_cuda::CudaBackend;
 use kiln_models::synth::{gemma3, FormatMix, Gemma3Shape, SynthModel};
 use kiln_models::{Model, OutputMode, Session, StepOutput};
 use kiln_quant::GgmlType;
-use kiln_runtime::{Backend, EngineConfig};
+use kiln_runtime::{Backend, EngineConfig, KvType};
 use serde_json::Value;
 
 fn cuda() -> Arc<CudaBackend> {
@@ -42,10 +42,15 @@ fn load(m: &SynthModel, backend: Arc<dyn Backend>) -> Model {
 
 /// `load` with a context of `context` positions.
 fn load_with_context(m: &SynthModel, backend: Arc<dyn Backend>, context: usize) -> Model {
+    load_with_config(m, backend, EngineConfig { threads: 0, context, ..Default::default() })
+}
+
+/// `load` with `config`.
+fn load_with_config(m: &SynthModel, backend: Arc<dyn Backend>, config: EngineConfig) -> Model {
     static N: AtomicUsize = AtomicUsize::new(0);
     let path = std::env::temp_dir().join(format!("kiln-cuda-test-{}-{}.gguf", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
     m.write(&path).unwrap();
-    let model = Model::load(&path, backend, EngineConfig { threads: 0, context, ..Default::default() });
+    let model = Model::load(&path, backend, config);
     std::fs::remove_file(&path).unwrap();
     model.unwrap()
 }
@@ -250,6 +255,49 @@ fn prompt_attention_tiles_match_cpu() {
     let more = prompt(90, 800);
     let e = rel_l2(&logits(&mut gpu_seqs[1], &more), &logits(&mut cpu_seqs[1], &more));
     assert!(e < 1e-3, "a second chunk over a past of 70: relative L2 {e:.2e}");
+}
+
+/// An f16 KV cache on CUDA holds what the CPU's f16 cache holds and attends alike (the step's
+/// own rows rounded as cached ones): a batched prefill of three prompts (tiled attention, rings
+/// of 8 wrapped; 503 rows, within a step's 512), one-row decode over a past of 300 (split attention, fused q/k norms, graphs),
+/// batched decode steps of 4 sequences, each within relative L2 1e-3 of the CPU's f16 cache;
+/// and it differs from the f32 cache's logits by rounding only (under 1e-2, not 0), in half the
+/// bytes.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+fn f16_caches_match_the_cpus_f16_cache() {
+    let shape = Gemma3Shape { q_heads: 8, kv_heads: 2, context: 1024, ..small_shape() };
+    let m = gemma3(&shape, FormatMix::Q4KM, 23);
+    let config = |kv_type| EngineConfig { threads: 0, context: 1024, kv_type, ..Default::default() };
+    let (c, g) = (load_with_config(&m, cpu(), config(KvType::F16)), load_with_config(&m, cuda(), config(KvType::F16)));
+    let g32 = load_with_config(&m, cuda(), config(KvType::F32));
+    let prompts: Vec<Vec<u32>> = [300, 70, 33, 100].iter().enumerate().map(|(i, &n)| prompt(n, 1000 - 61 * i)).collect();
+    let mut cpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| c.new_session().unwrap()).collect();
+    let mut gpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| g.new_session().unwrap()).collect();
+    let want: Vec<Vec<f32>> = cpu_seqs.iter_mut().zip(&prompts).map(|(s, p)| logits(s, p)).collect();
+    let chunks: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    let mut refs: Vec<&mut Session<'_>> = gpu_seqs.iter_mut().collect();
+    for (i, (got, want)) in g.forward_batch(&mut refs, &chunks, OutputMode::Logits).unwrap().into_iter().zip(&want).enumerate() {
+        let StepOutput::Logits(got) = got.unwrap() else { panic!("batched prefill gave no logits") };
+        let e = rel_l2(&got, want);
+        assert!(e < 1e-3, "f16 cache, batched prefill, sequence {i}: relative L2 {e:.2e}");
+    }
+    // The f32 cache, same prompt: rounding apart, the same function.
+    let mut s32 = g32.new_session().unwrap();
+    let e = rel_l2(&logits(&mut s32, &prompts[0]), &want[0]);
+    assert!(e > 0.0 && e < 1e-2, "f16 against f32 cache: relative L2 {e:.2e}");
+    assert_eq!(2 * gpu_seqs[0].kv_bytes(), s32.kv_bytes());
+    let mut tok = argmax(&want[0]);
+    for step in 0..40 {
+        let want = logits(&mut cpu_seqs[0], &[tok]);
+        let e = rel_l2(&logits(&mut gpu_seqs[0], &[tok]), &want);
+        assert!(e < 1e-3, "f16 cache, decode step {step} after 300: relative L2 {e:.2e}");
+        tok = argmax(&want);
+    }
+    let tokens: Vec<u32> = cpu_seqs.iter_mut().skip(1).map(|s| next_token(s, &[7])).collect();
+    let gpu_tokens: Vec<u32> = gpu_seqs.iter_mut().skip(1).map(|s| next_token(s, &[7])).collect();
+    assert_eq!(tokens, gpu_tokens, "f16 cache, greedy tokens");
+    batched_decode_steps(&g, &mut cpu_seqs[..], &mut gpu_seqs[..], [tok].into_iter().chain(tokens).collect(), 12);
 }
 
 #[test]

@@ -8,6 +8,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Result};
 use kiln_models::{Model, OutputMode, StepOutput};
+use kiln_runtime::KvType;
 use serde_json::{json, Value};
 
 use crate::cli::{BenchArgs, BenchOutput};
@@ -151,7 +152,13 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         .model
         .as_ref()
         .map_or_else(|| kiln_hub::ensure_default_model().map(|p| p.display().to_string()).unwrap_or_default(), |p| p.display().to_string());
-    let backend = model.backend_name();
+    // (A KV cache other than the default f32 is named beside the backend, as llama-bench adds a
+    // type_k column.)
+    let kv_type = a.model.kv_type;
+    let backend = match kv_type {
+        KvType::F32 => model.backend_name(),
+        other => format!("{} (kv {})", model.backend_name(), other.name()),
+    };
     let threads = if a.model.threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { a.model.threads };
 
     let mut records = Vec::new();
@@ -188,6 +195,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 "n_ubatch": a.model.batch_size,
                 "n_threads": threads,
                 "kernels": if a.model.exact { "exact" } else { "fast" },
+                "type_k": kv_type.name(),
+                "type_v": kv_type.name(),
                 "n_prompt": test.n_prompt,
                 "n_gen": test.n_gen,
                 "n_depth": test.depth,

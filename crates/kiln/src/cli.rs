@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use kiln_runtime::{EngineConfig, KernelPrecision};
+use kiln_runtime::{EngineConfig, KernelPrecision, KvType};
 
 /// kiln: run quantized language models from GGUF files.
 #[derive(Parser, Debug)]
@@ -75,6 +75,10 @@ pub struct ModelArgs {
     /// Run the exact (reference) kernels: weights dequantized to f32, f32 activations; slower.
     #[arg(long)]
     pub exact: bool,
+    /// KV cache element type: `f32` (the reference's numerics) or `f16` (half the cache's memory
+    /// and reads, as llama.cpp's default; keys and values rounded to 11 significant bits).
+    #[arg(long, default_value = "f32", value_parser = parse_kv_type)]
+    pub kv_type: KvType,
     /// Device: `cpu`, `cuda` or `cuda:N` (needs a build with the `cuda` feature), or `auto` (CUDA
     /// when built in and a GPU is present, else the CPU).
     #[arg(long, default_value = "auto")]
@@ -109,6 +113,14 @@ impl std::str::FromStr for DeviceChoice {
     }
 }
 
+/// `--kv-type`.
+fn parse_kv_type(s: &str) -> Result<KvType, String> {
+    [KvType::F32, KvType::F16]
+        .into_iter()
+        .find(|t| t.name() == s)
+        .ok_or_else(|| format!("unknown KV cache type '{s}' (expected f32 or f16)"))
+}
+
 impl ModelArgs {
     /// The engine configuration these flags describe.
     pub fn config(&self) -> EngineConfig {
@@ -117,6 +129,7 @@ impl ModelArgs {
             context: self.context,
             max_prefill_rows: self.batch_size.max(1),
             kernels: if self.exact { KernelPrecision::Exact } else { KernelPrecision::Fast },
+            kv_type: self.kv_type,
             ..EngineConfig::default()
         }
     }

@@ -63,6 +63,9 @@ fn load_with(args: &ModelArgs, config: kiln_runtime::EngineConfig) -> Result<Mod
 /// CPU and `cuda` an error (the CUDA products always take 16-bit integer activations).
 pub(crate) fn backend(device: DeviceChoice, config: &kiln_runtime::EngineConfig) -> Result<Arc<dyn Backend>> {
     let exact = config.kernels == kiln_runtime::KernelPrecision::Exact;
+    if exact && config.kv_type != kiln_runtime::KvType::F32 {
+        bail!("--exact with --kv-type {}: the exact kernels keep the reference's f32 KV cache; drop one of the two", config.kv_type.name());
+    }
     match device {
         DeviceChoice::Cpu => Ok(Arc::new(CpuBackend::from_config(config))),
         DeviceChoice::Cuda(n) if exact => {

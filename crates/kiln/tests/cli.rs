@@ -217,6 +217,29 @@ fn device_flag_is_checked() {
 }
 
 #[test]
+fn kv_type_flag_runs_an_f16_cache_and_rejects_what_it_cannot_do() {
+    let m = model();
+    let r = reference("p0");
+    // Over an f16 cache the greedy continuation is the reference's up to its first near-tie too.
+    let out =
+        kiln(&["run", "--model", m.to_str().unwrap(), "--kv-type", "f16", "--temperature", "0", "-n", "11", r["prompt"].as_str().unwrap()]);
+    let pieces: Vec<&str> = r["greedy"]["pieces"].as_array().unwrap().iter().map(|p| p.as_str().unwrap()).collect();
+    assert_eq!(stdout(&out).trim_end_matches('\n'), pieces[..11].concat().replace('\u{2581}', " "));
+    let out = stdout(&kiln(&["bench", "-m", m.to_str().unwrap(), "--kv-type", "f16", "-p", "8", "-n", "2", "-r", "1", "-o", "json"]));
+    let records: Value = serde_json::from_str(&out).expect("a JSON array");
+    assert!(records.as_array().unwrap().iter().all(|r| r["type_k"] == "f16" && r["type_v"] == "f16"), "{records}");
+    for (args, needle) in [(&["--kv-type", "q8"][..], "unknown KV cache type 'q8'"), (&["--kv-type", "f16", "--exact"][..], "--exact")] {
+        let mut all = vec!["run", "--model", m.to_str().unwrap(), "-n", "1"];
+        all.extend_from_slice(args);
+        all.push("x");
+        let out = kiln(&all);
+        assert!(!out.status.success(), "{args:?} should fail");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[test]
 fn bench_prints_a_table_and_runs_the_exact_kernels_on_request() {
     let m = model();
     let out = stdout(&kiln(&["bench", "-m", m.to_str().unwrap(), "--exact", "-p", "4,6", "-n", "2", "-s", "1,3", "-r", "1"]));

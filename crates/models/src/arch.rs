@@ -2,7 +2,7 @@
 
 use kiln_gguf::GgufFile;
 use kiln_ir::{Bucket, Graph, OutputMode};
-use kiln_runtime::KvLayout;
+use kiln_runtime::{KvLayout, KvType};
 
 use crate::families::config_from_gguf;
 use crate::ModelError;
@@ -13,8 +13,8 @@ pub trait Architecture: Send + Sync {
     fn name(&self) -> &'static str;
     /// The graph for `bucket` producing `mode`'s output.
     fn build_graph(&self, bucket: Bucket, mode: OutputMode) -> Result<Graph, ModelError>;
-    /// Per-layer KV cache layout for a context of `context` tokens.
-    fn kv_layout(&self, context: usize) -> KvLayout;
+    /// Per-layer KV cache layout for a context of `context` tokens stored as `elem`.
+    fn kv_layout(&self, context: usize, elem: KvType) -> KvLayout;
     /// Vocabulary size (logits width).
     fn vocab_size(&self) -> usize;
     /// The context length the model was trained for.

@@ -4,7 +4,7 @@
 //! attention with per-layer window and KV width, a gated MLP, and a (soft-capped) output head.
 
 use kiln_ir::{Bucket, DType, Graph, GraphBuilder, NodeId, OutputMode, RopeSpec};
-use kiln_runtime::{KvLayout, LayerKv};
+use kiln_runtime::{KvLayout, KvType, LayerKv};
 
 use crate::{Architecture, ModelError};
 
@@ -197,13 +197,13 @@ impl Architecture for DecoderConfig {
         Ok(g.finish()?)
     }
 
-    fn kv_layout(&self, context: usize) -> KvLayout {
+    fn kv_layout(&self, context: usize, elem: KvType) -> KvLayout {
         let layers = self
             .layers
             .iter()
             .map(|lc| LayerKv { kv_heads: lc.kv_heads, head_dim_k: lc.head_dim, head_dim_v: lc.head_dim, window: lc.window })
             .collect();
-        KvLayout { layers, context }
+        KvLayout { layers, context, elem }
     }
 
     fn vocab_size(&self) -> usize {

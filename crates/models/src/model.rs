@@ -105,7 +105,7 @@ impl Model {
 
     /// A new, empty sequence.
     pub fn new_session(&self) -> Result<Session<'_>, ModelError> {
-        let kv = self.backend.new_kv_cache(&self.arch.kv_layout(self.config.context))?;
+        let kv = self.backend.new_kv_cache(&self.arch.kv_layout(self.config.context, self.config.kv_type))?;
         Ok(Session { model: self, kv })
     }
 

@@ -12,7 +12,7 @@ use kiln_cpu::CpuBackend;
 use kiln_gguf::{GgufFile, GgufWriter, MetaValue};
 use kiln_ir::RopeMode;
 use kiln_models::{config_from_gguf, Activation, Model, ModelError, OutputMode, StepOutput};
-use kiln_runtime::EngineConfig;
+use kiln_runtime::{EngineConfig, KvType};
 use serde_json::Value;
 
 fn fixture_path(family: &str, ext: &str) -> PathBuf {
@@ -176,7 +176,7 @@ fn each_family_reads_its_switches_from_the_metadata() {
 /// K widths of every layer of the KV cache layout.
 fn model_kv(c: &kiln_models::DecoderConfig) -> Vec<usize> {
     use kiln_models::Architecture;
-    c.kv_layout(64).layers.iter().map(|l| l.kv_heads * l.head_dim_k).collect()
+    c.kv_layout(64, KvType::F32).layers.iter().map(|l| l.kv_heads * l.head_dim_k).collect()
 }
 
 /// The fixture of `family` with its metadata edited by `edit`, as an in-memory file.

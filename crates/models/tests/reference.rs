@@ -1,14 +1,15 @@
 //! Numerics of the CPU paths against the Hugging Face float32 reference
 //! (`../shared/refs`, see its README): token ids, last-position logits, per-token
 //! log-likelihoods and greedy continuations, for every reference prompt; the exact kernels with
-//! tight tolerances, the fast (8-bit activation) kernels with the looser ones of issue 3.
+//! tight tolerances, the fast (8-bit activation) kernels with the looser ones of issue 3, and the
+//! fast kernels over an f16 KV cache with those too.
 
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 use kiln_cpu::CpuBackend;
 use kiln_models::{Model, OutputMode, StepOutput};
-use kiln_runtime::{EngineConfig, KernelPrecision};
+use kiln_runtime::{EngineConfig, KernelPrecision, KvType};
 use serde_json::Value;
 
 fn refs() -> PathBuf {
@@ -18,6 +19,8 @@ fn refs() -> PathBuf {
 /// What one kernel family must achieve against the reference.
 struct Tolerances {
     kernels: KernelPrecision,
+    /// The KV cache's element type.
+    kv: KvType,
     /// Relative L2 error of the last-position logits.
     logits_rel_l2: f64,
     /// Per-token log-likelihood difference (nats): the worst one for exact, the mean for fast.
@@ -32,6 +35,7 @@ struct Tolerances {
 
 const EXACT: Tolerances = Tolerances {
     kernels: KernelPrecision::Exact,
+    kv: KvType::F32,
     logits_rel_l2: 1e-3,
     loglik: 1e-2,
     loglik_mean: false,
@@ -39,16 +43,30 @@ const EXACT: Tolerances = Tolerances {
     mode_diff: 1e-3,
 };
 
-const FAST: Tolerances =
-    Tolerances { kernels: KernelPrecision::Fast, logits_rel_l2: 2e-2, loglik: 0.05, loglik_mean: true, greedy_gap: 5e-2, mode_diff: 1e-3 };
+const FAST: Tolerances = Tolerances {
+    kernels: KernelPrecision::Fast,
+    kv: KvType::F32,
+    logits_rel_l2: 2e-2,
+    loglik: 0.05,
+    loglik_mean: true,
+    greedy_gap: 5e-2,
+    mode_diff: 1e-3,
+};
 
-fn model(kernels: KernelPrecision) -> &'static Model {
+const FAST_F16_KV: Tolerances = Tolerances { kv: KvType::F16, ..FAST };
+
+fn model(kernels: KernelPrecision, kv: KvType) -> &'static Model {
     static EXACT_MODEL: OnceLock<Model> = OnceLock::new();
     static FAST_MODEL: OnceLock<Model> = OnceLock::new();
-    let cell = if kernels == KernelPrecision::Exact { &EXACT_MODEL } else { &FAST_MODEL };
+    static FAST_F16_KV_MODEL: OnceLock<Model> = OnceLock::new();
+    let cell = match (kernels, kv) {
+        (KernelPrecision::Exact, _) => &EXACT_MODEL,
+        (KernelPrecision::Fast, KvType::F32) => &FAST_MODEL,
+        (KernelPrecision::Fast, KvType::F16) => &FAST_F16_KV_MODEL,
+    };
     cell.get_or_init(|| {
         let path = kiln_hub::ensure_default_model().expect("default model");
-        let config = EngineConfig { kernels, ..EngineConfig::default() };
+        let config = EngineConfig { kernels, kv_type: kv, ..EngineConfig::default() };
         Model::load(&path, Arc::new(CpuBackend::from_config(&config)), config).expect("load model")
     })
 }
@@ -87,9 +105,9 @@ fn log_softmax_at(logits: &[f32], id: usize) -> f64 {
 
 fn check_prompt(name: &str, tol: &Tolerances) {
     let r = reference(name);
-    let m = model(tol.kernels);
+    let m = model(tol.kernels, tol.kv);
     let file = name;
-    let name = &format!("{name} ({:?})", tol.kernels);
+    let name = &format!("{name} ({:?}, {} KV cache)", tol.kernels, tol.kv.name());
     let vocab = m.architecture().vocab_size();
 
     // Token ids.
@@ -164,4 +182,10 @@ mod exact {
 mod fast {
     use super::check_prompt;
     prompts!(FAST: p0, p1, p2, p3, p4, p5, p6, p7, p8, long);
+}
+
+/// The fast kernels over an f16 KV cache (`--kv-type f16`): within the fast kernels' tolerances.
+mod fast_f16_kv {
+    use super::check_prompt;
+    prompts!(FAST_F16_KV: p0, p1, p2, p3, p4, p5, p6, p7, p8, long);
 }

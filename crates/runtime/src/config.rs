@@ -17,6 +17,37 @@ pub struct EngineConfig {
     /// Which kernel family the backend runs: fast (integer-quantized activations, integer dot
     /// products) or exact (weights dequantized to f32, f32 accumulation; the reference path).
     pub kernels: KernelPrecision,
+    /// Element type of the KV cache (f32: the reference's numerics; f16: half the memory and
+    /// the cache reads, as llama.cpp's default).
+    pub kv_type: KvType,
+}
+
+/// The element type a KV cache stores keys and values in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KvType {
+    /// 32-bit floats: what the step computes, stored unrounded.
+    #[default]
+    F32,
+    /// IEEE half precision (rounded to nearest even; 11 significant bits, magnitudes up to 65504).
+    F16,
+}
+
+impl KvType {
+    /// Bytes of one stored element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvType::F32 => 4,
+            KvType::F16 => 2,
+        }
+    }
+
+    /// The name used on the command line and in messages (`f32`, `f16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            KvType::F32 => "f32",
+            KvType::F16 => "f16",
+        }
+    }
 }
 
 /// The numerics of a backend's kernels.
@@ -40,6 +71,7 @@ impl Default for EngineConfig {
             max_logit_rows: 64,
             plan_cache_capacity: 16,
             kernels: KernelPrecision::Fast,
+            kv_type: KvType::F32,
         }
     }
 }

@@ -1,5 +1,7 @@
 //! KV cache layout: what each layer keeps.
 
+use crate::KvType;
+
 /// What one layer's KV cache holds per position.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LayerKv {
@@ -14,12 +16,12 @@ pub struct LayerKv {
 }
 
 impl LayerKv {
-    /// Floats per position for keys.
+    /// Elements per position for keys.
     pub fn k_width(&self) -> usize {
         self.kv_heads * self.head_dim_k
     }
 
-    /// Floats per position for values.
+    /// Elements per position for values.
     pub fn v_width(&self) -> usize {
         self.kv_heads * self.head_dim_v
     }
@@ -30,11 +32,13 @@ impl LayerKv {
     }
 }
 
-/// The KV cache layout of a model: one entry per layer, and the context size.
+/// The KV cache layout of a model: one entry per layer, the context size and the element type.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvLayout {
     /// Per-layer layout.
     pub layers: Vec<LayerKv>,
     /// Most positions a sequence may hold.
     pub context: usize,
+    /// What keys and values are stored as.
+    pub elem: KvType,
 }

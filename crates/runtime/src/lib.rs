@@ -19,7 +19,7 @@ mod weights;
 pub use backend::{Backend, DeviceWeights, Executable, HostData, HostTensor, KvCache, StepInputs};
 pub use cache::{CompileCache, PlanKey};
 pub use compile::compile;
-pub use config::{EngineConfig, KernelPrecision};
+pub use config::{EngineConfig, KernelPrecision, KvType};
 pub use error::RuntimeError;
 pub use kv::{KvLayout, LayerKv};
 pub use plan::{Kernel, Plan, PlanInput, PlanOutput, Rows, Slot, Step};

@@ -355,7 +355,7 @@ fn attention_matches_f64_in_one_chunk_and_in_several() {
                     let mut one_chunk: Option<Vec<f32>> = None;
                     for chunks in chunkings {
                         let what = format!("kv_heads={kv_heads} window={window:?} {isa:?} threads={} chunks={chunks:?}", pool.threads());
-                        let mut cache = CpuKvCache::new(&KvLayout { layers: vec![spec], context: 64 });
+                        let mut cache = CpuKvCache::new(&KvLayout { layers: vec![spec], context: 64, elem: KvType::F32 });
                         let layer = cache.layer_mut(0).unwrap();
                         let mut out = vec![f32::NAN; len * qw];
                         let mut start = 0;
@@ -387,9 +387,12 @@ fn attention_matches_f64_in_one_chunk_and_in_several() {
                         }
                         // The layer holds the last positions (a ring of `window` rows when sliding).
                         let kept = window.map_or(0, |w| len - w);
+                        let mut row = vec![0f32; kw];
                         for p in kept..len {
-                            assert_eq!(layer.k_row(p), &k[p * kw..(p + 1) * kw], "{what}: key of position {p}");
-                            assert_eq!(layer.v_row(p), &v[p * kw..(p + 1) * kw], "{what}: value of position {p}");
+                            layer.k_row(p).read_f32(isa, 0..kw, &mut row);
+                            assert_eq!(row, &k[p * kw..(p + 1) * kw], "{what}: key of position {p}");
+                            layer.v_row(p).read_f32(isa, 0..kw, &mut row);
+                            assert_eq!(row, &v[p * kw..(p + 1) * kw], "{what}: value of position {p}");
                         }
                     }
                 }
@@ -401,26 +404,33 @@ fn attention_matches_f64_in_one_chunk_and_in_several() {
 #[test]
 fn attention_over_several_key_blocks_matches_f64_on_odd_sizes() {
     // Longer than a few key blocks, odd head sizes, groups wider than one query tile, and chunkings
-    // that cut blocks anywhere: every chunking gives the same bits.
+    // that cut blocks anywhere: every chunking gives the same bits. With an f16 cache, the keys and
+    // values the reference sees are the f16-rounded ones, the step's own rows included.
     let len = 3 * KEY_BLOCK + 7;
     let mut rng = Rng(0x0dd5_12e5);
     let chunkings: [&[usize]; 3] = [&[len], &[KEY_BLOCK + 5, 1, 2 * KEY_BLOCK + 1], &[13; 8]];
+    let rounded = |x: &[f32]| -> Vec<f32> { x.iter().map(|&x| kiln_quant::f16_to_f32(kiln_quant::f32_to_f16(x))).collect() };
     for (q_heads, kv_heads, d, window) in [(6, 2, 13, None), (5, 1, 37, Some(KEY_BLOCK + 3)), (3, 3, 9, Some(50)), (9, 1, 24, None)] {
         let q: Vec<f32> = rng.vec(len * q_heads * d).iter().map(|v| v * 3.0).collect();
         let k: Vec<f32> = rng.vec(len * kv_heads * d).iter().map(|v| v * 3.0).collect();
         let v = rng.vec(len * kv_heads * d);
         let scale = 1.0 / (d as f32).sqrt();
-        let want = reference_attention(&q, &k, &v, len, q_heads, kv_heads, d, window, scale);
         let spec = LayerKv { kv_heads, head_dim_k: d, head_dim_v: d, window };
         let shape = AttentionShape { q_heads, kv_heads, head_dim: d, window, scale };
         let (qw, kw) = (q_heads * d, kv_heads * d);
-        for isa in Isa::supported() {
+        for (elem, isa) in [KvType::F32, KvType::F16].into_iter().flat_map(|e| Isa::supported().into_iter().map(move |i| (e, i))) {
+            let want = match elem {
+                KvType::F32 => reference_attention(&q, &k, &v, len, q_heads, kv_heads, d, window, scale),
+                KvType::F16 => reference_attention(&q, &rounded(&k), &rounded(&v), len, q_heads, kv_heads, d, window, scale),
+            };
             for pool in &pools() {
                 let mut first: Option<Vec<f32>> = None;
                 for chunks in chunkings {
-                    let what =
-                        format!("heads {q_heads}/{kv_heads} d={d} window={window:?} {isa:?} threads={} chunks={chunks:?}", pool.threads());
-                    let mut cache = CpuKvCache::new(&KvLayout { layers: vec![spec], context: len });
+                    let what = format!(
+                        "heads {q_heads}/{kv_heads} d={d} window={window:?} {elem:?} {isa:?} threads={} chunks={chunks:?}",
+                        pool.threads()
+                    );
+                    let mut cache = CpuKvCache::new(&KvLayout { layers: vec![spec], context: len, elem });
                     let layer = cache.layer_mut(0).unwrap();
                     let mut out = vec![f32::NAN; len * qw];
                     let mut start = 0;
@@ -455,7 +465,7 @@ fn attention_of_the_first_position_returns_its_value() {
     let k: Vec<f32> = (0..kv_heads * d).map(|i| i as f32).collect();
     let v: Vec<f32> = (0..kv_heads * d).map(|i| 100.0 + i as f32).collect();
     let spec = LayerKv { kv_heads, head_dim_k: d, head_dim_v: d, window: Some(3) };
-    let mut cache = CpuKvCache::new(&KvLayout { layers: vec![spec], context: 4 });
+    let mut cache = CpuKvCache::new(&KvLayout { layers: vec![spec], context: 4, elem: KvType::F32 });
     let mut out = vec![0f32; q_heads * d];
     let shape = AttentionShape { q_heads, kv_heads, head_dim: d, window: Some(3), scale: 1.0 };
     attend(&ThreadPool::new(1), Isa::Scalar, &q, &k, &v, 1, 0, cache.layer_mut(0).unwrap(), shape, None, &mut out);
@@ -663,7 +673,7 @@ fn soft_capped_attention_matches_f64() {
         for isa in Isa::supported() {
             for pool in &pools() {
                 for chunks in [&[9usize][..], &[4, 1, 4]] {
-                    let mut cache = CpuKvCache::new(&KvLayout { layers: vec![spec], context: 16 });
+                    let mut cache = CpuKvCache::new(&KvLayout { layers: vec![spec], context: 16, elem: KvType::F32 });
                     let layer = cache.layer_mut(0).unwrap();
                     let mut out = vec![f32::NAN; len * qw];
                     let mut start = 0;
@@ -715,8 +725,8 @@ fn attention_of_several_sequences_equals_each_alone() {
         seqs.iter()
             .zip(&pasts)
             .map(|(&(p, _), (k, v))| {
-                let mut c = CpuKvCache::new(&KvLayout { layers: vec![spec], context: 64 });
-                c.layer_mut(0).unwrap().append(k, v, p);
+                let mut c = CpuKvCache::new(&KvLayout { layers: vec![spec], context: 64, elem: KvType::F32 });
+                c.layer_mut(0).unwrap().append(Isa::Scalar, k, v, p);
                 c
             })
             .collect()
