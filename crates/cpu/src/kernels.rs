@@ -335,11 +335,27 @@ pub fn attention(pool: &ThreadPool, isa: Isa, segments: &mut [AttentionSegment<'
     }
     let outs: Vec<SharedMut<f32>> = segments.iter_mut().map(|s| SharedMut(s.out.as_mut_ptr())).collect();
     let segs: &[AttentionSegment<'_>] = segments;
+    // Over an f16 cache the step's own rows are read rounded as the cache will hold them (so a
+    // row's attention is the same whether its keys were cached by an earlier step or are new in
+    // this one): rounded once here for every task.
+    let rounded: Vec<Option<(Vec<f32>, Vec<f32>)>> = segs
+        .iter()
+        .map(|s| {
+            (s.layer.elem() == KvType::F16).then(|| {
+                let n = s.rows * kvw;
+                let (mut k, mut v) = (vec![0f32; n], vec![0f32; n]);
+                simd::round_f16(isa, &s.k_new[..n], &mut k);
+                simd::round_f16(isa, &s.v_new[..n], &mut v);
+                (k, v)
+            })
+        })
+        .collect();
     let first_visible = |p: usize| window.map_or(0, |w| (p + 1).saturating_sub(w));
     pool.run(first_task[segs.len()], &|t| {
         let si = first_task.partition_point(|&f| f <= t) - 1;
         let (seg, out_ptr) = (&segs[si], &outs[si]);
-        let (q, k_new, v_new, rows, start, layer) = (seg.q, seg.k_new, seg.v_new, seg.rows, seg.start, &*seg.layer);
+        let (k_new, v_new) = rounded[si].as_ref().map_or((seg.k_new, seg.v_new), |(k, v)| (&k[..], &v[..]));
+        let (q, rows, start, layer) = (seg.q, seg.rows, seg.start, &*seg.layer);
         let local = t - first_task[si];
         // Later rows see more keys: hand them out first.
         let chunks = rows.div_ceil(chunk);
@@ -349,7 +365,7 @@ pub fn attention(pool: &ThreadPool, isa: Isa, segments: &mut [AttentionSegment<'
         let (h0, h1) = (g * group + ti * tile, (g * group + (ti + 1) * tile).min((g + 1) * group));
         let nq = h1 - h0;
         // Head g's key or value of a position: cached (as stored) or new in this step (f32).
-        let (heads, half) = (g * d..(g + 1) * d, layer.elem() == KvType::F16);
+        let heads = g * d..(g + 1) * d;
         let stored = |pos: usize, key: bool| -> Result<StoredRow<'_>, &[f32]> {
             match (pos < start, key) {
                 (true, true) => Ok(layer.k_row(pos)),
@@ -375,17 +391,11 @@ pub fn attention(pool: &ThreadPool, isa: Isa, segments: &mut [AttentionSegment<'
             let mut b0 = lo / KEY_BLOCK * KEY_BLOCK;
             while b0 < hi {
                 let b1 = (b0 + KEY_BLOCK).min(hi);
-                // An f16 cache's block is read as f32 once for all the task's rows, the step's
-                // own rows rounded as the cache will hold them (so a row's attention is the same
-                // whether its keys were cached by an earlier step or are new in this one).
-                if half {
-                    for pos in b0.max(lo)..b1 {
-                        for (buf, key) in [(&mut *kbuf, true), (&mut *vbuf, false)] {
-                            let out = &mut buf[(pos - b0) * d..][..d];
-                            match stored(pos, key) {
-                                Ok(row) => row.read_f32(isa, heads.clone(), out),
-                                Err(new) => simd::round_f16(isa, new, out),
-                            }
+                // An f16 cache's rows of the block are read as f32 once for all the task's rows.
+                for pos in b0.max(lo)..b1.min(start) {
+                    for (buf, row) in [(&mut *kbuf, layer.k_row(pos)), (&mut *vbuf, layer.v_row(pos))] {
+                        if let StoredRow::F16(_) = row {
+                            row.read_f32(isa, heads.clone(), &mut buf[(pos - b0) * d..][..d]);
                         }
                     }
                 }
@@ -394,9 +404,9 @@ pub fn attention(pool: &ThreadPool, isa: Isa, segments: &mut [AttentionSegment<'
                 for pos in b0.max(lo)..b1 {
                     let j = pos - b0;
                     (keys[j], values[j]) = match (stored(pos, true), stored(pos, false)) {
-                        (Ok(StoredRow::F32(k)), Ok(StoredRow::F32(v))) if !half => (&k[heads.clone()], &v[heads.clone()]),
-                        (Err(k), Err(v)) if !half => (k, v),
-                        // (An f16 layer: the block converted above.)
+                        (Ok(StoredRow::F32(k)), Ok(StoredRow::F32(v))) => (&k[heads.clone()], &v[heads.clone()]),
+                        (Err(k), Err(v)) => (k, v),
+                        // (f16 rows: converted above.)
                         _ => (&kbuf[j * d..][..d], &vbuf[j * d..][..d]),
                     };
                 }
