@@ -66,25 +66,6 @@ template <> struct KvElem<u16> {
     static __device__ __forceinline__ float round(float x) { return of(bits(x)); }
 };
 
-// A lane's `per` consecutive halves at p (per = d / 32: 1, 2, 4 or 8; 2 per bytes, aligned) in
-// one load, as floats.
-__device__ __forceinline__ void halves(const u16* p, int per, float* out) {
-    u32 w[4] = {0u, 0u, 0u, 0u};
-    if (per == 8) {
-        const uint4 v = *(const uint4*)p;
-        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-    } else if (per == 4) {
-        const uint2 v = *(const uint2*)p;
-        w[0] = v.x, w[1] = v.y;
-    } else if (per == 2) {
-        w[0] = *(const u32*)p;
-    } else {
-        w[0] = *p;
-    }
-#pragma unroll
-    for (int t = 0; t < ATT_MAX_DIM / 32; t++) out[t] = KvElem<u16>::of((u16)(w[t / 2] >> (16 * (t % 2))));
-}
-
 // The cache slot of position `pos` (a ring of `window` rows on a sliding layer, else every
 // position), and the first position a row at position `p` attends to.
 __device__ __forceinline__ u64 cache_slot(int pos, int window) { return window > 0 ? (u64)(pos % window) : (u64)pos; }
@@ -174,13 +155,9 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
     const float* kh_new = wq ? s_qk[1] : k_new + (u64)i * kvw + g * d;
     float qv[ATT_MAX_DIM / 32], acc[ATT_MAX_DIM / 32];
     const float* qh = wq ? s_qk[0] : q + ((u64)i * q_heads + h) * d;
-    // Lane l holds elements l + 32t of the head (f32 caches: a warp's loads of one t are one
-    // 128-byte line), or l per + t (f16 caches: its per halves of a row are one load).
-    constexpr bool CONTIG = sizeof(C) == 2;
-    auto el = [&](int t) { return CONTIG ? lane * per + t : lane + 32 * t; };
 #pragma unroll
     for (int t = 0; t < ATT_MAX_DIM / 32; t++) {
-        qv[t] = t < per ? qh[el(t)] : 0.f;
+        qv[t] = t < per ? qh[lane + 32 * t] : 0.f;
         acc[t] = 0.f;
     }
     if (append && share == 0 && h % (q_heads / kv_heads) == 0) {
@@ -218,18 +195,20 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
                     }
                 } else if (pos < start) {
                     u64 slot = cache_slot(pos, window);
-                    float kx[ATT_MAX_DIM / 32];
-                    halves(k_cache + slot * kvw + g * d + lane * per, per, kx);
-                    halves(v_cache + slot * kvw + g * d + lane * per, per, vv[u]);
+                    const C *kr = k_cache + slot * kvw + g * d, *vr = v_cache + slot * kvw + g * d;
 #pragma unroll
-                    for (int t = 0; t < ATT_MAX_DIM / 32; t++)
-                        if (t < per) s[u] += qv[t] * kx[t];
+                    for (int t = 0; t < ATT_MAX_DIM / 32; t++) {
+                        if (t < per) {
+                            s[u] += qv[t] * KvElem<C>::get(kr + lane + 32 * t);
+                            vv[u][t] = KvElem<C>::get(vr + lane + 32 * t);
+                        }
+                    }
                 } else {
 #pragma unroll
                     for (int t = 0; t < ATT_MAX_DIM / 32; t++) {
                         if (t < per) {
-                            s[u] += qv[t] * KvElem<C>::round(kn[el(t)]);
-                            vv[u][t] = KvElem<C>::round(vn[el(t)]);
+                            s[u] += qv[t] * KvElem<C>::round(kn[lane + 32 * t]);
+                            vv[u][t] = KvElem<C>::round(vn[lane + 32 * t]);
                         }
                     }
                 }
@@ -252,7 +231,7 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
     }
 #pragma unroll
     for (int t = 0; t < ATT_MAX_DIM / 32; t++)
-        if (t < per) s_acc[warp][el(t)] = acc[t];
+        if (t < per) s_acc[warp][lane + 32 * t] = acc[t];
     if (lane == 0) {
         s_m[warp] = m;
         s_l[warp] = l;
@@ -374,11 +353,8 @@ template <class C> __device__ __forceinline__ void attention_tiled_impl(ATT_TILE
         for (int c0 = p0; c0 <= p1; c0 += ATT_TILE_KEYS) {
             const int nk = min(ATT_TILE_KEYS, p1 + 1 - c0);
             if (c0 != p0) __syncthreads();
-            // (A thread takes 4 elements, or with an f16 cache 8: 16 bytes of a cached row, in one load.)
-            constexpr int PER = sizeof(C) == 4 ? 2 : 3;
-            const int dp = d >> PER;
-            for (int c = threadIdx.x; c < nk * dp; c += blockDim.x) {
-                const int j = c / dp, t = (c % dp) << PER, pos = c0 + j;
+            for (int c = threadIdx.x; c < nk * d4; c += blockDim.x) {
+                const int j = c / d4, t = 4 * (c % d4), pos = c0 + j;
                 const u64 r = (u64)(ra.first + pos - start);
                 const float *kn = k_new + r * kvw + g * d, *vn = v_new + r * kvw + g * d;
                 if constexpr (sizeof(C) == 4) {
@@ -391,24 +367,23 @@ template <class C> __device__ __forceinline__ void attention_tiled_impl(ATT_TILE
                     cp_async16(sk + j * ATT_TILE_KS(d) + t, kr + t);
                     cp_async16(sv + j * d + t, vr + t);
                 } else {
-                    // (Half rows are converted by the threads.)
-                    float kx[8], vx[8];
+                    // (Half rows are converted by the threads: 4 elements, 8 bytes, a load.)
+                    float4 kx, vx;
                     if (pos < start) {
                         const u64 slot = cache_slot(pos, window);
-                        halves(k_cache + slot * kvw + g * d + t, 8, kx);
-                        halves(v_cache + slot * kvw + g * d + t, 8, vx);
+                        const uint2 kb = *(const uint2*)(k_cache + slot * kvw + g * d + t);
+                        const uint2 vb = *(const uint2*)(v_cache + slot * kvw + g * d + t);
+                        kx = make_float4(KvElem<C>::of(kb.x & 0xffff), KvElem<C>::of(kb.x >> 16), KvElem<C>::of(kb.y & 0xffff),
+                                         KvElem<C>::of(kb.y >> 16));
+                        vx = make_float4(KvElem<C>::of(vb.x & 0xffff), KvElem<C>::of(vb.x >> 16), KvElem<C>::of(vb.y & 0xffff),
+                                         KvElem<C>::of(vb.y >> 16));
                     } else {
-#pragma unroll
-                        for (int e = 0; e < 8; e++) {
-                            kx[e] = KvElem<C>::round(kn[t + e]);
-                            vx[e] = KvElem<C>::round(vn[t + e]);
-                        }
+                        const float4 a = *(const float4*)(kn + t), b = *(const float4*)(vn + t);
+                        kx = make_float4(KvElem<C>::round(a.x), KvElem<C>::round(a.y), KvElem<C>::round(a.z), KvElem<C>::round(a.w));
+                        vx = make_float4(KvElem<C>::round(b.x), KvElem<C>::round(b.y), KvElem<C>::round(b.z), KvElem<C>::round(b.w));
                     }
-#pragma unroll
-                    for (int e = 0; e < 8; e += 4) {
-                        *(float4*)(sk + j * ATT_TILE_KS(d) + t + e) = make_float4(kx[e], kx[e + 1], kx[e + 2], kx[e + 3]);
-                        *(float4*)(sv + j * d + t + e) = make_float4(vx[e], vx[e + 1], vx[e + 2], vx[e + 3]);
-                    }
+                    *(float4*)(sk + j * ATT_TILE_KS(d) + t) = kx;
+                    *(float4*)(sv + j * d + t) = vx;
                 }
             }
             cp_async_commit();
