@@ -364,16 +364,8 @@ pub fn attention(pool: &ThreadPool, isa: Isa, segments: &mut [AttentionSegment<'
         let (r0, r1) = (c * chunk, ((c + 1) * chunk).min(rows));
         let (h0, h1) = (g * group + ti * tile, (g * group + (ti + 1) * tile).min((g + 1) * group));
         let nq = h1 - h0;
-        // Head g's key or value of a position: cached (as stored) or new in this step (f32).
+        // Head g's elements of a row.
         let heads = g * d..(g + 1) * d;
-        let stored = |pos: usize, key: bool| -> Result<StoredRow<'_>, &[f32]> {
-            match (pos < start, key) {
-                (true, true) => Ok(layer.k_row(pos)),
-                (true, false) => Ok(layer.v_row(pos)),
-                (false, true) => Err(&k_new[(pos - start) * kvw + g * d..][..d]),
-                (false, false) => Err(&v_new[(pos - start) * kvw + g * d..][..d]),
-            }
-        };
         ATTENTION_SCRATCH.with(|s| {
             let mut guard = s.borrow_mut();
             let AttentionScratch { max, sum, acc, scores, keys: kbuf, values: vbuf } = &mut *guard;
@@ -403,11 +395,14 @@ pub fn attention(pool: &ThreadPool, isa: Isa, segments: &mut [AttentionSegment<'
                 let mut values: [&[f32]; KEY_BLOCK] = [&[]; KEY_BLOCK];
                 for pos in b0.max(lo)..b1 {
                     let j = pos - b0;
-                    (keys[j], values[j]) = match (stored(pos, true), stored(pos, false)) {
-                        (Ok(StoredRow::F32(k)), Ok(StoredRow::F32(v))) => (&k[heads.clone()], &v[heads.clone()]),
-                        (Err(k), Err(v)) => (k, v),
+                    (keys[j], values[j]) = if pos >= start {
+                        let r = (pos - start) * kvw + g * d;
+                        (&k_new[r..r + d], &v_new[r..r + d])
+                    } else if let (StoredRow::F32(k), StoredRow::F32(v)) = (layer.k_row(pos), layer.v_row(pos)) {
+                        (&k[heads.clone()], &v[heads.clone()])
+                    } else {
                         // (f16 rows: converted above.)
-                        _ => (&kbuf[j * d..][..d], &vbuf[j * d..][..d]),
+                        (&kbuf[j * d..][..d], &vbuf[j * d..][..d])
                     };
                 }
                 for i in r0..r1 {

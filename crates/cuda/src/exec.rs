@@ -1156,17 +1156,22 @@ struct Active {
     kv: KvType,
 }
 
-/// The name of attention kernel `base` for caches of `kv` (`attention.cu`: f16 caches take the
-/// `_f16` instances).
-fn kv_kernel(base: &'static str, kv: KvType) -> &'static str {
-    match (kv, base) {
-        (KvType::F32, _) => base,
-        (KvType::F16, "attention") => "attention_f16",
-        (KvType::F16, "attention_qk") => "attention_qk_f16",
-        (KvType::F16, "attention_tiled") => "attention_tiled_f16",
-        (KvType::F16, "kv_append") => "kv_append_f16",
-        (KvType::F16, other) => other,
-    }
+/// The kernels that read or write a KV cache, each with its instance for f16 caches
+/// (`attention.cu`).
+pub(crate) const KV_KERNELS: [(&str, &str); 4] = [
+    ("attention", "attention_f16"),
+    ("attention_qk", "attention_qk_f16"),
+    ("attention_tiled", "attention_tiled_f16"),
+    ("kv_append", "kv_append_f16"),
+];
+
+/// The name of cache kernel `base` for caches of `kv`.
+fn kv_kernel(base: &str, kv: KvType) -> Result<&'static str, RuntimeError> {
+    let (f32, f16) = KV_KERNELS.into_iter().find(|&(b, _)| b == base).ok_or_else(|| cuda_err(format!("'{base}' is no KV cache kernel")))?;
+    Ok(match kv {
+        KvType::F32 => f32,
+        KvType::F16 => f16,
+    })
 }
 
 /// Rows of a step in a run over `active` rows of `seqs` sequences.
@@ -1873,7 +1878,7 @@ impl CudaExecutable {
         let aligned = [q, k, self.slot(v)].iter().all(|p| p.is_multiple_of(16));
         if !append && qk.is_none() && aligned && takes_tiled_attention(active, run.seqs, q_heads, d.sms as usize) {
             d.launch_shared(
-                kv_kernel("attention_tiled", run.kv),
+                kv_kernel("attention_tiled", run.kv)?,
                 (active.div_ceil(ATTENTION_TILE_ROWS) as u32, q_heads as u32, 1),
                 ATTENTION_TILE_THREADS,
                 attention_tile_shared(head_dim) as u32,
@@ -1891,14 +1896,14 @@ impl CudaExecutable {
                 Arg::U64(self.attention_parts.ptr()),
                 Arg::U64(self.sync.ptr() + self.sync_attention),
             ];
-            let name = kv_kernel(if qk.is_some() { "attention_qk" } else { "attention" }, run.kv);
+            let name = kv_kernel(if qk.is_some() { "attention_qk" } else { "attention" }, run.kv)?;
             d.launch(name, ((active * q_heads * splits) as u32, 1), ATTENTION_THREADS, &[&common[..], &rest[..]].concat())?;
         }
         if append {
             return Ok(());
         }
         d.launch(
-            kv_kernel("kv_append", run.kv),
+            kv_kernel("kv_append", run.kv)?,
             (active as u32, 1),
             256,
             &[

@@ -242,23 +242,35 @@ fn prompt_attention_tiles_match_cpu() {
     let m = gemma3(&shape, FormatMix::Q4KM, 21);
     let (c, g) = (load_with_context(&m, cpu(), 512), load_with_context(&m, cuda(), 512));
     let prompts: Vec<Vec<u32>> = [40, 70, 33].iter().enumerate().map(|(i, &n)| prompt(n, 1000 - 71 * i)).collect();
-    let mut cpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| c.new_session().unwrap()).collect();
-    let mut gpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| g.new_session().unwrap()).collect();
-    let want: Vec<Vec<f32>> = cpu_seqs.iter_mut().zip(&prompts).map(|(s, p)| logits(s, p)).collect();
-    let chunks: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
-    let mut refs: Vec<&mut Session<'_>> = gpu_seqs.iter_mut().collect();
-    for (i, (got, want)) in g.forward_batch(&mut refs, &chunks, OutputMode::Logits).unwrap().into_iter().zip(&want).enumerate() {
-        let StepOutput::Logits(got) = got.unwrap() else { panic!("batched prefill gave no logits") };
-        let e = rel_l2(&got, want);
-        assert!(e < 1e-3, "batched prefill, sequence {i}: relative L2 {e:.2e}");
-    }
+    let (mut cpu_seqs, mut gpu_seqs, _) = batched_prefill_matches(&c, &g, &prompts, "batched prefill");
     let more = prompt(90, 800);
     let e = rel_l2(&logits(&mut gpu_seqs[1], &more), &logits(&mut cpu_seqs[1], &more));
     assert!(e < 1e-3, "a second chunk over a past of 70: relative L2 {e:.2e}");
 }
 
+/// A batched prefill of `prompts` on `g`, each sequence's logits within relative L2 1e-3 of the
+/// same prompt alone on `c`; returns both sides' sessions and `c`'s logits.
+fn batched_prefill_matches<'m>(
+    c: &'m Model,
+    g: &'m Model,
+    prompts: &[Vec<u32>],
+    what: &str,
+) -> (Vec<Session<'m>>, Vec<Session<'m>>, Vec<Vec<f32>>) {
+    let mut cpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| c.new_session().unwrap()).collect();
+    let mut gpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| g.new_session().unwrap()).collect();
+    let want: Vec<Vec<f32>> = cpu_seqs.iter_mut().zip(prompts).map(|(s, p)| logits(s, p)).collect();
+    let chunks: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    let mut refs: Vec<&mut Session<'_>> = gpu_seqs.iter_mut().collect();
+    for (i, (got, want)) in g.forward_batch(&mut refs, &chunks, OutputMode::Logits).unwrap().into_iter().zip(&want).enumerate() {
+        let StepOutput::Logits(got) = got.unwrap() else { panic!("{what} gave no logits") };
+        let e = rel_l2(&got, want);
+        assert!(e < 1e-3, "{what}, sequence {i}: relative L2 {e:.2e}");
+    }
+    (cpu_seqs, gpu_seqs, want)
+}
+
 /// An f16 KV cache on CUDA holds what the CPU's f16 cache holds and attends alike (the step's
-/// own rows rounded as cached ones): a batched prefill of three prompts (tiled attention, rings
+/// own rows rounded as cached ones): a batched prefill of four prompts (tiled attention, rings
 /// of 8 wrapped; 503 rows, within a step's 512), one-row decode over a past of 300 (split attention, fused q/k norms, graphs),
 /// batched decode steps of 4 sequences, each within relative L2 1e-3 of the CPU's f16 cache;
 /// and it differs from the f32 cache's logits by rounding only (under 1e-2, not 0), in half the
@@ -272,16 +284,7 @@ fn f16_caches_match_the_cpus_f16_cache() {
     let (c, g) = (load_with_config(&m, cpu(), config(KvType::F16)), load_with_config(&m, cuda(), config(KvType::F16)));
     let g32 = load_with_config(&m, cuda(), config(KvType::F32));
     let prompts: Vec<Vec<u32>> = [300, 70, 33, 100].iter().enumerate().map(|(i, &n)| prompt(n, 1000 - 61 * i)).collect();
-    let mut cpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| c.new_session().unwrap()).collect();
-    let mut gpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| g.new_session().unwrap()).collect();
-    let want: Vec<Vec<f32>> = cpu_seqs.iter_mut().zip(&prompts).map(|(s, p)| logits(s, p)).collect();
-    let chunks: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
-    let mut refs: Vec<&mut Session<'_>> = gpu_seqs.iter_mut().collect();
-    for (i, (got, want)) in g.forward_batch(&mut refs, &chunks, OutputMode::Logits).unwrap().into_iter().zip(&want).enumerate() {
-        let StepOutput::Logits(got) = got.unwrap() else { panic!("batched prefill gave no logits") };
-        let e = rel_l2(&got, want);
-        assert!(e < 1e-3, "f16 cache, batched prefill, sequence {i}: relative L2 {e:.2e}");
-    }
+    let (mut cpu_seqs, mut gpu_seqs, want) = batched_prefill_matches(&c, &g, &prompts, "f16 cache, batched prefill");
     // The f32 cache, same prompt: rounding apart, the same function.
     let mut s32 = g32.new_session().unwrap();
     let e = rel_l2(&logits(&mut s32, &prompts[0]), &want[0]);
