@@ -17,6 +17,34 @@
 // Most shares of a head (`ATTENTION_SPLITS_MAX` in exec.rs).
 #define ATT_SPLITS_MAX 16
 
+// A cache element: f32 as computed, or f16 (IEEE half bits, rounded to nearest even). With an
+// f16 cache the step's new rows are read rounded as well (`round`), so a row's attention sees the
+// same keys and values whether they were cached by an earlier step or are new in this one: chunked
+// prompts, decode and batched decode stay the same function of the positions. (The f32 kernels
+// read their cache with plain loads: only `put` serves both.)
+template <class C> struct KvElem;
+template <> struct KvElem<float> {
+    static __device__ __forceinline__ void put(float* p, float x) { *p = x; }
+};
+template <> struct KvElem<u16> {
+    static __device__ __forceinline__ float of(u16 h) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+        return f;
+    }
+    static __device__ __forceinline__ u16 bits(float x) {
+        u16 h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+        return h;
+    }
+    static __device__ __forceinline__ float get(const u16* p) { return of(*p); }
+    static __device__ __forceinline__ void put(u16* p, float x) { *p = bits(x); }
+    static __device__ __forceinline__ float round(float x) { return of(bits(x)); }
+    // Four halves (8 bytes) as floats, and four floats rounded as the cache holds them.
+    static __device__ __forceinline__ float4 of4(uint2 b) { return make_float4(of(b.x & 0xffff), of(b.x >> 16), of(b.y & 0xffff), of(b.y >> 16)); }
+    static __device__ __forceinline__ float4 round4(float4 a) { return make_float4(round(a.x), round(a.y), round(a.z), round(a.w)); }
+};
+
 // `splits` blocks per (new row, query head), each over one contiguous share of the row's
 // positions (from ATT_SPLIT_FROM positions on, as many shares as give each at least
 // ATT_SPLIT_MIN positions, at most `splits`; the rest of the blocks only wait); each warp walks
@@ -40,32 +68,6 @@
 // shared memory, so the decode step needs no separate q/k norm kernel.
 // (attention_qk: the kernel with the q/k norms; `attention` has no code for them, whose registers
 // slowed 12B decode.)
-// A cache element: f32 as computed, or f16 (IEEE half bits, rounded to nearest even). With an
-// f16 cache the step's new rows are read rounded as well (`round`), so a row's attention sees the
-// same keys and values whether they were cached by an earlier step or are new in this one: chunked
-// prompts, decode and batched decode stay the same function of the positions.
-template <class C> struct KvElem;
-template <> struct KvElem<float> {
-    static __device__ __forceinline__ float get(const float* p) { return *p; }
-    static __device__ __forceinline__ void put(float* p, float x) { *p = x; }
-    static __device__ __forceinline__ float round(float x) { return x; }
-};
-template <> struct KvElem<u16> {
-    static __device__ __forceinline__ float of(u16 h) {
-        float f;
-        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-        return f;
-    }
-    static __device__ __forceinline__ u16 bits(float x) {
-        u16 h;
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-        return h;
-    }
-    static __device__ __forceinline__ float get(const u16* p) { return of(*p); }
-    static __device__ __forceinline__ void put(u16* p, float x) { *p = bits(x); }
-    static __device__ __forceinline__ float round(float x) { return of(bits(x)); }
-};
-
 // The cache slot of position `pos` (a ring of `window` rows on a sliding layer, else every
 // position), and the first position a row at position `p` attends to.
 __device__ __forceinline__ u64 cache_slot(int pos, int window) { return window > 0 ? (u64)(pos % window) : (u64)pos; }
@@ -371,16 +373,11 @@ template <class C> __device__ __forceinline__ void attention_tiled_impl(ATT_TILE
                     float4 kx, vx;
                     if (pos < start) {
                         const u64 slot = cache_slot(pos, window);
-                        const uint2 kb = *(const uint2*)(k_cache + slot * kvw + g * d + t);
-                        const uint2 vb = *(const uint2*)(v_cache + slot * kvw + g * d + t);
-                        kx = make_float4(KvElem<C>::of(kb.x & 0xffff), KvElem<C>::of(kb.x >> 16), KvElem<C>::of(kb.y & 0xffff),
-                                         KvElem<C>::of(kb.y >> 16));
-                        vx = make_float4(KvElem<C>::of(vb.x & 0xffff), KvElem<C>::of(vb.x >> 16), KvElem<C>::of(vb.y & 0xffff),
-                                         KvElem<C>::of(vb.y >> 16));
+                        kx = KvElem<C>::of4(*(const uint2*)(k_cache + slot * kvw + g * d + t));
+                        vx = KvElem<C>::of4(*(const uint2*)(v_cache + slot * kvw + g * d + t));
                     } else {
-                        const float4 a = *(const float4*)(kn + t), b = *(const float4*)(vn + t);
-                        kx = make_float4(KvElem<C>::round(a.x), KvElem<C>::round(a.y), KvElem<C>::round(a.z), KvElem<C>::round(a.w));
-                        vx = make_float4(KvElem<C>::round(b.x), KvElem<C>::round(b.y), KvElem<C>::round(b.z), KvElem<C>::round(b.w));
+                        kx = KvElem<C>::round4(*(const float4*)(kn + t));
+                        vx = KvElem<C>::round4(*(const float4*)(vn + t));
                     }
                     *(float4*)(sk + j * ATT_TILE_KS(d) + t) = kx;
                     *(float4*)(sv + j * d + t) = vx;
