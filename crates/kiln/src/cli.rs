@@ -36,14 +36,15 @@ pub enum Command {
     Bench(BenchArgs),
     /// Serve the model over an OpenAI-compatible HTTP API, batching concurrent requests.
     Serve(ServeArgs),
-    /// Write a random-weight Gemma 3 GGUF of a released shape (speed measurements without weights).
+    /// Write a random-weight Gemma 3, Llama or Qwen GGUF of a released shape (speed measurements without weights).
     Synth(SynthArgs),
 }
 
 /// `kiln synth`.
 #[derive(Args, Debug)]
 pub struct SynthArgs {
-    /// Shape: 270m, 1b, 4b, 12b or 27b.
+    /// Shape of a released model: Gemma 3 270m, 1b, 4b, 12b or 27b; llama3.2-1b, llama3.2-3b,
+    /// llama3.1-8b, llama3.1-70b; qwen2.5-0.5b, qwen2.5-7b; qwen3-0.6b, qwen3-8b.
     #[arg(long, default_value = "270m")]
     pub preset: String,
     /// Block formats: `q4_k_m` (a Q4_K_M-like mix) or one format for every matrix (`q8_0`, `q4_k`, ...).

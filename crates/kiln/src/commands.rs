@@ -300,21 +300,22 @@ fn print_info(path: &Path, items: usize) -> Result<()> {
 }
 
 fn synth(a: SynthArgs) -> Result<()> {
-    use kiln_models::synth::{gemma3, FormatMix, Gemma3Shape};
-    let Some(shape) = Gemma3Shape::preset(&a.preset) else {
-        bail!("unknown preset '{}' (expected one of {})", a.preset, Gemma3Shape::PRESETS.join(", "));
+    use kiln_models::synth::{FormatMix, Preset};
+    let Some(preset) = Preset::named(&a.preset) else {
+        bail!("unknown preset '{}' (expected one of {})", a.preset, Preset::NAMES.join(", "));
     };
     let Some(mix) = FormatMix::parse(&a.formats) else {
         let names: Vec<String> = FormatMix::single_formats().map(|t| t.name().to_ascii_lowercase()).collect();
         bail!("unknown formats '{}' (expected q4_k_m or one of {})", a.formats, names.join(", "));
     };
     let t = std::time::Instant::now();
-    let model = gemma3(&shape, mix, a.seed);
+    let model = preset.model(mix, a.seed);
     model.write(&a.output).with_context(|| format!("writing {}", a.output.display()))?;
     eprintln!(
-        "wrote {} ({} gemma3, {:.2} GB of weights) in {:.1} s",
+        "wrote {} ({} {}, {:.2} GB of weights) in {:.1} s",
         a.output.display(),
         a.preset,
+        preset.arch(),
         model.tensor_bytes() as f64 / 1e9,
         t.elapsed().as_secs_f64()
     );

@@ -1,7 +1,8 @@
-//! Synthetic Gemma 3 models: random-weight GGUF files of any Gemma 3 shape, in a Q4_K_M-like mix
-//! of block formats, so speed can be measured where no real weights exist. Quantized blocks are
-//! written directly as random bytes with sane random scales (never zero); no float quantizer runs
-//! over billions of values.
+//! Synthetic models: random-weight GGUF files of any Gemma 3, Llama, Qwen 2 or Qwen 3 shape (the
+//! released models' shapes as [`Preset`]s), in a Q4_K_M-like mix of block formats, so speed can be
+//! measured where no real weights exist, in kiln and llama.cpp alike. Quantized blocks are written
+//! directly as random bytes with sane random scales (never zero); no float quantizer runs over
+//! billions of values.
 
 use std::path::Path;
 
@@ -346,6 +347,234 @@ pub fn gemma3(shape: &Gemma3Shape, mix: FormatMix, seed: u64) -> SynthModel {
     m
 }
 
+/// A Llama-style family: pre-norm blocks, SwiGLU MLP, no post norms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LlamaArch {
+    /// Llama 3: "normal" RoPE pairing with Llama 3 frequency factors (`rope_freqs.weight`).
+    Llama,
+    /// Qwen 2: q/k/v biases, NeoX RoPE.
+    Qwen2,
+    /// Qwen 3: per-head q/k RMS norms, NeoX RoPE.
+    Qwen3,
+}
+
+impl LlamaArch {
+    /// The `general.architecture` value.
+    pub fn name(self) -> &'static str {
+        match self {
+            LlamaArch::Llama => "llama",
+            LlamaArch::Qwen2 => "qwen2",
+            LlamaArch::Qwen3 => "qwen3",
+        }
+    }
+}
+
+/// A Llama, Qwen 2 or Qwen 3 shape.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LlamaShape {
+    /// The family.
+    pub arch: LlamaArch,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Transformer layers.
+    pub layers: usize,
+    /// Query heads.
+    pub q_heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Head size.
+    pub head_dim: usize,
+    /// MLP inner size.
+    pub ffn: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Trained context length.
+    pub context: usize,
+    /// RoPE frequency base.
+    pub rope_base: f32,
+    /// Llama 3 RoPE scaling factor (`rope_freqs.weight` is written where it is not 1).
+    pub rope_factor: f32,
+    /// Whether the output matrix is the embedding table (no `output.weight`).
+    pub tied: bool,
+}
+
+/// A `kiln synth` preset: the shape of a released model.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Preset {
+    /// A Gemma 3 shape.
+    Gemma3(Gemma3Shape),
+    /// A Llama, Qwen 2 or Qwen 3 shape.
+    Llama(LlamaShape),
+}
+
+impl Preset {
+    /// The presets' names: the Gemma 3 sizes (`270m` ... `27b`), then Llama 3.x, Qwen 2.5 and
+    /// Qwen 3 models.
+    pub const NAMES: [&'static str; 13] = [
+        "270m",
+        "1b",
+        "4b",
+        "12b",
+        "27b",
+        "llama3.2-1b",
+        "llama3.2-3b",
+        "llama3.1-8b",
+        "llama3.1-70b",
+        "qwen2.5-0.5b",
+        "qwen2.5-7b",
+        "qwen3-0.6b",
+        "qwen3-8b",
+    ];
+
+    /// The preset called `name` (one of [`Preset::NAMES`]).
+    pub fn named(name: &str) -> Option<Preset> {
+        if let Some(s) = Gemma3Shape::preset(name) {
+            return Some(Preset::Gemma3(s));
+        }
+        use LlamaArch::*;
+        #[allow(clippy::too_many_arguments)]
+        let s = |arch, hidden, layers, q_heads, kv_heads, head_dim, ffn, vocab, context, rope_base, rope_factor, tied| LlamaShape {
+            arch,
+            hidden,
+            layers,
+            q_heads,
+            kv_heads,
+            head_dim,
+            ffn,
+            vocab,
+            context,
+            rope_base,
+            rope_factor,
+            tied,
+        };
+        Some(Preset::Llama(match name {
+            "llama3.2-1b" => s(Llama, 2048, 16, 32, 8, 64, 8192, 128_256, 131_072, 500_000.0, 32.0, true),
+            "llama3.2-3b" => s(Llama, 3072, 28, 24, 8, 128, 8192, 128_256, 131_072, 500_000.0, 32.0, true),
+            "llama3.1-8b" => s(Llama, 4096, 32, 32, 8, 128, 14_336, 128_256, 131_072, 500_000.0, 8.0, false),
+            "llama3.1-70b" => s(Llama, 8192, 80, 64, 8, 128, 28_672, 128_256, 131_072, 500_000.0, 8.0, false),
+            "qwen2.5-0.5b" => s(Qwen2, 896, 24, 14, 2, 64, 4864, 151_936, 32_768, 1_000_000.0, 1.0, true),
+            "qwen2.5-7b" => s(Qwen2, 3584, 28, 28, 4, 128, 18_944, 152_064, 32_768, 1_000_000.0, 1.0, false),
+            "qwen3-0.6b" => s(Qwen3, 1024, 28, 16, 8, 128, 3072, 151_936, 40_960, 1_000_000.0, 1.0, true),
+            "qwen3-8b" => s(Qwen3, 4096, 36, 32, 8, 128, 12_288, 151_936, 40_960, 1_000_000.0, 1.0, false),
+            _ => return None,
+        }))
+    }
+
+    /// The `general.architecture` of the preset's files.
+    pub fn arch(&self) -> &'static str {
+        match self {
+            Preset::Gemma3(_) => "gemma3",
+            Preset::Llama(s) => s.arch.name(),
+        }
+    }
+
+    /// A random-weight model of this shape with matrices in `mix`.
+    pub fn model(&self, mix: FormatMix, seed: u64) -> SynthModel {
+        match self {
+            Preset::Gemma3(s) => gemma3(s, mix, seed),
+            Preset::Llama(s) => llama(s, mix, seed),
+        }
+    }
+}
+
+/// Llama 3's per-frequency RoPE divisors for `factor` (low/high frequency factors 1 and 4, an
+/// original context of 8192), as its converter writes them to `rope_freqs.weight`.
+pub fn llama3_rope_factors(head_dim: usize, base: f32, factor: f32) -> Vec<f32> {
+    let (low, high, old) = (1.0f64, 4.0f64, 8192.0f64);
+    (0..head_dim / 2)
+        .map(|i| {
+            let freq = 1.0 / (base as f64).powf(2.0 * i as f64 / head_dim as f64);
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            let f = if wavelen < old / high {
+                1.0
+            } else if wavelen > old / low {
+                factor as f64
+            } else {
+                let smooth = (old / wavelen - low) / (high - low);
+                1.0 / ((1.0 - smooth) / factor as f64 + smooth)
+            };
+            f as f32
+        })
+        .collect()
+}
+
+/// A random-weight Llama, Qwen 2 or Qwen 3 model of `shape`, with matrices in `mix` (Q4_K_M: the
+/// embedding Q6_K where it is also the output, else Q4_K and the output Q6_K).
+pub fn llama(shape: &LlamaShape, mix: FormatMix, seed: u64) -> SynthModel {
+    let LlamaShape { arch, hidden, layers, q_heads, kv_heads, head_dim, ffn, vocab, context, rope_base, rope_factor, tied } = *shape;
+    let mut m = SynthModel::default();
+    let u = |v: usize| MetaValue::U32(v as u32);
+    let p = arch.name();
+    m.meta.push(("general.architecture".into(), MetaValue::String(p.into())));
+    m.meta.push(("general.name".into(), MetaValue::String(format!("kiln synthetic {p}"))));
+    if let Some(ft) = mix.file_type() {
+        m.meta.push(("general.file_type".into(), u(ft as usize)));
+    }
+    for (k, v) in [
+        ("context_length", context),
+        ("embedding_length", hidden),
+        ("block_count", layers),
+        ("feed_forward_length", ffn),
+        ("attention.head_count", q_heads),
+        ("attention.head_count_kv", kv_heads),
+        ("attention.key_length", head_dim),
+        ("attention.value_length", head_dim),
+        ("rope.dimension_count", head_dim),
+    ] {
+        m.meta.push((format!("{p}.{k}"), u(v)));
+    }
+    m.meta.push((format!("{p}.attention.layer_norm_rms_epsilon"), MetaValue::F32(1e-6)));
+    m.meta.push((format!("{p}.rope.freq_base"), MetaValue::F32(rope_base)));
+    m.meta.extend(tokenizer_meta(vocab));
+    if arch == LlamaArch::Llama && rope_factor != 1.0 {
+        let factors = llama3_rope_factors(head_dim, rope_base, rope_factor);
+        let data = factors.iter().flat_map(|f| f.to_le_bytes()).collect();
+        m.tensors.push(SynthTensor { name: "rope_freqs.weight".into(), dims: vec![(head_dim / 2) as u64], ty: GgmlType::F32, data });
+    }
+
+    let mut rng = SynthRng(seed);
+    let mat = |k: usize| 1.0 / (k as f32).sqrt();
+    let mut add = |rng: &mut SynthRng, name: String, dims: &[usize], ty: GgmlType, a: f32| {
+        let data = if dims.len() == 1 {
+            // Norm weights and biases: around `a`.
+            (0..dims[0]).flat_map(|_| (a * (0.5 + rng.unit())).to_le_bytes()).collect()
+        } else {
+            random_blocks(rng, ty, dims[0], dims[1..].iter().product(), a)
+        };
+        m.tensors.push(SynthTensor { name, dims: dims.iter().map(|&d| d as u64).collect(), ty, data });
+    };
+    let (qw, kw) = (q_heads * head_dim, kv_heads * head_dim);
+    let embd_ty = if tied { GgmlType::Q6_K } else { GgmlType::Q4_K };
+    add(&mut rng, "token_embd.weight".into(), &[hidden, vocab], mix.pick(embd_ty, hidden), 0.05);
+    for l in 0..layers {
+        let n = |s: &str| format!("blk.{l}.{s}.weight");
+        let v_ty = if l % 2 == 0 { GgmlType::Q6_K } else { GgmlType::Q4_K };
+        add(&mut rng, n("attn_norm"), &[hidden], GgmlType::F32, 1.0);
+        add(&mut rng, n("attn_q"), &[hidden, qw], mix.pick(GgmlType::Q4_K, hidden), mat(hidden));
+        add(&mut rng, n("attn_k"), &[hidden, kw], mix.pick(GgmlType::Q4_K, hidden), mat(hidden));
+        add(&mut rng, n("attn_v"), &[hidden, kw], mix.pick(v_ty, hidden), mat(hidden));
+        if arch == LlamaArch::Qwen2 {
+            for (t, w) in [("attn_q", qw), ("attn_k", kw), ("attn_v", kw)] {
+                add(&mut rng, format!("blk.{l}.{t}.bias"), &[w], GgmlType::F32, 0.1);
+            }
+        }
+        if arch == LlamaArch::Qwen3 {
+            add(&mut rng, n("attn_q_norm"), &[head_dim], GgmlType::F32, 1.0);
+            add(&mut rng, n("attn_k_norm"), &[head_dim], GgmlType::F32, 1.0);
+        }
+        add(&mut rng, n("attn_output"), &[qw, hidden], mix.pick(GgmlType::Q4_K, qw), mat(qw));
+        add(&mut rng, n("ffn_norm"), &[hidden], GgmlType::F32, 1.0);
+        add(&mut rng, n("ffn_gate"), &[hidden, ffn], mix.pick(GgmlType::Q4_K, hidden), mat(hidden));
+        add(&mut rng, n("ffn_up"), &[hidden, ffn], mix.pick(GgmlType::Q4_K, hidden), mat(hidden));
+        add(&mut rng, n("ffn_down"), &[ffn, hidden], mix.pick(v_ty, ffn), mat(ffn));
+    }
+    add(&mut rng, "output_norm.weight".into(), &[hidden], GgmlType::F32, 1.0);
+    if !tied {
+        add(&mut rng, "output.weight".into(), &[hidden, vocab], mix.pick(GgmlType::Q6_K, hidden), mat(hidden));
+    }
+    m
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -370,6 +599,58 @@ mod tests {
         assert_eq!((s.hidden, s.layers, s.q_heads, s.kv_heads, s.head_dim, s.ffn), (3840, 48, 16, 8, 256, 15_360));
         assert!(Gemma3Shape::PRESETS.iter().all(|p| Gemma3Shape::preset(p).is_some()));
         assert!(Gemma3Shape::preset("3b").is_none());
+    }
+
+    #[test]
+    fn every_preset_name_is_a_preset() {
+        for name in Preset::NAMES {
+            assert!(Preset::named(name).is_some(), "{name}");
+        }
+        assert!(Preset::named("llama3.1-9b").is_none());
+        let Some(Preset::Llama(s)) = Preset::named("llama3.1-8b") else { panic!("llama3.1-8b is a Llama preset") };
+        assert_eq!((s.hidden, s.layers, s.q_heads, s.kv_heads, s.head_dim, s.ffn, s.vocab), (4096, 32, 32, 8, 128, 14_336, 128_256));
+        assert_eq!(Preset::named("qwen3-8b").unwrap().arch(), "qwen3");
+        assert_eq!(Preset::named("12b").unwrap().arch(), "gemma3");
+    }
+
+    #[test]
+    fn llama3_rope_factors_keep_high_frequencies_and_divide_low_ones() {
+        let f = llama3_rope_factors(128, 500_000.0, 8.0);
+        assert_eq!(f.len(), 64);
+        assert_eq!(f[0], 1.0);
+        assert_eq!(f[63], 8.0);
+        assert!(f.windows(2).all(|w| w[0] <= w[1]), "{f:?}");
+    }
+
+    #[test]
+    fn small_llama_family_models_load_with_their_family_config() {
+        for (arch, tied) in [(LlamaArch::Llama, false), (LlamaArch::Qwen2, true), (LlamaArch::Qwen3, false)] {
+            let shape = LlamaShape {
+                arch,
+                hidden: 256,
+                layers: 2,
+                q_heads: 4,
+                kv_heads: 2,
+                head_dim: 64,
+                ffn: 512,
+                vocab: 300,
+                context: 64,
+                rope_base: 500_000.0,
+                rope_factor: 8.0,
+                tied,
+            };
+            let m = llama(&shape, FormatMix::Q4KM, 1);
+            let path = std::env::temp_dir().join(format!("kiln-synth-unit-{}-{}.gguf", std::process::id(), arch.name()));
+            m.write(&path).unwrap();
+            let f = kiln_gguf::GgufFile::open(&path).unwrap();
+            std::fs::remove_file(&path).unwrap();
+            let c = crate::config_from_gguf(&f).unwrap();
+            assert_eq!((c.arch, c.hidden, c.layers.len(), c.ffn), (arch.name(), 256, 2, 512));
+            assert_eq!(c.qkv_bias, arch == LlamaArch::Qwen2, "{arch:?}");
+            assert_eq!(c.qk_norm, arch == LlamaArch::Qwen3, "{arch:?}");
+            assert_eq!(c.output_weight, if tied { "token_embd.weight" } else { "output.weight" });
+            assert_eq!(c.layers[0].rope.freq_factors.is_some(), arch == LlamaArch::Llama, "{arch:?}");
+        }
     }
 
     #[test]
