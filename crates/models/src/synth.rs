@@ -6,8 +6,8 @@
 
 use std::path::Path;
 
-use kiln_gguf::{GgufError, GgufWriter, MetaArray, MetaValue};
-use kiln_quant::GgmlType;
+use kiln_gguf::{GgufError, GgufFile, GgufWriter, MetaArray, MetaValue};
+use kiln_quant::{GgmlType, QuantError};
 
 /// splitmix64: reproducible random numbers.
 #[derive(Clone, Debug)]
@@ -96,6 +96,28 @@ impl SynthModel {
     /// Bytes of tensor data.
     pub fn tensor_bytes(&self) -> usize {
         self.tensors.iter().map(|t| t.data.len()).sum()
+    }
+
+    /// The metadata and tensors of `file`, to edit and write again.
+    pub fn from_gguf(file: &GgufFile) -> SynthModel {
+        let tensors = file
+            .tensors()
+            .iter()
+            .map(|t| SynthTensor { name: t.name.clone(), dims: t.dims.clone(), ty: t.ty, data: file.tensor_data(t).to_vec() })
+            .collect();
+        SynthModel { meta: file.metadata().to_vec(), tensors }
+    }
+
+    /// Re-encodes every matrix (tensors of two or more dimensions) in format `ty` through f32
+    /// (round to nearest; their rows must be whole blocks of `ty`); vectors stay as they are.
+    pub fn requantize_matrices(&mut self, ty: GgmlType) -> Result<(), QuantError> {
+        for t in self.tensors.iter_mut().filter(|t| t.dims.len() >= 2) {
+            let mut v = vec![0f32; t.dims.iter().product::<u64>() as usize];
+            kiln_quant::dequantize(t.ty, &t.data, &mut v)?;
+            t.data = kiln_quant::quantize(ty, &v)?;
+            t.ty = ty;
+        }
+        Ok(())
     }
 }
 
@@ -590,6 +612,33 @@ mod tests {
             assert!(v.iter().all(|x| x.is_finite()), "{ty:?}");
             let rms = (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32).sqrt();
             assert!(rms > 0.02 && rms < 0.5, "{ty:?}: rms {rms}");
+        }
+    }
+
+    #[test]
+    fn a_model_file_is_requantized_matrix_by_matrix() {
+        let shape =
+            Gemma3Shape { hidden: 256, layers: 1, q_heads: 2, kv_heads: 1, head_dim: 64, ffn: 512, vocab: 300, window: 8, context: 64 };
+        let path = std::env::temp_dir().join(format!("kiln-synth-requant-{}.gguf", std::process::id()));
+        gemma3(&shape, FormatMix::Q4KM, 1).write(&path).unwrap();
+        let f = GgufFile::open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let mut m = SynthModel::from_gguf(&f);
+        assert_eq!((m.meta.len(), m.tensors.len()), (f.metadata().len(), f.tensors().len()));
+        m.requantize_matrices(GgmlType::Q8_0).unwrap();
+        for (t, orig) in m.tensors.iter().zip(f.tensors()) {
+            if t.dims.len() == 1 {
+                assert_eq!((t.ty, t.data.as_slice()), (orig.ty, f.tensor_data(orig)), "{}", t.name);
+                continue;
+            }
+            assert_eq!(t.ty, GgmlType::Q8_0, "{}", t.name);
+            let n = t.dims.iter().product::<u64>() as usize;
+            let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
+            kiln_quant::dequantize(t.ty, &t.data, &mut a).unwrap();
+            kiln_quant::dequantize(orig.ty, f.tensor_data(orig), &mut b).unwrap();
+            let err = a.iter().zip(&b).map(|(x, y)| (x - y).powi(2)).sum::<f32>().sqrt();
+            let norm = b.iter().map(|y| y * y).sum::<f32>().sqrt();
+            assert!(err < 1e-2 * norm, "{}: relative error {}", t.name, err / norm);
         }
     }
 
