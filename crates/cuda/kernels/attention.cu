@@ -68,17 +68,19 @@ template <> struct KvElem<u16> {
 // shared memory, so the decode step needs no separate q/k norm kernel.
 // (attention_qk: the kernel with the q/k norms; `attention` has no code for them, whose registers
 // slowed 12B decode.)
+// With CAP (`attention_cap`, `attention_tiled_cap`: Gemma 2), the scaled scores s are soft-capped,
+// softcap * tanh(s / softcap), before the softmax; the other kernels have no code for it.
 // The cache slot of position `pos` (a ring of `window` rows on a sliding layer, else every
 // position), and the first position a row at position `p` attends to.
 __device__ __forceinline__ u64 cache_slot(int pos, int window) { return window > 0 ? (u64)(pos % window) : (u64)pos; }
 __device__ __forceinline__ int first_visible(int p, int window) { return window > 0 ? max(0, p + 1 - window) : 0; }
 
-template <bool QK, class C>
+template <bool QK, bool CAP, class C>
 __device__ __forceinline__ void attention_impl(const float* q, const float* k_new, const float* v_new, const u64* cache,
                                                float* out, const int* step, int q_heads, int kv_heads,
                                                int d, int window, float scale, int append, u8* xq, const float* wq,
                                                const float* wk, const float2* rope, float eps, int splits, float* part,
-                                               u32* cnt) {
+                                               u32* cnt, float softcap) {
     __shared__ float s_acc[ATT_WARPS][ATT_MAX_DIM];
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
     __shared__ float s_qk[2][ATT_MAX_DIM];
@@ -218,6 +220,10 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
         }
 #pragma unroll
         for (int u = 0; u < ATT_UNROLL; u++) s[u] = warp_sum(s[u]) * scale;
+        if (CAP) {
+#pragma unroll
+            for (int u = 0; u < ATT_UNROLL; u++) s[u] = soft_cap(s[u], softcap);
+        }
 #pragma unroll
         for (int u = 0; u < ATT_UNROLL; u++) {
             if (pos0 + u * ATT_WARPS <= e0) {
@@ -298,12 +304,14 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
 #define ATT_ARGS                                                                                                   \
     const float *q, const float *k_new, const float *v_new, const u64 *cache, float *out, const int *step,               \
         int q_heads, int kv_heads, int d, int window, float scale, int append, u8 *xq, const float *wq, const float *wk,  \
-        const float2 *rope, float eps, int splits, float *part, u32 *cnt
-#define ATT_PASS q, k_new, v_new, cache, out, step, q_heads, kv_heads, d, window, scale, append, xq, wq, wk, rope, eps, splits, part, cnt
-extern "C" __global__ void attention(ATT_ARGS) { attention_impl<false, float>(ATT_PASS); }
-extern "C" __global__ void attention_qk(ATT_ARGS) { attention_impl<true, float>(ATT_PASS); }
-extern "C" __global__ void attention_f16(ATT_ARGS) { attention_impl<false, u16>(ATT_PASS); }
-extern "C" __global__ void attention_qk_f16(ATT_ARGS) { attention_impl<true, u16>(ATT_PASS); }
+        const float2 *rope, float eps, int splits, float *part, u32 *cnt, float softcap
+#define ATT_PASS q, k_new, v_new, cache, out, step, q_heads, kv_heads, d, window, scale, append, xq, wq, wk, rope, eps, splits, part, cnt, softcap
+extern "C" __global__ void attention(ATT_ARGS) { attention_impl<false, false, float>(ATT_PASS); }
+extern "C" __global__ void attention_qk(ATT_ARGS) { attention_impl<true, false, float>(ATT_PASS); }
+extern "C" __global__ void attention_cap(ATT_ARGS) { attention_impl<false, true, float>(ATT_PASS); }
+extern "C" __global__ void attention_f16(ATT_ARGS) { attention_impl<false, false, u16>(ATT_PASS); }
+extern "C" __global__ void attention_qk_f16(ATT_ARGS) { attention_impl<true, false, u16>(ATT_PASS); }
+extern "C" __global__ void attention_cap_f16(ATT_ARGS) { attention_impl<false, true, u16>(ATT_PASS); }
 
 // Attention of prompt rows (plans of several rows of a sequence): a block takes ATT_TILE_ROWS
 // consecutive rows and one query head. The rows of one sequence among them (a segment: usually
@@ -312,7 +320,8 @@ extern "C" __global__ void attention_qk_f16(ATT_ARGS) { attention_impl<true, u16
 // whole past from L2 for every row and head: a prompt of n rows reads it n times). Each warp takes
 // ATT_TILE_RPW rows: lane j scores the chunk's key j against them, an online softmax over the
 // chunks, then every lane adds its d / 32 output elements. Blocks take the last row tiles (the
-// longest pasts) first. Appends nothing (`kv_append` after it).
+// longest pasts) first. Appends nothing (`kv_append` after it). With CAP, soft-capped scores (as
+// `attention`).
 #define ATT_TILE_ROWS 16
 #define ATT_TILE_WARPS 8
 #define ATT_TILE_RPW (ATT_TILE_ROWS / ATT_TILE_WARPS)
@@ -322,9 +331,9 @@ extern "C" __global__ void attention_qk_f16(ATT_ARGS) { attention_impl<true, u16
 #define ATT_TILE_KS(d) ((d) + 4)
 #define ATT_TILE_ARGS                                                                                                     \
     const float *q, const float *k_new, const float *v_new, const u64 *cache, float *out, const int *step, int q_heads,    \
-        int kv_heads, int d, int window, float scale, u8 *xq, int rows
-#define ATT_TILE_PASS q, k_new, v_new, cache, out, step, q_heads, kv_heads, d, window, scale, xq, rows
-template <class C> __device__ __forceinline__ void attention_tiled_impl(ATT_TILE_ARGS) {
+        int kv_heads, int d, int window, float scale, u8 *xq, int rows, float softcap
+#define ATT_TILE_PASS q, k_new, v_new, cache, out, step, q_heads, kv_heads, d, window, scale, xq, rows, softcap
+template <bool CAP, class C> __device__ __forceinline__ void attention_tiled_impl(ATT_TILE_ARGS) {
     extern __shared__ float4 att_tile_smem[];
     float* const sq = (float*)att_tile_smem;            // [ATT_TILE_ROWS][d]
     float* const sk = sq + ATT_TILE_ROWS * d;            // [ATT_TILE_KEYS][ATT_TILE_KS(d)]
@@ -412,7 +421,7 @@ template <class C> __device__ __forceinline__ void attention_tiled_impl(ATT_TILE
                 const int i = r0 + warp * ATT_TILE_RPW + r, p = ra.pos + (i - a);
                 const int lo = first_visible(p, window), pos = c0 + lane;
                 const bool ok = i >= a && i < b && lane < nk && pos >= lo && pos <= p;
-                const float sc = ok ? s[r] * scale : -INFINITY, mx = warp_max(sc);
+                const float sc = ok ? (CAP ? soft_cap(s[r] * scale, softcap) : s[r] * scale) : -INFINITY, mx = warp_max(sc);
                 e[r] = 0.f;
                 if (mx != -INFINITY) {
                     const float mn = fmaxf(m[r], mx), c = expf(m[r] - mn);
@@ -456,10 +465,16 @@ template <class C> __device__ __forceinline__ void attention_tiled_impl(ATT_TILE
     }
 }
 extern "C" __global__ void __launch_bounds__(32 * ATT_TILE_WARPS) attention_tiled(ATT_TILE_ARGS) {
-    attention_tiled_impl<float>(ATT_TILE_PASS);
+    attention_tiled_impl<false, float>(ATT_TILE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(32 * ATT_TILE_WARPS) attention_tiled_cap(ATT_TILE_ARGS) {
+    attention_tiled_impl<true, float>(ATT_TILE_PASS);
 }
 extern "C" __global__ void __launch_bounds__(32 * ATT_TILE_WARPS) attention_tiled_f16(ATT_TILE_ARGS) {
-    attention_tiled_impl<u16>(ATT_TILE_PASS);
+    attention_tiled_impl<false, u16>(ATT_TILE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(32 * ATT_TILE_WARPS) attention_tiled_cap_f16(ATT_TILE_ARGS) {
+    attention_tiled_impl<true, u16>(ATT_TILE_PASS);
 }
 
 // Appends the step's new rows to one layer's cache of their sequence (only a sequence's last

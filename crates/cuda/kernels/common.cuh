@@ -195,6 +195,18 @@ __device__ __forceinline__ float gelu_tanh(float x) {
     return 0.5f * x * (1.f + tanhf(k * (x + 0.044715f * x * x * x)));
 }
 
+// SiLU, x * sigmoid(x) (Llama's and Qwen's MLP activation), as the CPU computes it.
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+// Soft-capping, cap * tanh(x / cap) (Gemma 2's attention scores and final logits).
+__device__ __forceinline__ float soft_cap(float x, float cap) { return tanhf(x / cap) * cap; }
+
+// The activation of a gated MLP's gate (the matrix-vector kernels' `glu`, a template parameter:
+// each activation has its own kernels): GELU-tanh or SiLU.
+#define ACT_GELU 0
+#define ACT_SILU 1
+template <int ACT> __device__ __forceinline__ float glu_act(float x) { return ACT == ACT_SILU ? silu(x) : gelu_tanh(x); }
+
 // Sum over a block of at most 1024 threads; every thread gets the result. `scratch` holds 32 floats.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;

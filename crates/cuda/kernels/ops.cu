@@ -1,4 +1,5 @@
-// Element-wise and row kernels: step inputs, RMS norm, RoPE, add/mul, GELU, last row, argmax.
+// Element-wise and row kernels: step inputs, RMS norm, RoPE, element-wise ops (add, mul, GELU,
+// SiLU, scale, soft-cap, bias), last row, argmax.
 
 // Writes the step's token ids and positions into the arena from the step buffer (common.cuh) of a
 // plan of `rows` rows. The positions live in device memory, so a captured graph serves every step
@@ -29,8 +30,10 @@ extern "C" __global__ void set_inputs(const int* step, int rows, int* tokens, in
 // out = x / rms(x) * w (+ residual) over groups of `group` <= NORM_PER * blockDim.x elements:
 // one block per group.
 // With `xq` (groups are whole rows), out is also written quantized for a matrix-vector product.
-extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm(const float* x, const float* w, const float* residual, float* out, int group,
-                                    float eps, u8* xq) {
+// Without W (`rms_normalize`), no weight: out = x / rms(x) (w, residual and xq null).
+template <bool W>
+__device__ __forceinline__ void rms_norm_impl(const float* x, const float* w, const float* residual, float* out, int group, float eps,
+                                              u8* xq) {
     __shared__ float scratch[32];
     pdl_release();
     u64 base = (u64)blockIdx.x * group;
@@ -38,7 +41,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm(const float*
 #pragma unroll
     for (int j = 0; j < NORM_PER; j++) {
         int i = threadIdx.x + j * blockDim.x;
-        wv[j] = i < group ? w[i] : 0.f;
+        wv[j] = i < group ? (W ? w[i] : 1.f) : 0.f;
     }
     pdl_wait();
 #pragma unroll
@@ -60,6 +63,13 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm(const float*
         if (xq && i - (threadIdx.x & 31) < group) quantize32(y, xq + blockIdx.x * xq_bytes(group), group, i);
         if (i < group) out[base + i] = y;
     }
+}
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm(const float* x, const float* w, const float* residual, float* out, int group,
+                                    float eps, u8* xq) {
+    rms_norm_impl<true>(x, w, residual, out, group, eps, xq);
+}
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_normalize(const float* x, float* out, int group, float eps) {
+    rms_norm_impl<false>(x, nullptr, nullptr, out, group, eps, nullptr);
 }
 
 // Two norms in one pass over a row (a post-norm and its residual add, then the next pre-norm):
@@ -165,31 +175,65 @@ extern "C" __global__ void qk_norm_rope(const float* q, const float* k, const fl
     o[i + half] = b * c + a * s;
 }
 
-// NeoX rotary embedding: one block per (row, head), angles in double as the CPU computes them.
-extern "C" __global__ void rope(const float* x, const int* positions, float* out, int heads, int head_dim,
-                                float theta) {
+// Rotary embedding: one block per (row, head), angles in double as the CPU computes them. `rope`:
+// NeoX pairing (element i with i + head_dim / 2), frequency i theta^(-2i/d). `rope_scaled` (any
+// `RopeSpec`): NeoX pairing, or with `adjacent` the "normal" one (2i with 2i + 1), and frequency i
+// freq_scale * theta^(-2i/d) / factors[i] (`factors` null: no divisors; Llama 3 and proportional
+// RoPE).
+template <bool SCALED>
+__device__ __forceinline__ void rope_impl(const float* x, const int* positions, float* out, int heads, int head_dim, float theta,
+                                          float freq_scale, const float* factors, int adjacent) {
     pdl_wait();
     int r = blockIdx.x / heads;
     u64 base = (u64)blockIdx.x * head_dim;
     int half = head_dim / 2;
     double pos = (double)positions[r];
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        double inv_freq = 1.0 / pow((double)theta, (double)(2 * i) / (double)head_dim);
+        double inv_freq = (SCALED ? (double)freq_scale : 1.0) / pow((double)theta, (double)(2 * i) / (double)head_dim);
+        // Pair i is elements (e, e + off).
+        int e = i, off = half;
+        if (SCALED) {
+            if (factors) inv_freq /= (double)factors[i];
+            if (adjacent) {
+                e = 2 * i;
+                off = 1;
+            }
+        }
         double a = pos * inv_freq;
         float c = (float)cos(a), s = (float)sin(a);
-        float x0 = x[base + i], x1 = x[base + i + half];
-        out[base + i] = x0 * c - x1 * s;
-        out[base + i + half] = x1 * c + x0 * s;
+        float x0 = x[base + e], x1 = x[base + e + off];
+        out[base + e] = x0 * c - x1 * s;
+        out[base + e + off] = x1 * c + x0 * s;
     }
 }
+extern "C" __global__ void rope(const float* x, const int* positions, float* out, int heads, int head_dim,
+                                float theta) {
+    rope_impl<false>(x, positions, out, heads, head_dim, theta, 1.f, nullptr, 0);
+}
+extern "C" __global__ void rope_scaled(const float* x, const int* positions, float* out, int heads, int head_dim, float theta,
+                                       float freq_scale, const float* factors, int adjacent) {
+    rope_impl<true>(x, positions, out, heads, head_dim, theta, freq_scale, factors, adjacent);
+}
 
-// op 0: a + b, 1: a * b, 2: gelu(a), 3: gelu(a) * b.
-extern "C" __global__ void elementwise(const float* a, const float* b, float* out, u64 len, int op) {
+// out[i] for i < len by `op` (`ElementOp` in exec.rs): 0: a + b, 1: a * b, 2: gelu(a),
+// 3: gelu(a) * b, 4: silu(a), 5: silu(a) * b, 6: a * c, 7: c * tanh(a / c) (soft-cap),
+// 8: a + b[i % width] (a bias row added to every row of `width`).
+extern "C" __global__ void elementwise(const float* a, const float* b, float* out, u64 len, int op, float c, u32 width) {
     pdl_wait();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= len) return;
-    float x = a[i];
-    float y = op == 0 ? x + b[i] : op == 1 ? x * b[i] : op == 2 ? gelu_tanh(x) : gelu_tanh(x) * b[i];
+    float x = a[i], y;
+    switch (op) {
+    case 0: y = x + b[i]; break;
+    case 1: y = x * b[i]; break;
+    case 2: y = gelu_tanh(x); break;
+    case 3: y = gelu_tanh(x) * b[i]; break;
+    case 4: y = silu(x); break;
+    case 5: y = silu(x) * b[i]; break;
+    case 6: y = x * c; break;
+    case 7: y = soft_cap(x, c); break;
+    default: y = x + b[i % width]; break;
+    }
     out[i] = y;
 }
 

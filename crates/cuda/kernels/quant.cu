@@ -682,8 +682,8 @@ __device__ __noinline__ void norm_epilogue(const float* x, const float* w1, cons
 }
 
 // A warp's finished group of output rows (acc: the products, in every lane): the stores, or the glu
-// and its quantization (see `matvec`).
-template <int R, int ROWS>
+// (activation ACT) and its quantization (see `matvec`).
+template <int R, int ROWS, int ACT>
 __device__ __forceinline__ void group_out(const float (&acc)[ROWS][R], const int (&mi)[R], const int (&ri)[R], const int (&nr)[R],
                                           float* const (&orr)[R], int n0, float* o0, float* o1, float* glu, u8* gq, u32* gcnt, int rows, int lane) {
 #pragma unroll
@@ -699,7 +699,7 @@ __device__ __forceinline__ void group_out(const float (&acc)[ROWS][R], const int
                     if (mi[rr] >= 0) {
                         o0[(u64)r * n0 + ri[rr]] = acc[r][rr];
                         o1[(u64)r * n0 + ri[rr]] = acc[r][rr + R / 2];
-                        glu[(u64)r * n0 + ri[rr]] = gelu_tanh(acc[r][rr]) * acc[r][rr + R / 2];
+                        glu[(u64)r * n0 + ri[rr]] = glu_act<ACT>(acc[r][rr]) * acc[r][rr + R / 2];
                     }
             }
         }
@@ -798,7 +798,7 @@ __device__ __forceinline__ void argmax_publish(const u64 (&best)[ROWS], u32 bad,
 // `split` warps computes R consecutive output rows of the concatenation; lanes walk the row in
 // 32-element chunks, and each chunk's activations are loaded once for the R rows.
 // - `glu` (R even): a warp computes rows o..o+R/2 of W_0 (gate) and of W_1 (up) and writes
-//   glu[o] = gelu(gate) * up; with `gq`, each 32-row block of glu is also quantized (by the warp
+//   glu[o] = act(gate) * up (ACT: GELU-tanh or SiLU, `glu_act`); with `gq`, each 32-row block of glu is also quantized (by the warp
 //   that completes it, counted in `gcnt`) for the next matrix-vector product.
 // - `ecnt` (one matrix, no glu): the last block to finish (counted in `ecnt`) also computes the
 //   norm (pair) of the products o0 (see norm_epilogue): all of them are written by then.
@@ -815,7 +815,7 @@ __device__ __forceinline__ void argmax_publish(const u64 (&best)[ROWS], u32 bad,
 //   index among equal maxima, -1 if any value is not finite): each warp keeps the best key of its
 //   groups (argmax_fold) and publishes it once (argmax_publish) into `aslots` (ARGMAX_SLOTS keys
 //   per row, then a flag per row), counted in `acnt`; the last warp reduces and resets them.
-template <int T, int R, int ROWS, int STAGES, bool PRO, bool LOOP>
+template <int T, int R, int ROWS, int STAGES, bool PRO, bool LOOP, int ACT>
 __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2, u64 rb, int n0, int n1, int n2, float* o0,
                                        float* o1, float* o2, float* glu, const u8* xq, int k, int rows, int split, u8* gq,
                                        u32* gcnt, const float* ew1, const float* er, float* eh, const float* ew2, float* eout,
@@ -1052,7 +1052,7 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
             if (aout)
                 argmax_fold<R, ROWS>(acc, mi, ri, rows, abest, abad);
             else
-                group_out<R, ROWS>(acc, mi, ri, nr, orr, n0, o0, o1, glu, gq, gcnt, rows, lane);
+                group_out<R, ROWS, ACT>(acc, mi, ri, nr, orr, n0, o0, o1, glu, gq, gcnt, rows, lane);
         }
         if (!LOOP || warp + teams >= groups) break;
     }
@@ -1141,8 +1141,8 @@ __device__ __forceinline__ float rows_sum8(float (&a)[8], int lane) {
 // The tiles of a matvec_ring block (after its wait; arguments as matvec_ring's, with its ring,
 // stage barriers, partial sums `red`, tile counts and the refill `issue`), computed with the tile's
 // rows in SETS sets, each walked by 32 W / SETS lanes (a lane takes ROWS = TR / SETS rows of its
-// chunks): the sums, the outputs (or the argmax), the refills.
-template <int T, int TR, int W, int SETS, class Issue>
+// chunks): the sums, the outputs (or the argmax, or the glu of activation ACT), the refills.
+template <int T, int TR, int W, int SETS, int ACT, class Issue>
 __device__ __forceinline__ void ring_tiles(const Issue& issue, const u8* ring, u64* full, float (*red)[W][TR], int mine, int tiles,
                                            u64 rb, u64 tb, u32 stage, int n0, int n1, float* o0, float* o1, float* o2, float* glu,
                                            const u8* xq, int k, int ns, u64* aslots, int* aout, u32* acnt) {
@@ -1226,7 +1226,7 @@ __device__ __forceinline__ void ring_tiles(const Issue& issue, const u8* ring, u
                 const int r = t * HALF + lane;
                 o0[r] = g;
                 o1[r] = u;
-                glu[r] = gelu_tanh(g) * u;
+                glu[r] = glu_act<ACT>(g) * u;
             }
         } else if (lane < TR) {
             const float s = sum(lane);
@@ -1247,8 +1247,8 @@ __device__ __forceinline__ void ring_tiles(const Issue& issue, const u8* ring, u
     }
 }
 
-// One activation row times up to three matrices of one format, the glu pair or the greedy argmax
-// (arguments as in `matvec`; no norm prologue or epilogue, no glu quantization) with the weights
+// One activation row times up to three matrices of one format, the glu pair (activation ACT) or the
+// greedy argmax (arguments as in `matvec`; no norm prologue or epilogue, no glu quantization) with the weights
 // streamed through shared memory (sm_90): the rows are cut in tiles of TR rows (8, 4 or 2; with
 // glu, TR / 2 rows of W_0 and the same rows of W_1), taken by the blocks in turn (block b: tiles b,
 // b + gridDim.x, ...). Thread 0 asks the copy engine for each tile into a ring of `ns` stages of
@@ -1268,7 +1268,7 @@ __device__ __forceinline__ void ring_tiles(const Issue& issue, const u8* ring, u
 // 20.6 us.) Rows too long for two 8-row tiles in the ring (the down projection's 15,360) take tiles
 // of 4 rows in blocks of 8 warps with twice the ring (matvecr4) rather than 2 rows: each chunk's
 // activations serve 4 rows, not 2.
-template <int T, int TR, int W>
+template <int T, int TR, int W, int ACT>
 __device__ __forceinline__ void matvec_ring(const u8* w0, const u8* w1, const u8* w2, u64 rb, int n0, int n1, int n2, float* o0,
                                             float* o1, float* o2, float* glu, const u8* xq, int k, int ns, u64* aslots, int* aout,
                                             u32* acnt) {
@@ -1308,11 +1308,11 @@ __device__ __forceinline__ void matvec_ring(const u8* w0, const u8* w1, const u8
     // lanes cover a row in one chunk each (a lane still takes 8 x 32 elements of an 8-row tile).
     if constexpr (RingChunk<T>::G == 4) {
         if (2 * (k / (16 * RingChunk<T>::G)) <= 32 * W) {
-            ring_tiles<T, TR, W, 2>(issue, ring, full, red, mine, tiles, rb, tb, stage, n0, n1, o0, o1, o2, glu, xq, k, ns, aslots, aout, acnt);
+            ring_tiles<T, TR, W, 2, ACT>(issue, ring, full, red, mine, tiles, rb, tb, stage, n0, n1, o0, o1, o2, glu, xq, k, ns, aslots, aout, acnt);
             return;
         }
     }
-    ring_tiles<T, TR, W, 1>(issue, ring, full, red, mine, tiles, rb, tb, stage, n0, n1, o0, o1, o2, glu, xq, k, ns, aslots, aout, acnt);
+    ring_tiles<T, TR, W, 1, ACT>(issue, ring, full, red, mine, tiles, rb, tb, stage, n0, n1, o0, o1, o2, glu, xq, k, ns, aslots, aout, acnt);
 }
 
 // Greedy head for one activation row over a planar Q8_0 matrix of n rows and k <= HEAD_MAX_K
@@ -1930,27 +1930,31 @@ KILN_MMQ(q5_0, F_Q5_0)
 // one activation row, with the norm prologue), matvec4 (4 output rows per warp, one activation row:
 // large matrices; chunks staged through MV_STAGES shared-memory stages where the format can),
 // matvec4p (the same with the norm prologue: its registers, unused, slowed 12B decode by 4% in
-// matvec4), embed, dequant. `nb`:
-// blocks of the matrix.
+// matvec4), each for a GELU glu (`matvec_<fmt>`, ...: every launch without glu takes these) and a
+// SiLU one (`matvec_silu_<fmt>`, ...: KILN_MATVECS's ACTN, the name infix, and ACT); embed, dequant.
+// `nb`: blocks of the matrix.
 #define MV_ARGS                                                                                                     \
     const u8 *w0, const u8 *w1, const u8 *w2, u64 rb, int n0, int n1, int n2, float *o0, float *o1, float *o2, \
         float *glu, const u8 *xq, int k, int rows, int split, u8 *gq, u32 *gcnt, const float *ew1, \
         const float *er, float *eh, const float *ew2, float *eout, u8 *exq, u32 *ecnt, float eps, u64 *aslots, int *aout, \
         u32 *acnt, const float *px, float *eh2
 #define MV_PASS o0, o1, o2, glu, xq, k, rows, split, gq, gcnt, ew1, er, eh, ew2, eout, exq, ecnt, eps, aslots, aout, acnt, px, eh2
+#define KILN_MATVECS(NAME, T, ACTN, ACT)                                                                            \
+    extern "C" __global__ void __launch_bounds__(128) matvec##ACTN##_##NAME(MV_ARGS) {                             \
+        matvec<T, 2, MV_ROWS, 0, false, false, ACT>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                          \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128) matvec1##ACTN##_##NAME(MV_ARGS) {                            \
+        matvec<T, 2, 1, 0, true, false, ACT>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                 \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128, 4) matvec4##ACTN##_##NAME(MV_ARGS) {                         \
+        matvec<T, 4, 1, MV_STAGES, false, true, ACT>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                         \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128, 4) matvec4p##ACTN##_##NAME(MV_ARGS) {                        \
+        matvec<T, 4, 1, MV_STAGES, true, false, ACT>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                         \
+    }
 #define KILN_FORMAT(NAME, T)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(128) matvec_##NAME(MV_ARGS) {                                     \
-        matvec<T, 2, MV_ROWS, 0, false, false>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                               \
-    }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128) matvec1_##NAME(MV_ARGS) {                                    \
-        matvec<T, 2, 1, 0, true, false>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                                     \
-    }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128, 4) matvec4_##NAME(MV_ARGS) {                                    \
-        matvec<T, 4, 1, MV_STAGES, false, true>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                       \
-    }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128, 4) matvec4p_##NAME(MV_ARGS) {                                   \
-        matvec<T, 4, 1, MV_STAGES, true, false>(w0, w1, w2, rb, n0, n1, n2, MV_PASS);                                        \
-    }                                                                                                               \
+    KILN_MATVECS(NAME, T, , ACT_GELU)                                                                               \
+    KILN_MATVECS(NAME, T, _silu, ACT_SILU)                                                                          \
     extern "C" __global__ void embed_##NAME(const u8* w, u64 rb, u64 nb, const int* ids, float* out, int k,        \
                                             float scale) {                                                          \
         embed<T>(Mat{w, rb, nb}, ids, out, k, scale);                                                               \
@@ -1974,17 +1978,18 @@ KILN_FORMAT(q6_k, F_Q6_K)
 
 // matvecr8, matvecr4 and matvecr2 (one activation row, weights streamed through shared memory in
 // tiles of 8, 4 or 2 rows; sm_90) for the formats with chunk decoders: those that carry most of a
-// model's bytes.
-#define KILN_RING(NAME, T)                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(32 * MVR_WARPS, 4) matvecr8_##NAME(MVR_ARGS) {                             \
-        matvec_ring<T, 8, MVR_WARPS>(MVR_PASS);                                                                              \
+// model's bytes; each for a GELU glu (`matvecr8_<fmt>`, ...) and a SiLU one (`matvecr8_silu_<fmt>`).
+#define KILN_RINGS(NAME, T, ACTN, ACT)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * MVR_WARPS, 4) matvecr8##ACTN##_##NAME(MVR_ARGS) {                     \
+        matvec_ring<T, 8, MVR_WARPS, ACT>(MVR_PASS);                                                                         \
     }                                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * MVR4_WARPS, 2) matvecr4_##NAME(MVR_ARGS) {                            \
-        matvec_ring<T, 4, MVR4_WARPS>(MVR_PASS);                                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * MVR4_WARPS, 2) matvecr4##ACTN##_##NAME(MVR_ARGS) {                    \
+        matvec_ring<T, 4, MVR4_WARPS, ACT>(MVR_PASS);                                                                        \
     }                                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * MVR_WARPS, 4) matvecr2_##NAME(MVR_ARGS) {                             \
-        matvec_ring<T, 2, MVR_WARPS>(MVR_PASS);                                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * MVR_WARPS, 4) matvecr2##ACTN##_##NAME(MVR_ARGS) {                     \
+        matvec_ring<T, 2, MVR_WARPS, ACT>(MVR_PASS);                                                                         \
     }
+#define KILN_RING(NAME, T) KILN_RINGS(NAME, T, , ACT_GELU) KILN_RINGS(NAME, T, _silu, ACT_SILU)
 #define MVR_ARGS                                                                                                             \
     const u8 *w0, const u8 *w1, const u8 *w2, u64 rb, int n0, int n1, int n2, float *o0, float *o1, float *o2, float *glu, \
         const u8 *xq, int k, int ns, u64 *aslots, int *aout, u32 *acnt

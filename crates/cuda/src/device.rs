@@ -13,6 +13,7 @@ use kiln_quant::GgmlType;
 use kiln_runtime::RuntimeError;
 use sha2::{Digest, Sha256};
 
+use crate::exec::Glu;
 use crate::weights::format_name;
 
 /// Shared by every family: types, f16 loads, reductions.
@@ -182,8 +183,10 @@ impl Device {
                 } else if f.starts_with("attention_tiled") {
                     Some(crate::exec::attention_tile_shared(crate::exec::ATTENTION_MAX_DIM) as u32)
                 } else {
+                    // (`matvec4_silu_q5_0`: the SiLU instance's format follows its infix.)
                     f.strip_prefix("matvec4_")
                         .or_else(|| f.strip_prefix("matvec4p_"))
+                        .map(|r| r.strip_prefix("silu_").unwrap_or(r))
                         .map(crate::exec::matvec4_shared_bytes)
                         .filter(|&b| b > 0)
                         .map(|b| b + crate::exec::PROLOGUE_SHARED)
@@ -299,7 +302,8 @@ pub(crate) enum Arg {
 }
 
 /// Every `extern "C" __global__ void NAME(` of a source, with `KILN_FORMAT(name, ...)`,
-/// `KILN_RING(name, ...)` and `KILN_MMQ(name, ...)` expanded.
+/// `KILN_RING(name, ...)` (their matrix-vector kernels once per glu activation, `Glu::infix`) and
+/// `KILN_MMQ(name, ...)` expanded.
 fn kernel_names(src: &str) -> Vec<String> {
     let mut names = Vec::new();
     for line in src.lines() {
@@ -311,12 +315,15 @@ fn kernel_names(src: &str) -> Vec<String> {
             }
         } else if let Some(rest) = line.strip_prefix("KILN_FORMAT(") {
             let fmt = rest.split(',').next().unwrap_or_default().trim();
-            for k in ["matvec", "matvec1", "matvec4", "matvec4p", "embed", "dequant"] {
-                names.push(format!("{k}_{fmt}"));
+            for act in Glu::ALL {
+                names.extend(["matvec", "matvec1", "matvec4", "matvec4p"].map(|k| format!("{k}{}_{fmt}", act.infix())));
             }
+            names.extend(["embed", "dequant"].map(|k| format!("{k}_{fmt}")));
         } else if let Some(rest) = line.strip_prefix("KILN_RING(") {
             let fmt = rest.split(',').next().unwrap_or_default().trim();
-            names.extend(["matvecr8", "matvecr4", "matvecr2"].map(|k| format!("{k}_{fmt}")));
+            for act in Glu::ALL {
+                names.extend(["matvecr8", "matvecr4", "matvecr2"].map(|k| format!("{k}{}_{fmt}", act.infix())));
+            }
         } else if let Some(rest) = line.strip_prefix("KILN_MMQ(") {
             let fmt = rest.split(',').next().unwrap_or_default().trim();
             for block in crate::exec::MMQ_BLOCKS {
@@ -474,8 +481,11 @@ mod tests {
     fn kernel_names_are_found_in_every_family() {
         let quant = kernel_names(FAMILIES[0].1);
         assert!(quant.contains(&"matvec_q4_k".to_string()) && quant.contains(&"dequant_q8_0".to_string()));
-        assert_eq!(quant.len(), 13 * 6 + 2 + 4 * 3 + 4 * 4 * 2);
+        // Per format 4 matrix-vector kernels per glu activation, embed and dequant; quantize_rows
+        // and the greedy head; 3 ring kernels per activation of 4 formats; the mmq tiles.
+        assert_eq!(quant.len(), 13 * (4 * 2 + 2) + 2 + 4 * 3 * 2 + 4 * 4 * 2);
         assert!(quant.contains(&"matvecr2_q6_k".to_string()) && quant.contains(&"mmq8_q5_0".to_string()));
+        assert!(quant.contains(&"matvec4p_silu_q5_0".to_string()) && quant.contains(&"matvecr4_silu_q8_0".to_string()));
         assert!(quant.contains(&"mmq128_q4_k".to_string()));
         assert!(quant.contains(&"mmqf16_q4_k".to_string()));
         assert_eq!(mmq_kernel("mmq64_q6_k"), Some((crate::exec::MMQ_MANY, 64, GgmlType::Q6_K)));
@@ -489,6 +499,8 @@ mod tests {
             "rms_norm2",
             "qk_norm_rope",
             "rope",
+            "rope_scaled",
+            "rms_normalize",
             "elementwise",
             "copy_last_rows",
             "argmax_partial",

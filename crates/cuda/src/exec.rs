@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaGraph};
-use kiln_ir::{Bucket, DType};
+use kiln_ir::{Bucket, DType, RopeMode};
 use kiln_quant::GgmlType;
 use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KvCache, KvType, Plan, Rows, RuntimeError, Slot, Step, StepInputs, WeightId};
 
@@ -323,6 +323,169 @@ impl MmqBlock {
     }
 }
 
+/// The operations of the `elementwise` kernel (its `op` argument in ops.cu).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ElementOp {
+    Add = 0,
+    Mul = 1,
+    Gelu = 2,
+    GeluMul = 3,
+    Silu = 4,
+    SiluMul = 5,
+    Scale = 6,
+    SoftCap = 7,
+    /// A bias row (a weight vector) added to every row.
+    Bias = 8,
+}
+
+/// A plan step the `elementwise` kernel computes: `out = op(a, b)` over rows of `width`, with the
+/// op's constant `c` (scale factor, soft-cap) and `b` a slot or the bias vector `bias`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Elementwise {
+    op: ElementOp,
+    a: Slot,
+    b: Option<Slot>,
+    bias: Option<WeightId>,
+    out: Slot,
+    width: usize,
+    c: f32,
+}
+
+/// The `elementwise` launch of `kernel`, if it is an element-wise step.
+fn elementwise_of(kernel: &Kernel) -> Option<Elementwise> {
+    let e = |op, a, b, out, width, c| Some(Elementwise { op, a, b, bias: None, out, width, c });
+    match *kernel {
+        Kernel::Add { a, b, out, width } => e(ElementOp::Add, a, Some(b), out, width, 0.0),
+        Kernel::Mul { a, b, out, width } => e(ElementOp::Mul, a, Some(b), out, width, 0.0),
+        Kernel::Gelu { x, out, width } => e(ElementOp::Gelu, x, None, out, width, 0.0),
+        Kernel::GeluMul { gate, up, out, width } => e(ElementOp::GeluMul, gate, Some(up), out, width, 0.0),
+        Kernel::Silu { x, out, width } => e(ElementOp::Silu, x, None, out, width, 0.0),
+        Kernel::SiluMul { gate, up, out, width } => e(ElementOp::SiluMul, gate, Some(up), out, width, 0.0),
+        Kernel::Scale { x, out, width, factor } => e(ElementOp::Scale, x, None, out, width, factor),
+        Kernel::SoftCap { x, out, width, cap } => e(ElementOp::SoftCap, x, None, out, width, cap),
+        Kernel::AddBias { x, bias, out, width } => {
+            Some(Elementwise { op: ElementOp::Bias, a: x, b: None, bias: Some(bias), out, width, c: 0.0 })
+        }
+        _ => None,
+    }
+}
+
+/// The activation of a gated MLP product (`GeluMul` or `SiluMul`): it picks the kernels of a
+/// gate/up launch that computes the product (`ACT` in quant.cu).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Glu {
+    /// GELU-tanh (Gemma).
+    Gelu,
+    /// SiLU (Llama, Qwen).
+    Silu,
+}
+
+impl Glu {
+    /// Every activation (each has its matrix-vector kernels).
+    pub(crate) const ALL: [Glu; 2] = [Glu::Gelu, Glu::Silu];
+
+    /// The infix of its matrix-vector kernels' names (`matvec4_q4_k`, `matvec4_silu_q4_k`: `ACTN` of
+    /// `KILN_MATVECS` and `KILN_RINGS` in quant.cu).
+    pub(crate) fn infix(self) -> &'static str {
+        match self {
+            Glu::Gelu => "",
+            Glu::Silu => "_silu",
+        }
+    }
+}
+
+/// A gated product step: its activation, gate, up, output and width.
+fn glu_of(kernel: &Kernel) -> Option<(Glu, Slot, Slot, Slot, usize)> {
+    match *kernel {
+        Kernel::GeluMul { gate, up, out, width } => Some((Glu::Gelu, gate, up, out, width)),
+        Kernel::SiluMul { gate, up, out, width } => Some((Glu::Silu, gate, up, out, width)),
+        _ => None,
+    }
+}
+
+/// An attention step: `Attention`, or `AttentionSoftCap` with its cap (the attention kernels' `_cap`
+/// instances).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct AttentionStep {
+    q: Slot,
+    k: Slot,
+    v: Slot,
+    out: Slot,
+    layer: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    window: Option<usize>,
+    scale: f32,
+    softcap: Option<f32>,
+}
+
+/// The attention step `kernel` is, if any.
+fn attention_of(kernel: &Kernel) -> Option<AttentionStep> {
+    match *kernel {
+        Kernel::Attention { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale } => {
+            Some(AttentionStep { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale, softcap: None })
+        }
+        Kernel::AttentionSoftCap { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale, softcap } => {
+            Some(AttentionStep { q, k, v, out, layer, q_heads, kv_heads, head_dim, window, scale, softcap: Some(softcap) })
+        }
+        _ => None,
+    }
+}
+
+/// Checks that the CUDA kernels take `kernel`: shapes within their limits, vectors of the lengths
+/// the step reads. (Every kernel of the plan IR has a CUDA kernel; this match names them all, so a
+/// new one must be decided on here.)
+fn check_kernel(kernel: &Kernel, weights: &dyn WeightShapes) -> Result<(), RuntimeError> {
+    match *kernel {
+        Kernel::RmsNorm { weight, .. } => {
+            let width = weights.vector_len(weight)?;
+            if width > NORM_MAX {
+                return Err(cuda_err(format!("RMS norm over {width} elements (at most {NORM_MAX})")));
+            }
+        }
+        Kernel::Normalize { width, group, .. } => {
+            if group == 0 || group > NORM_MAX || !width.is_multiple_of(group) {
+                return Err(cuda_err(format!("RMS normalisation over groups of {group} of rows of {width} (at most {NORM_MAX})")));
+            }
+        }
+        Kernel::AddBias { bias, width, .. } => {
+            let len = weights.vector_len(bias)?;
+            if len != width || width > u32::MAX as usize {
+                return Err(cuda_err(format!("a bias of {len} elements added to rows of {width}")));
+            }
+        }
+        Kernel::Rope { head_dim, .. } | Kernel::RopeScaled { head_dim, .. } => {
+            if !head_dim.is_multiple_of(2) {
+                return Err(cuda_err(format!("RoPE over heads of odd size {head_dim}")));
+            }
+        }
+        Kernel::Attention { .. } | Kernel::AttentionSoftCap { .. } => {
+            let a = attention_of(kernel).ok_or_else(|| cuda_err("an attention step without its parameters"))?;
+            let (d, qh, kh) = (a.head_dim, a.q_heads, a.kv_heads);
+            if d > ATTENTION_MAX_DIM || !d.is_multiple_of(32) || kh == 0 || !qh.is_multiple_of(kh) {
+                return Err(cuda_err(format!(
+                    "attention with head size {d}, {qh} query / {kh} key heads is not supported (head size must be a multiple of 32, at most {ATTENTION_MAX_DIM})"
+                )));
+            }
+        }
+        Kernel::Embed { .. }
+        | Kernel::Scale { .. }
+        | Kernel::MatMul { .. }
+        | Kernel::MatMulArgmax { .. }
+        | Kernel::Add { .. }
+        | Kernel::Mul { .. }
+        | Kernel::Gelu { .. }
+        | Kernel::GeluMul { .. }
+        | Kernel::Silu { .. }
+        | Kernel::SiluMul { .. }
+        | Kernel::SoftCap { .. }
+        | Kernel::LastRow { .. }
+        | Kernel::Argmax { .. } => {}
+    }
+    Ok(())
+}
+
 /// Widest row the norm kernels take (`NORM_PER * NORM_THREADS` in ops.cu).
 const NORM_MAX: usize = 8192;
 /// Threads of a norm block for rows of `width` (at most `NORM_THREADS` in ops.cu).
@@ -389,7 +552,8 @@ enum Op {
     /// One plan step.
     Step(usize),
     /// Consecutive matmuls of one format sharing their input (q/k/v, gate/up), and with `glu`
-    /// the `GeluMul` of the two that follows: one matrix-vector launch for few rows. With `epi`
+    /// the gated product of the two that follows (`GeluMul` or `SiluMul`, `Glu`): one
+    /// matrix-vector launch for few rows. With `epi`
     /// (one matrix) the norm (pair) of its products that follows is computed by its last block.
     /// With `pro` (one activation row), the norm (pair) before the group, whose output is the
     /// group's input, is computed by every block of the launch first (no norm kernel).
@@ -580,8 +744,7 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> Result<Ve
                 Op::NormPair { second, .. } => Some((out_of(&steps[second].kernel), 0)),
                 Op::Step(t) | Op::QkAttention { att: t, .. } => match steps[t].kernel {
                     Kernel::RmsNorm { weight, width, out, .. } if weights.vector_len(weight)? == width => Some((Some(out), 0)),
-                    Kernel::Attention { out, .. } => Some((Some(out), 0)),
-                    _ => None,
+                    ref k => attention_of(k).map(|a| (Some(a.out), 0)),
                 },
                 Op::MatVecs { glu: Some(g), ref steps, .. } => match plan.steps[steps[0]].kernel {
                     // (Unless the launch would stream its weights without the quantization; the
@@ -647,10 +810,10 @@ fn launch_width(plan: &Plan, op: &Op) -> usize {
         Op::MatVecs { epi: Some(Epilogue::Norm(t) | Epilogue::Pair(_, t)), .. } => *t,
         _ => return usize::MAX,
     };
-    match plan.steps[last].kernel {
-        Kernel::RmsNorm { width, .. } | Kernel::GeluMul { width, .. } => width,
-        Kernel::Attention { q_heads, head_dim, .. } => q_heads * head_dim,
-        _ => usize::MAX,
+    let k = &plan.steps[last].kernel;
+    match *k {
+        Kernel::RmsNorm { width, .. } | Kernel::GeluMul { width, .. } | Kernel::SiluMul { width, .. } => width,
+        _ => attention_of(k).map_or(usize::MAX, |a| a.q_heads * a.head_dim),
     }
 }
 
@@ -670,11 +833,11 @@ fn op_writes(plan: &Plan, op: &Op) -> Vec<Slot> {
     idx.iter().map(|&t| s[t].kernel.out()).collect()
 }
 
-/// The output slot of a norm, attention or `GeluMul` kernel.
+/// The output slot of a norm, attention or gated product (`GeluMul`, `SiluMul`) kernel.
 fn out_of(k: &Kernel) -> Option<Slot> {
     match *k {
-        Kernel::RmsNorm { out, .. } | Kernel::Attention { out, .. } | Kernel::GeluMul { out, .. } => Some(out),
-        _ => None,
+        Kernel::RmsNorm { out, .. } => Some(out),
+        _ => attention_of(k).map(|a| a.out).or_else(|| glu_of(k).map(|g| g.3)),
     }
 }
 
@@ -926,7 +1089,7 @@ fn fuse_at(steps: &[Step], i: usize, weights: &dyn WeightShapes) -> Result<Optio
                     _ => break,
                 }
             }
-            if let (2, Some(&Kernel::GeluMul { gate, up, out, .. })) = (group.len(), at(i + 2)) {
+            if let (2, Some((_, gate, up, out, _))) = (group.len(), at(i + 2).and_then(glu_of)) {
                 // The matrix-vector kernel reads x quantized (a copy); cuBLAS runs the steps in order.
                 if gate == outs[0] && up == outs[1] && fusable(&[outs[0], outs[1], out], &[], &[]) {
                     return Ok(Some((Op::MatVecs { steps: group, glu: Some(i + 2), epi: None, pro: None }, 3)));
@@ -1081,6 +1244,10 @@ pub struct CudaExecutable {
     /// at the step's position (written by `set_inputs`).
     ropes: Vec<(f32, usize)>,
     rope: DeviceBuffer,
+    /// The RoPE frequency divisors of the plan's `RopeScaled` steps (`RopeSpec::freq_factors`),
+    /// and each distinct vector's byte offset in `factors`.
+    factors: DeviceBuffer,
+    rope_factors: Vec<(Vec<f32>, u64)>,
     /// Zeroed counters and argmax slots of the fused kernels (each kernel leaves them zeroed):
     /// `MATVEC_ROWS * ARGMAX_SLOTS` keys, `MATVEC_ROWS` flags, the epilogue and argmax arrival
     /// counters, then the per-32-row counters of the quantized `GeluMul` outputs, then one
@@ -1125,14 +1292,15 @@ struct EpilogueArgs {
 }
 
 /// One matrix-vector launch: up to three matrices of one format (with their outputs) over `rows`
-/// rows of the quantized input `xq`; `glu`: the `GeluMul` output of two matrices (quantized into
-/// `gq` too when not 0); `epi`: the norm of the products computed by the last block, or with `px`
+/// rows of the quantized input `xq`; `glu`: the gated product (activation `act`) of two matrices
+/// (quantized into `gq` too when not 0); `epi`: the norm of the products computed by the last block, or with `px`
 /// (not 0) the norm of px computed first by every block, whose output is the launch's input;
 /// `argmax` (not 0): only the argmax of each row is written there.
 struct MatVecArgs<'a> {
     xq: u64,
     mats: &'a [(WeightId, u64)],
     glu: u64,
+    act: Glu,
     gq: u64,
     rows: usize,
     epi: Option<&'a EpilogueArgs>,
@@ -1158,10 +1326,12 @@ struct Active {
 
 /// The kernels that read or write a KV cache, each with its instance for f16 caches
 /// (`attention.cu`).
-pub(crate) const KV_KERNELS: [(&str, &str); 4] = [
+pub(crate) const KV_KERNELS: [(&str, &str); 6] = [
     ("attention", "attention_f16"),
     ("attention_qk", "attention_qk_f16"),
+    ("attention_cap", "attention_cap_f16"),
     ("attention_tiled", "attention_tiled_f16"),
+    ("attention_tiled_cap", "attention_tiled_cap_f16"),
     ("kv_append", "kv_append_f16"),
 ];
 
@@ -1172,6 +1342,21 @@ fn kv_kernel(base: &str, kv: KvType) -> Result<&'static str, RuntimeError> {
         KvType::F32 => f32,
         KvType::F16 => f16,
     })
+}
+
+/// The attention kernel of a launch for caches of `kv`: `attention_tiled` (prompts) or `attention`
+/// (a block per row and head), soft-capped (`_cap`: `AttentionSoftCap`) or with the fused q/k norms
+/// and RoPE (`attention_qk`; never soft-capped: `qk_attention_applies` takes uncapped attention only).
+fn attention_kernel(tiled: bool, qk: bool, capped: bool, kv: KvType) -> Result<&'static str, RuntimeError> {
+    let base = match (tiled, qk, capped) {
+        (true, false, false) => "attention_tiled",
+        (true, false, true) => "attention_tiled_cap",
+        (false, false, false) => "attention",
+        (false, false, true) => "attention_cap",
+        (false, true, false) => "attention_qk",
+        _ => return Err(cuda_err(format!("no attention kernel with tiles {tiled}, q/k norms {qk}, soft-cap {capped}"))),
+    };
+    kv_kernel(base, kv)
 }
 
 /// Rows of a step in a run over `active` rows of `seqs` sequences.
@@ -1190,8 +1375,11 @@ impl CudaExecutable {
         let seqs = plan.bucket.seqs().max(1);
         let mut head_values = 0;
         let mut vocab = usize::MAX;
+        // The distinct RoPE frequency divisors of the plan's steps, uploaded once, and where each lies.
+        let mut factors: Vec<f32> = Vec::new();
+        let mut rope_factors: Vec<(Vec<f32>, u64)> = Vec::new();
         for step in &plan.steps {
-            #[allow(unreachable_patterns)]
+            check_kernel(&step.kernel, &*weights)?;
             match &step.kernel {
                 Kernel::Embed { table, .. } => vocab = vocab.min(weights.matrix(*table)?.n),
                 Kernel::MatMul { w, .. } => {
@@ -1201,37 +1389,17 @@ impl CudaExecutable {
                     let n = weights.matrix(*w)?.n;
                     head_values = head_values.max(rows_of(step.rows, plan.rows(), seqs) * n);
                 }
-                Kernel::RmsNorm { weight, .. } => {
-                    let width = weights.vector(*weight)?.bytes() / 4;
-                    if width > NORM_MAX {
-                        return Err(cuda_err(format!("RMS norm over {width} elements (at most {NORM_MAX})")));
+                Kernel::RopeScaled { spec, .. } => {
+                    if let Some(f) = spec.freq_factors.as_ref().filter(|f| !rope_factors.iter().any(|(g, _)| g == *f)) {
+                        rope_factors.push((f.clone(), 4 * factors.len() as u64));
+                        factors.extend(f);
                     }
                 }
-                Kernel::Attention { head_dim, q_heads, kv_heads, .. } => {
-                    if *head_dim > ATTENTION_MAX_DIM || !head_dim.is_multiple_of(32) || *kv_heads == 0 || !q_heads.is_multiple_of(*kv_heads)
-                    {
-                        return Err(cuda_err(format!(
-                            "attention with head size {head_dim}, {q_heads} query / {kv_heads} key heads is not supported (head size must be a multiple of 32, at most {ATTENTION_MAX_DIM})"
-                        )));
-                    }
-                }
-                Kernel::Rope { .. }
-                | Kernel::Add { .. }
-                | Kernel::Mul { .. }
-                | Kernel::Gelu { .. }
-                | Kernel::GeluMul { .. }
-                | Kernel::LastRow { .. }
-                | Kernel::Argmax { .. } => {}
-                other => return Err(cuda_err(format!("the CUDA backend has no kernel for {other:?}"))),
+                _ => {}
             }
         }
         let arena = DeviceBuffer::new(&device.ctx, plan.arena_words * 4)?;
-        let layers = plan
-            .steps
-            .iter()
-            .filter_map(|st| if let Kernel::Attention { layer, .. } = st.kernel { Some(layer + 1) } else { None })
-            .max()
-            .unwrap_or(0);
+        let layers = plan.steps.iter().filter_map(|st| attention_of(&st.kernel)).map(|a| a.layer + 1).max().unwrap_or(0);
         let layout = StepLayout { rows: plan.rows(), seqs, layers };
         let step = DeviceBuffer::new(&device.ctx, layout.bytes())?;
         let argmax_rows = plan.rows();
@@ -1254,7 +1422,7 @@ impl CudaExecutable {
         let sync_attention = (SYNC_GLU as usize + 4 * MATVEC_ROWS * max_n.div_ceil(32)) as u64;
         let (mut pairs_max, mut parts) = (0, 0);
         for st in &plan.steps {
-            if let Kernel::Attention { q_heads, head_dim, .. } = st.kernel {
+            if let Some(AttentionStep { q_heads, head_dim, .. }) = attention_of(&st.kernel) {
                 let pairs = plan.rows() * q_heads;
                 pairs_max = pairs_max.max(pairs);
                 let splits = attention_splits(pairs, device.sms as usize);
@@ -1294,11 +1462,17 @@ impl CudaExecutable {
             }
         }
         let rope = DeviceBuffer::new(&device.ctx, ROPE_TABLES * ropes.first().map_or(1, |r| r.1 / 2) * 8)?;
+        let factors_buf = DeviceBuffer::new(&device.ctx, factors.len() * 4)?;
         {
             let _guard = device.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
             device.ctx.bind_to_thread().map_err(cuda_err)?;
             // SAFETY: `sync` holds `sync_bytes` bytes.
             unsafe { cudarc::driver::result::memset_d8_async(sync.ptr(), 0, sync_bytes, device.stream.cu_stream()) }.map_err(cuda_err)?;
+            if !factors.is_empty() {
+                // SAFETY: the buffer holds `factors.len()` floats; pageable memory is staged before return.
+                unsafe { cudarc::driver::result::memcpy_htod_async(factors_buf.ptr(), &factors, device.stream.cu_stream()) }
+                    .map_err(cuda_err)?;
+            }
             device.sync()?;
         }
         Ok(CudaExecutable {
@@ -1320,6 +1494,8 @@ impl CudaExecutable {
             private,
             ropes,
             rope,
+            factors: factors_buf,
+            rope_factors,
             sync,
             sync_attention,
             attention_parts,
@@ -1390,9 +1566,9 @@ impl CudaExecutable {
                             mats.push((w, if l.private_out { self.private_row(0) } else { self.slot(out) }));
                         }
                     }
-                    let glu = match glu.map(|g| &self.plan.steps[g].kernel) {
-                        Some(&Kernel::GeluMul { out, .. }) => self.slot(out),
-                        _ => 0,
+                    let (act, glu) = match glu.and_then(|g| glu_of(&self.plan.steps[g].kernel)) {
+                        Some((act, _, _, out, _)) => (act, self.slot(out)),
+                        None => (Glu::Gelu, 0),
                     };
                     let epi = match (epi, pro) {
                         (Some(e), _) => Some(self.epilogue_args(*e, quant_out)?),
@@ -1424,7 +1600,7 @@ impl CudaExecutable {
                         None => self.quantize(x, mats_k(&self.weights, &mats)?, rows)?,
                     };
                     let gq = if glu != 0 { quant_out } else { 0 };
-                    self.matvecs(MatVecArgs { xq, mats: &mats, glu, gq, rows, epi: epi.as_ref(), argmax: 0, px })?;
+                    self.matvecs(MatVecArgs { xq, mats: &mats, glu, act, gq, rows, epi: epi.as_ref(), argmax: 0, px })?;
                 }
                 &Op::NormPair { first: a, second: b } => {
                     let (Kernel::RmsNorm { x, weight, out: h, width, eps, residual: Some(r) }, Kernel::RmsNorm { weight: w2, out, .. }) =
@@ -1560,7 +1736,8 @@ impl CudaExecutable {
         if let Some(RingGeometry { rows, warps, stages, blocks }) = ring {
             args.extend([Arg::I32(stages as i32), Arg::U64(sync), Arg::U64(a.argmax), Arg::U64(sync + SYNC_ARGMAX)]);
             let shared = (stages * rows * m.row_bytes) as u32;
-            return self.device.launch_shared(&format!("matvecr{rows}_{fmt}"), (blocks as u32, 1, 1), 32 * warps as u32, shared, &args);
+            let name = format!("matvecr{rows}{}_{fmt}", a.act.infix());
+            return self.device.launch_shared(&name, (blocks as u32, 1, 1), 32 * warps as u32, shared, &args);
         }
         let shape = MatVecShape { rows: a.rows, total: rows_of.iter().sum(), n: m.n, k: m.k, glu: a.glu != 0, prologue: a.px != 0 };
         let MatVecGeometry { kernel, per_warp, split, blocks } = shape.geometry(self.device.sms as usize);
@@ -1580,7 +1757,8 @@ impl CudaExecutable {
         ]);
         let ring = if per_warp == 4 { matvec4_shared_bytes(fmt) } else { 0 };
         let shared = if a.px != 0 { ring + (xq_bytes(m.k) as u32).next_multiple_of(16) } else { ring };
-        self.device.launch_shared(&format!("{kernel}_{fmt}"), (blocks as u32, 1, 1), 32 * MATVEC_WARPS as u32, shared, &args)
+        let name = format!("{kernel}{}_{fmt}", a.act.infix());
+        self.device.launch_shared(&name, (blocks as u32, 1, 1), 32 * MATVEC_WARPS as u32, shared, &args)
     }
 
     /// Whether the product of `rows` rows by matrix `w` takes the matrix-vector kernels.
@@ -1601,7 +1779,7 @@ impl CudaExecutable {
                 Some(b) => self.xq[b].ptr(),
                 None => self.quantize(x, m.k, rows)?,
             };
-            return self.matvecs(MatVecArgs { xq, mats: &[(w, out)], glu: 0, gq: 0, rows, epi: None, argmax: 0, px: 0 });
+            return self.matvecs(MatVecArgs { xq, mats: &[(w, out)], glu: 0, act: Glu::Gelu, gq: 0, rows, epi: None, argmax: 0, px: 0 });
         }
         let fmt = format_name(m.ty).ok_or_else(|| cuda_err(format!("no kernels for {:?}", m.ty)))?;
         if takes_mmq(m.ty, m.k, d.arch) {
@@ -1691,9 +1869,28 @@ impl CudaExecutable {
         d.launch("argmax_final", (rows as u32, 1), 32, &[Arg::U64(pval), Arg::U64(pidx), Arg::U64(out), Arg::I32(blocks as i32)])
     }
 
-    fn elementwise(&self, a: u64, b: u64, out: u64, len: usize, op: i32) -> Result<(), RuntimeError> {
-        let blocks = len.div_ceil(256) as u32;
-        self.device.launch("elementwise", (blocks, 1), 256, &[Arg::U64(a), Arg::U64(b), Arg::U64(out), Arg::U64(len as u64), Arg::I32(op)])
+    /// The element-wise step `e` over `rows` rows.
+    fn elementwise(&self, e: Elementwise, rows: usize) -> Result<(), RuntimeError> {
+        let b = match (e.b, e.bias) {
+            (Some(b), _) => self.slot(b),
+            (None, Some(bias)) => self.weights.vector(bias)?.ptr(),
+            (None, None) => 0,
+        };
+        let len = rows * e.width;
+        self.device.launch(
+            "elementwise",
+            (len.div_ceil(256) as u32, 1),
+            256,
+            &[
+                Arg::U64(self.slot(e.a)),
+                Arg::U64(b),
+                Arg::U64(self.slot(e.out)),
+                Arg::U64(len as u64),
+                Arg::I32(e.op as i32),
+                Arg::F32(e.c),
+                Arg::I32(e.width as i32),
+            ],
+        )
     }
 
     /// Enqueues plan step `i` for `active` rows.
@@ -1709,7 +1906,6 @@ impl CudaExecutable {
             // Only a matrix product (whose output is not its input) leaves the quantized input valid.
             scratch.quantized_of = None;
         }
-        #[allow(unreachable_patterns)]
         match *kernel {
             Kernel::Embed { table, ids, out, width, scale } => {
                 let m = w.matrix(table)?;
@@ -1779,7 +1975,7 @@ impl CudaExecutable {
                             ],
                         )?;
                     } else {
-                        self.matvecs(MatVecArgs { xq, mats: &[(wid, 0)], glu: 0, gq: 0, rows, epi: None, argmax, px: 0 })?;
+                        self.matvecs(MatVecArgs { xq, mats: &[(wid, 0)], glu: 0, act: Glu::Gelu, gq: 0, rows, epi: None, argmax, px: 0 })?;
                     }
                 } else {
                     self.matmul(self.slot(x), wid, self.head.ptr(), rows, scratch, None)?;
@@ -1802,12 +1998,51 @@ impl CudaExecutable {
                     ],
                 )?;
             }
-            Kernel::Attention { .. } => self.attention(i, run, quant_out, None)?,
-            Kernel::Add { a, b, out, width } => self.elementwise(self.slot(a), self.slot(b), self.slot(out), rows * width, 0)?,
-            Kernel::Mul { a, b, out, width } => self.elementwise(self.slot(a), self.slot(b), self.slot(out), rows * width, 1)?,
-            Kernel::Gelu { x, out, width } => self.elementwise(self.slot(x), 0, self.slot(out), rows * width, 2)?,
-            Kernel::GeluMul { gate, up, out, width } => {
-                self.elementwise(self.slot(gate), self.slot(up), self.slot(out), rows * width, 3)?
+            Kernel::RopeScaled { x, positions, out, heads, head_dim, ref spec } => {
+                let block = (head_dim / 2).next_multiple_of(32).min(128) as u32;
+                let factors = match &spec.freq_factors {
+                    Some(f) => {
+                        let (_, at) =
+                            self.rope_factors.iter().find(|(g, _)| g == f).ok_or_else(|| cuda_err("RoPE factors not uploaded"))?;
+                        self.factors.ptr() + at
+                    }
+                    None => 0,
+                };
+                d.launch(
+                    "rope_scaled",
+                    ((rows * heads) as u32, 1),
+                    block,
+                    &[
+                        Arg::U64(self.slot(x)),
+                        Arg::U64(self.slot(positions)),
+                        Arg::U64(self.slot(out)),
+                        Arg::I32(heads as i32),
+                        Arg::I32(head_dim as i32),
+                        Arg::F32(spec.theta),
+                        Arg::F32(spec.freq_scale),
+                        Arg::U64(factors),
+                        Arg::I32((spec.mode == RopeMode::Norm) as i32),
+                    ],
+                )?;
+            }
+            Kernel::Normalize { x, out, width, group, eps } => d.launch(
+                "rms_normalize",
+                ((rows * width / group) as u32, 1),
+                norm_threads(group),
+                &[Arg::U64(self.slot(x)), Arg::U64(self.slot(out)), Arg::I32(group as i32), Arg::F32(eps)],
+            )?,
+            Kernel::Attention { .. } | Kernel::AttentionSoftCap { .. } => self.attention(i, run, quant_out, None)?,
+            Kernel::Add { .. }
+            | Kernel::Mul { .. }
+            | Kernel::Gelu { .. }
+            | Kernel::GeluMul { .. }
+            | Kernel::Silu { .. }
+            | Kernel::SiluMul { .. }
+            | Kernel::Scale { .. }
+            | Kernel::SoftCap { .. }
+            | Kernel::AddBias { .. } => {
+                let e = elementwise_of(kernel).ok_or_else(|| cuda_err("an element-wise step without its operands"))?;
+                self.elementwise(e, rows)?
             }
             Kernel::LastRow { x, out, width } => d.launch(
                 "copy_last_rows",
@@ -1822,7 +2057,6 @@ impl CudaExecutable {
                 ],
             )?,
             Kernel::Argmax { x, out, width } => self.argmax(self.slot(x), self.slot(out), rows, width)?,
-            ref other => return Err(cuda_err(format!("the CUDA backend has no kernel for {other:?}"))),
         }
         Ok(())
     }
@@ -1833,7 +2067,8 @@ impl CudaExecutable {
     /// `Op::QkAttention`), the q/k norm and RoPE steps before it too.
     fn attention(&self, i: usize, run: Active, quant_out: u64, qk: Option<[usize; 4]>) -> Result<(), RuntimeError> {
         let active = run.rows;
-        let Kernel::Attention { mut q, mut k, v, out, layer, q_heads, kv_heads, head_dim, window, scale } = self.plan.steps[i].kernel
+        let Some(AttentionStep { mut q, mut k, v, out, layer, q_heads, kv_heads, head_dim, window, scale, softcap }) =
+            attention_of(&self.plan.steps[i].kernel)
         else {
             return Err(cuda_err("not an attention step"));
         };
@@ -1874,15 +2109,17 @@ impl CudaExecutable {
             Arg::I32(ring),
             Arg::F32(scale),
         ];
+        // (Both kernels end with the soft-cap, which only their `_cap` instances read.)
+        let cap = Arg::F32(softcap.unwrap_or(0.0));
         // (The tiled kernel copies query, key and value rows in 16-byte pieces.)
         let aligned = [q, k, self.slot(v)].iter().all(|p| p.is_multiple_of(16));
         if !append && qk.is_none() && aligned && takes_tiled_attention(active, run.seqs, q_heads, d.sms as usize) {
             d.launch_shared(
-                kv_kernel("attention_tiled", run.kv)?,
+                attention_kernel(true, false, softcap.is_some(), run.kv)?,
                 (active.div_ceil(ATTENTION_TILE_ROWS) as u32, q_heads as u32, 1),
                 ATTENTION_TILE_THREADS,
                 attention_tile_shared(head_dim) as u32,
-                &[&common[..], &[Arg::U64(quant_out), Arg::I32(active as i32)]].concat(),
+                &[&common[..], &[Arg::U64(quant_out), Arg::I32(active as i32), cap]].concat(),
             )?;
         } else {
             let rest = [
@@ -1895,8 +2132,9 @@ impl CudaExecutable {
                 Arg::I32(splits as i32),
                 Arg::U64(self.attention_parts.ptr()),
                 Arg::U64(self.sync.ptr() + self.sync_attention),
+                cap,
             ];
-            let name = kv_kernel(if qk.is_some() { "attention_qk" } else { "attention" }, run.kv)?;
+            let name = attention_kernel(false, qk.is_some(), softcap.is_some(), run.kv)?;
             d.launch(name, ((active * q_heads * splits) as u32, 1), ATTENTION_THREADS, &[&common[..], &rest[..]].concat())?;
         }
         if append {
@@ -1920,7 +2158,7 @@ impl CudaExecutable {
     /// Checks that `kv` has the layers the plan's attention steps expect.
     fn check_kv(&self, kv: &CudaKvCache) -> Result<(), RuntimeError> {
         for st in &self.plan.steps {
-            if let Kernel::Attention { layer, kv_heads, head_dim, window, .. } = st.kernel {
+            if let Some(AttentionStep { layer, kv_heads, head_dim, window, .. }) = attention_of(&st.kernel) {
                 let l = kv.layers.get(layer).ok_or_else(|| RuntimeError::StepShape(format!("the KV cache has no layer {layer}")))?;
                 if l.spec.k_width() != kv_heads * head_dim || l.spec.v_width() != kv_heads * head_dim || l.spec.window != window {
                     return Err(RuntimeError::StepShape(format!("KV cache layer {layer} does not match the plan")));
@@ -2130,6 +2368,244 @@ mod tests {
         let store = WeightStore::new(file).unwrap();
         let plan = kiln_runtime::compile(&arch.build_graph(bucket, OutputMode::NextToken).unwrap(), &store).unwrap();
         (plan, store)
+    }
+
+    /// Every model family kiln runs (the fixtures of `crates/models/tests/fixtures/families`).
+    const FAMILIES: [&str; 7] = ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma4"];
+
+    /// The family fixture `family`, every matrix re-encoded in `ty` where given (the fixtures mix
+    /// formats, so that no gate and up matrices share one and nothing fuses them), and its
+    /// architecture.
+    fn family_store(family: &str, ty: Option<GgmlType>) -> (Box<dyn kiln_models::Architecture>, WeightStore) {
+        let fixture = std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tests/fixtures/families"))
+            .join(format!("{family}.gguf"));
+        let mut file = kiln_gguf::GgufFile::open(&fixture).unwrap();
+        if let Some(ty) = ty {
+            let mut m = kiln_models::synth::SynthModel::from_gguf(&file);
+            m.requantize_matrices(ty).unwrap();
+            static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            let call = CALLS.fetch_add(1, Ordering::Relaxed);
+            let path = std::env::temp_dir().join(format!("kiln-cuda-family-{}-{family}-{call}.gguf", std::process::id()));
+            m.write(&path).unwrap();
+            file = kiln_gguf::GgufFile::open(&path).unwrap();
+            std::fs::remove_file(&path).unwrap();
+        }
+        let file = Arc::new(file);
+        (kiln_models::architecture_from_gguf(&file).unwrap(), WeightStore::new(file).unwrap())
+    }
+
+    /// The plan of `family` (see `family_store`) for `bucket` and `mode`, checked step by step
+    /// (`check_kernel`: no step the CUDA backend has no kernel for), and its launches on an sm_90.
+    fn family_launches(family: &str, ty: Option<GgmlType>, bucket: Bucket, mode: OutputMode) -> (Plan, Vec<Launch>) {
+        let (arch, store) = family_store(family, ty);
+        let plan = kiln_runtime::compile(&arch.build_graph(bucket, mode).unwrap(), &store).unwrap();
+        for st in &plan.steps {
+            check_kernel(&st.kernel, &store).unwrap_or_else(|e| panic!("{family} {bucket:?}: {e}: {:?}", st.kernel));
+            if let Some(a) = attention_of(&st.kernel) {
+                for kv in [KvType::F32, KvType::F16] {
+                    attention_kernel(false, false, a.softcap.is_some(), kv).unwrap();
+                    attention_kernel(true, false, a.softcap.is_some(), kv).unwrap();
+                }
+            }
+        }
+        let l = lower(&plan, &store, SM90).unwrap_or_else(|e| panic!("{family} {bucket:?}: {e}"));
+        (plan, l)
+    }
+
+    /// The names of the steps a family's plans hold, as `Kernel`'s variants print.
+    fn kernel_kinds(plan: &Plan) -> Vec<String> {
+        let mut kinds: Vec<String> =
+            plan.steps.iter().map(|st| format!("{:?}", st.kernel).split([' ', '{']).next().unwrap_or("").to_string()).collect();
+        kinds.sort();
+        kinds.dedup();
+        kinds
+    }
+
+    #[test]
+    fn every_family_lowers_for_cuda_in_every_bucket() {
+        let buckets = [
+            Bucket::Prefill { rows: 128, seqs: 1 },
+            Bucket::Prefill { rows: 16, seqs: 3 },
+            Bucket::Decode { past: 16, seqs: 1 },
+            Bucket::Decode { past: 16, seqs: 2 },
+            Bucket::Decode { past: 64, seqs: 4 },
+            Bucket::Decode { past: 64, seqs: 16 },
+        ];
+        let mut kinds = std::collections::BTreeSet::new();
+        for family in FAMILIES {
+            for ty in [None, Some(GgmlType::Q8_0)] {
+                for bucket in buckets {
+                    for mode in [OutputMode::NextToken, OutputMode::Logits, OutputMode::AllLogits] {
+                        let (plan, _) = family_launches(family, ty, bucket, mode);
+                        kinds.extend(kernel_kinds(&plan));
+                    }
+                }
+            }
+        }
+        // Between them the families use every kernel of the plan IR but `Argmax` (an argmax of
+        // stored logits: every greedy head is a `MatMulArgmax`).
+        let all = [
+            "Add",
+            "AddBias",
+            "Attention",
+            "AttentionSoftCap",
+            "Embed",
+            "GeluMul",
+            "LastRow",
+            "MatMul",
+            "MatMulArgmax",
+            "Normalize",
+            "RmsNorm",
+            "Rope",
+            "RopeScaled",
+            "Scale",
+            "SiluMul",
+            "SoftCap",
+        ];
+        assert_eq!(kinds.iter().map(String::as_str).collect::<Vec<_>>(), all);
+    }
+
+    #[test]
+    fn element_wise_steps_map_to_the_elementwise_ops() {
+        let (plan, _) = family_launches("qwen2", None, Bucket::Prefill { rows: 16, seqs: 1 }, OutputMode::Logits);
+        let ops: Vec<ElementOp> = plan.steps.iter().filter_map(|st| elementwise_of(&st.kernel)).map(|e| e.op).collect();
+        // Per layer the q/k/v biases, the residual adds and SwiGLU's product.
+        assert_eq!(ops.iter().filter(|&&o| o == ElementOp::Bias).count(), 2 * 3, "{ops:?}");
+        assert_eq!(ops.iter().filter(|&&o| o == ElementOp::SiluMul).count(), 2, "{ops:?}");
+        assert_eq!(ops.iter().filter(|&&o| o == ElementOp::Add).count(), 2 * 2, "{ops:?}");
+        for st in &plan.steps {
+            if let Some(Elementwise { op: ElementOp::Bias, bias, b, width, .. }) = elementwise_of(&st.kernel) {
+                assert!(b.is_none() && bias.is_some() && width > 0);
+            }
+        }
+        // Gemma 2's final soft-cap, Gemma 4's layer output scales.
+        let (plan, _) = family_launches("gemma2", None, Bucket::Decode { past: 16, seqs: 1 }, OutputMode::Logits);
+        let cap: Vec<Elementwise> = plan.steps.iter().filter_map(|st| elementwise_of(&st.kernel)).collect();
+        assert!(cap.iter().any(|e| e.op == ElementOp::SoftCap && e.c == 15.0), "{cap:?}");
+        let (plan, _) = family_launches("gemma4", None, Bucket::Decode { past: 16, seqs: 1 }, OutputMode::Logits);
+        assert!(plan.steps.iter().filter_map(|st| elementwise_of(&st.kernel)).any(|e| e.op == ElementOp::Scale && e.c != 1.0));
+        // The codes of ops.cu's `elementwise`.
+        let codes = [ElementOp::Add, ElementOp::Mul, ElementOp::Gelu, ElementOp::GeluMul, ElementOp::Silu, ElementOp::SiluMul];
+        assert!(codes.iter().enumerate().all(|(i, &o)| o as usize == i));
+        assert_eq!((ElementOp::Scale as i32, ElementOp::SoftCap as i32, ElementOp::Bias as i32), (6, 7, 8));
+    }
+
+    #[test]
+    fn the_attention_kernels_come_from_the_cache_kernel_table() {
+        let all: Vec<&str> = KV_KERNELS.iter().flat_map(|&(a, b)| [a, b]).collect();
+        for kv in [KvType::F32, KvType::F16] {
+            for (tiled, qk, capped) in
+                [(true, false, false), (true, false, true), (false, false, false), (false, false, true), (false, true, false)]
+            {
+                let name = attention_kernel(tiled, qk, capped, kv).unwrap();
+                assert!(all.contains(&name), "{name}");
+                assert_eq!(name.contains("_cap"), capped, "{name}");
+                assert_eq!(name.ends_with("_f16"), kv == KvType::F16, "{name}");
+            }
+            assert!(attention_kernel(false, true, true, kv).is_err());
+            assert!(attention_kernel(true, true, false, kv).is_err());
+        }
+    }
+
+    #[test]
+    fn unsupported_shapes_are_named_when_a_plan_is_checked() {
+        let (_, store) = family_store("qwen2", None);
+        let bias = (0..store.infos().len()).map(WeightId).find(|&w| store.info(w).name == "blk.0.attn_q.bias").unwrap();
+        let slot = Slot { offset: 0, len: 1024 };
+        let e = check_kernel(&Kernel::AddBias { x: slot, bias, out: slot, width: 128 }, &store).unwrap_err().to_string();
+        assert!(e.contains("bias of 256 elements") && e.contains("128"), "{e}");
+        assert!(check_kernel(&Kernel::AddBias { x: slot, bias, out: slot, width: 256 }, &store).is_ok());
+        let att = Kernel::AttentionSoftCap {
+            q: slot,
+            k: slot,
+            v: slot,
+            out: slot,
+            layer: 0,
+            q_heads: 4,
+            kv_heads: 2,
+            head_dim: 48,
+            window: None,
+            scale: 1.0,
+            softcap: 50.0,
+        };
+        assert!(check_kernel(&att, &store).unwrap_err().to_string().contains("head size 48"));
+        let norm = Kernel::Normalize { x: slot, out: slot, width: 192, group: 128, eps: 1e-6 };
+        assert!(check_kernel(&norm, &store).unwrap_err().to_string().contains("groups of 128"));
+    }
+
+    #[test]
+    fn llama_and_qwen_decode_steps_take_the_fused_swiglu_launch() {
+        for family in ["llama", "qwen2", "qwen3"] {
+            for seqs in [1, 2] {
+                let (plan, l) = family_launches(family, Some(GgmlType::Q8_0), Bucket::Decode { past: 16, seqs }, OutputMode::NextToken);
+                let layers = plan.steps.iter().filter(|st| attention_of(&st.kernel).is_some()).count();
+                // Each layer's gate/up products and SiLU product in one matrix-vector launch, which
+                // also writes its output quantized for the down projection.
+                let glu: Vec<usize> = (0..l.len())
+                    .filter(|&i| matches!(l[i].op, Op::MatVecs { glu: Some(g), .. } if glu_of(&plan.steps[g].kernel).map(|x| x.0) == Some(Glu::Silu)))
+                    .collect();
+                assert_eq!(glu.len(), layers, "{family} x{seqs}: {l:#?}");
+                assert!(!plan.steps.iter().any(|st| matches!(st.kernel, Kernel::GeluMul { .. })));
+                for &i in &glu {
+                    assert!(l[i].quant_out.is_some(), "{family} x{seqs}");
+                    assert_eq!(l[i + 1].xq_in, l[i].quant_out, "{family} x{seqs}");
+                }
+                // One row: the norm before the q/k/v and gate/up launches runs inside them.
+                if seqs == 1 {
+                    let pro = l.iter().filter(|l| matches!(l.op, Op::MatVecs { pro: Some(_), .. })).count();
+                    assert!(pro >= 2 * layers, "{family}: {pro} prologues for {layers} layers: {l:#?}");
+                }
+            }
+            // Mixed formats (the fixture's own): gate and up of different formats stay apart.
+            let (plan, l) = family_launches(family, None, Bucket::Decode { past: 16, seqs: 1 }, OutputMode::NextToken);
+            assert!(l.iter().all(|l| !matches!(l.op, Op::MatVecs { glu: Some(_), .. })), "{family}");
+            assert!(plan.steps.iter().any(|st| matches!(st.kernel, Kernel::SiluMul { .. })));
+        }
+        // Gemma keeps its GELU launch.
+        let (plan, l) = family_launches("gemma", Some(GgmlType::Q8_0), Bucket::Decode { past: 16, seqs: 1 }, OutputMode::NextToken);
+        let glu: Vec<Glu> = l
+            .iter()
+            .filter_map(|l| if let Op::MatVecs { glu: Some(g), .. } = l.op { glu_of(&plan.steps[g].kernel).map(|x| x.0) } else { None })
+            .collect();
+        assert_eq!(glu, [Glu::Gelu; 2]);
+    }
+
+    #[test]
+    fn each_family_takes_its_fused_attention_paths_where_they_apply() {
+        let decode = Bucket::Decode { past: 16, seqs: 1 };
+        let fused = |family: &str| {
+            let (plan, l) = family_launches(family, Some(GgmlType::Q8_0), decode, OutputMode::NextToken);
+            let qk = l.iter().filter(|l| matches!(l.op, Op::QkAttention { .. })).count();
+            let steps = |f: fn(&Kernel) -> bool| plan.steps.iter().filter(|st| f(&st.kernel)).count();
+            let scaled = steps(|k| matches!(k, Kernel::RopeScaled { .. }));
+            let capped = steps(|k| matches!(k, Kernel::AttentionSoftCap { .. }));
+            // Every attention's output is written quantized for the output projection.
+            for (i, x) in l.iter().enumerate() {
+                let att = match x.op {
+                    Op::Step(t) | Op::QkAttention { att: t, .. } => attention_of(&plan.steps[t].kernel),
+                    _ => None,
+                };
+                if att.is_some() {
+                    assert!(x.quant_out.is_some() && l[i + 1].xq_in == x.quant_out, "{family}: {x:?}");
+                }
+            }
+            (qk, scaled, capped)
+        };
+        // Qwen 3's q/k norms and NeoX RoPE run inside attention; Llama's RoPE is scaled and
+        // pairs adjacent elements (two per layer); Gemma 2's attention is soft-capped; Gemma 4's
+        // sliding layers (3 of 5) fuse, its global ones take the proportional RoPE kernel.
+        assert_eq!(fused("qwen3"), (3, 0, 0));
+        assert_eq!(fused("llama"), (0, 6, 0));
+        assert_eq!(fused("qwen2"), (0, 0, 0));
+        assert_eq!(fused("gemma2"), (0, 0, 4));
+        assert_eq!(fused("gemma4"), (3, 4, 0));
+        let (plan, _) = family_launches("llama", None, decode, OutputMode::NextToken);
+        for st in &plan.steps {
+            if let Kernel::RopeScaled { ref spec, head_dim, .. } = st.kernel {
+                assert_eq!(spec.mode, RopeMode::Norm);
+                assert_eq!(spec.freq_factors.as_ref().map(Vec::len), Some(head_dim / 2));
+            }
+        }
     }
 
     #[test]
