@@ -2,13 +2,18 @@
 //! Every test needs an NVIDIA GPU: they are ignored by default and run on the device machine
 //! with `--include-ignored`.
 
+#[path = "../../models/tests/common/families.rs"]
+mod families;
+
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use families::{check_family, fixture_path, Bounds};
 use kiln_cpu::CpuBackend;
 use kiln_cuda::CudaBackend;
-use kiln_models::synth::{gemma3, FormatMix, Gemma3Shape, SynthModel};
+use kiln_gguf::{GgufFile, MetaValue};
+use kiln_models::synth::{gemma3, random_blocks, FormatMix, Gemma3Shape, SynthModel, SynthRng, SynthTensor};
 use kiln_models::{Model, OutputMode, Session, StepOutput};
 use kiln_quant::GgmlType;
 use kiln_runtime::{Backend, EngineConfig, KvType};
@@ -396,10 +401,14 @@ fn batched_steps_match(backend: Arc<CudaBackend>, lengths: &[usize]) {
 }
 
 fn batched_steps_match_shape(backend: Arc<CudaBackend>, shape: &Gemma3Shape, lengths: &[usize]) {
-    let m = gemma3(shape, FormatMix::Q4KM, 13);
+    batched_steps_match_model(backend, &gemma3(shape, FormatMix::Q4KM, 13), shape.vocab, lengths);
+}
+
+/// `batched_steps_match` for the model `m` of `vocab` tokens.
+fn batched_steps_match_model(backend: Arc<CudaBackend>, m: &SynthModel, vocab: usize, lengths: &[usize]) {
     assert_eq!(backend.batches_from(), 4);
-    let (c, g) = (load(&m, cpu()), load(&m, backend));
-    let prompts: Vec<Vec<u32>> = lengths.iter().enumerate().map(|(i, &n)| prompt(n + 3 * i, 1000 - 37 * i)).collect();
+    let (c, g) = (load(m, cpu()), load(m, backend));
+    let prompts: Vec<Vec<u32>> = lengths.iter().enumerate().map(|(i, &n)| prompt(n + 3 * i, vocab - 37 * i)).collect();
     let mut cpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| c.new_session().unwrap()).collect();
     let mut gpu_seqs: Vec<Session<'_>> = prompts.iter().map(|_| g.new_session().unwrap()).collect();
     let want: Vec<Vec<f32>> = cpu_seqs.iter_mut().zip(&prompts).map(|(s, p)| logits(s, p)).collect();
@@ -427,7 +436,7 @@ fn batched_steps_match_shape(backend: Arc<CudaBackend>, shape: &Gemma3Shape, len
         .collect();
     assert_eq!(got, want, "greedy batched decode");
     // Sequences 0-2 decode while a new sequence prefills, in one step.
-    let fresh = prompt(7, 900);
+    let fresh = prompt(7, vocab - 100);
     let (mut cpu_new, mut gpu_new) = (c.new_session().unwrap(), g.new_session().unwrap());
     let mut want: Vec<Vec<f32>> = cpu_seqs.iter_mut().zip(&want).take(3).map(|(s, &t)| logits(s, &[t])).collect();
     want.push(logits(&mut cpu_new, &fresh));
@@ -439,6 +448,213 @@ fn batched_steps_match_shape(backend: Arc<CudaBackend>, shape: &Gemma3Shape, len
         let StepOutput::Logits(got) = got.unwrap() else { panic!("mixed step gave no logits") };
         let e = rel_l2(&got, want);
         assert!(e < 1e-3, "decode beside a prefill, sequence {i}: relative L2 {e:.2e}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Every model family (the fixtures of crates/models/tests/fixtures/families)
+// ---------------------------------------------------------------------------------------------
+
+/// The CUDA fast path's bounds against the fixtures' references (activations quantized to about
+/// 15 bits; a prompt's products through `mmq` or cuBLAS, a decode step's through the
+/// matrix-vector kernels, so decoding a prompt token by token is close to its prefill, not
+/// equal): the relative L2 bound and near-tie gap of the default model's CUDA tests.
+const CUDA: Bounds = Bounds { logits: 1e-2, logprob: 2e-2, modes: 1e-3, decode: 2e-3, tie: 5e-2, trusted: 0 };
+
+/// The family fixture `family` as a model file to edit.
+fn family_model(family: &str) -> SynthModel {
+    SynthModel::from_gguf(&GgufFile::open(&fixture_path(family, "gguf")).unwrap())
+}
+
+/// The family fixture `family` loaded on `backend` with its trained context (512).
+fn load_family(m: &SynthModel, backend: Arc<dyn Backend>) -> Model {
+    load_with_context(m, backend, 512)
+}
+
+macro_rules! family_fixtures {
+    ($($name:ident => $family:expr),*) => {$(
+        /// The family's fixture checks (`common/families.rs`) on CUDA, with decode graphs and with
+        /// host launches.
+        #[test]
+        #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+        fn $name() {
+            let m = family_model($family);
+            for backend in [cuda(), cuda_host_launches()] {
+                check_family(&load_family(&m, backend), $family, &CUDA);
+            }
+        }
+    )*};
+}
+
+family_fixtures!(
+    llama_fixture_matches_the_reference => "llama",
+    qwen2_fixture_matches_the_reference => "qwen2",
+    qwen3_fixture_matches_the_reference => "qwen3",
+    gemma_fixture_matches_the_reference => "gemma",
+    gemma2_fixture_matches_the_reference => "gemma2",
+    gemma3_fixture_matches_the_reference => "gemma3",
+    gemma4_fixture_matches_the_reference => "gemma4"
+);
+
+/// CPU and CUDA agree on every family fixture with its matrices re-encoded in one format (the
+/// fixtures mix formats so that nothing shares one: here the q/k/v and gate/up launches fuse, with
+/// SiLU or GELU, and the norms around them run inside them): a prompt of 200 tokens (the tiled
+/// attention, Gemma 2's soft-capped), one of 3 (the several-row matrix-vector kernels), each
+/// followed by 24 decode steps past the sliding windows (graphs and host launches), and greedy
+/// tokens.
+fn family_in_one_format_matches_cpu(family: &str) {
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_0] {
+        let mut m = family_model(family);
+        m.requantize_matrices(ty).unwrap();
+        let (c, g, h) = (load_family(&m, cpu()), load_family(&m, cuda()), load_family(&m, cuda_host_launches()));
+        let vocab = c.architecture().vocab_size();
+        for n in [200, 3] {
+            let p = prompt(n, vocab);
+            let (mut sc, mut sg, mut sh) = (c.new_session().unwrap(), g.new_session().unwrap(), h.new_session().unwrap());
+            let want = logits(&mut sc, &p);
+            for (name, s) in [("graphs", &mut sg), ("host launches", &mut sh)] {
+                let e = rel_l2(&logits(s, &p), &want);
+                assert!(e < 1e-3, "{family} {ty:?} prefill {n} ({name}): relative L2 {e:.2e}");
+            }
+            let mut tok = argmax(&want);
+            for step in 0..24 {
+                let want = logits(&mut sc, &[tok]);
+                for (name, s) in [("graphs", &mut sg), ("host launches", &mut sh)] {
+                    let e = rel_l2(&logits(s, &[tok]), &want);
+                    assert!(e < 1e-3, "{family} {ty:?} decode step {step} after {n} ({name}): relative L2 {e:.2e}");
+                }
+                tok = argmax(&want);
+            }
+        }
+        let (mut sc, mut sg) = (c.new_session().unwrap(), g.new_session().unwrap());
+        let p = prompt(9, vocab);
+        let (mut tc, mut tg) = (next_token(&mut sc, &p), next_token(&mut sg, &p));
+        for _ in 0..16 {
+            assert_eq!(tc, tg, "{family} {ty:?}: greedy tokens");
+            tc = next_token(&mut sc, &[tc]);
+            tg = next_token(&mut sg, &[tg]);
+        }
+        println!("{family} {ty:?}: CUDA matches the CPU");
+    }
+}
+
+macro_rules! families_in_one_format {
+    ($($name:ident => $family:expr),*) => {$(
+        #[test]
+        #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+        fn $name() {
+            family_in_one_format_matches_cpu($family);
+        }
+    )*};
+}
+
+families_in_one_format!(
+    llama_in_one_format_matches_cpu => "llama",
+    qwen2_in_one_format_matches_cpu => "qwen2",
+    qwen3_in_one_format_matches_cpu => "qwen3",
+    gemma_in_one_format_matches_cpu => "gemma",
+    gemma2_in_one_format_matches_cpu => "gemma2",
+    gemma3_in_one_format_matches_cpu => "gemma3",
+    gemma4_in_one_format_matches_cpu => "gemma4"
+);
+
+/// Batched steps of Llama and Qwen 2 (scaled RoPE of adjacent pairs; q/k/v biases) give what each
+/// sequence gives alone on the CPU, with graphs and host launches: the fixtures as they are
+/// (F16, F32 and Q4_0 products through the several-row matrix-vector kernels, the others through
+/// `mmq`) and in Q4_K; 4 and 12 sequences (see `batched_steps_match`).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+fn batched_steps_of_llama_and_qwen2_match_each_sequence_alone() {
+    let twelve: Vec<usize> = (0..12).map(|i| 2 + (7 * i) % 11).collect();
+    for family in ["llama", "qwen2"] {
+        let mut q4k = family_model(family);
+        q4k.requantize_matrices(GgmlType::Q4_K).unwrap();
+        for m in [family_model(family), q4k] {
+            for lengths in [&[5, 11, 2, 9][..], &twelve] {
+                batched_steps_match_model(cuda(), &m, 512, lengths);
+                batched_steps_match_model(cuda_host_launches(), &m, 512, lengths);
+            }
+        }
+    }
+}
+
+/// The Llama fixture's metadata (its tokenizer) with a layer of `hidden` wide rows, `heads`
+/// query heads of 128 (a quarter as many key heads), an MLP of `ffn`, every matrix in `ty` with
+/// random weights, and random Llama 3 RoPE divisors.
+fn wide_llama(hidden: usize, heads: usize, ffn: usize, ty: GgmlType) -> SynthModel {
+    let mut m = family_model("llama");
+    let (d, kv) = (128, heads / 4);
+    for (k, v) in [
+        ("embedding_length", hidden),
+        ("block_count", 1),
+        ("feed_forward_length", ffn),
+        ("attention.head_count", heads),
+        ("attention.head_count_kv", kv),
+        ("attention.key_length", d),
+        ("attention.value_length", d),
+        ("rope.dimension_count", d),
+    ] {
+        m.set_meta(&format!("llama.{k}"), MetaValue::U32(v as u32));
+    }
+    let vocab = 512;
+    let mut rng = SynthRng(5);
+    let mut t = |name: &str, dims: &[usize], a: f32| {
+        let (ty, data) = if dims.len() == 1 {
+            (GgmlType::F32, (0..dims[0]).flat_map(|_| (a * (0.5 + rng.unit())).to_le_bytes()).collect())
+        } else {
+            (ty, random_blocks(&mut rng, ty, dims[0], dims[1], a))
+        };
+        SynthTensor { name: name.into(), dims: dims.iter().map(|&x| x as u64).collect(), ty, data }
+    };
+    let mat = |k: usize| 1.0 / (k as f32).sqrt();
+    m.tensors = vec![
+        t("token_embd.weight", &[hidden, vocab], 0.05),
+        // Divisors 2.25..6.75 (Llama 3 divides its low frequencies by up to 8).
+        t("rope_freqs.weight", &[d / 2], 4.5),
+        t("blk.0.attn_norm.weight", &[hidden], 1.0),
+        t("blk.0.attn_q.weight", &[hidden, heads * d], mat(hidden)),
+        t("blk.0.attn_k.weight", &[hidden, kv * d], mat(hidden)),
+        t("blk.0.attn_v.weight", &[hidden, kv * d], mat(hidden)),
+        t("blk.0.attn_output.weight", &[heads * d, hidden], mat(heads * d)),
+        t("blk.0.ffn_norm.weight", &[hidden], 1.0),
+        t("blk.0.ffn_gate.weight", &[hidden, ffn], mat(hidden)),
+        t("blk.0.ffn_up.weight", &[hidden, ffn], mat(hidden)),
+        t("blk.0.ffn_down.weight", &[ffn, hidden], mat(ffn)),
+        t("output_norm.weight", &[hidden], 1.0),
+        t("output.weight", &[hidden, vocab], mat(hidden)),
+    ];
+    m
+}
+
+/// CPU and CUDA agree on a Llama whose one-row launches stream their weights through shared
+/// memory (`matvecr`: rows of 2048, wider than the norm prologues take, 4 MB and more a launch):
+/// q/k/v, o, the gate/up pair with its SiLU product (`matvecr*_silu_<fmt>`) and the down
+/// projection, in every ring format; a prompt of 20 tokens (`mmq`), decode steps and greedy tokens.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+fn streamed_swiglu_launches_match_cpu() {
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0] {
+        let m = wide_llama(2048, 16, 8192, ty);
+        let (c, g) = (load_family(&m, cpu()), load_family(&m, cuda()));
+        let p = prompt(20, 512);
+        let (mut sc, mut sg) = (c.new_session().unwrap(), g.new_session().unwrap());
+        let (want, got) = (logits(&mut sc, &p), logits(&mut sg, &p));
+        let e = rel_l2(&got, &want);
+        assert!(e < 1e-3, "{ty:?} prefill: relative L2 {e:.2e}");
+        let mut tok = argmax(&want);
+        for step in 0..6 {
+            let (want, got) = (logits(&mut sc, &[tok]), logits(&mut sg, &[tok]));
+            let e = rel_l2(&got, &want);
+            assert!(e < 1e-3, "{ty:?} decode step {step}: relative L2 {e:.2e}");
+            tok = argmax(&want);
+        }
+        let (mut sc, mut sg) = (c.new_session().unwrap(), g.new_session().unwrap());
+        let (mut tc, mut tg) = (next_token(&mut sc, &p), next_token(&mut sg, &p));
+        for _ in 0..4 {
+            assert_eq!(tc, tg, "{ty:?}");
+            tc = next_token(&mut sc, &[tc]);
+            tg = next_token(&mut sg, &[tg]);
+        }
     }
 }
 
