@@ -307,18 +307,42 @@ impl FormatMix {
     }
 }
 
+/// The metadata every synthetic decoder of architecture `arch` has: its name and file type, the
+/// integer hyperparameters `counts` under the architecture's prefix, epsilon, RoPE base and the
+/// tokenizer of `vocab` tokens.
+fn decoder_meta(arch: &str, mix: FormatMix, counts: &[(&str, usize)], rope_base: f32, vocab: usize) -> Vec<(String, MetaValue)> {
+    let u = |v: usize| MetaValue::U32(v as u32);
+    let mut meta = vec![
+        ("general.architecture".to_string(), MetaValue::String(arch.into())),
+        ("general.name".to_string(), MetaValue::String(format!("kiln synthetic {arch}"))),
+    ];
+    if let Some(ft) = mix.file_type() {
+        meta.push(("general.file_type".into(), u(ft as usize)));
+    }
+    meta.extend(counts.iter().map(|&(k, v)| (format!("{arch}.{k}"), u(v))));
+    meta.push((format!("{arch}.attention.layer_norm_rms_epsilon"), MetaValue::F32(1e-6)));
+    meta.push((format!("{arch}.rope.freq_base"), MetaValue::F32(rope_base)));
+    meta.extend(tokenizer_meta(vocab));
+    meta
+}
+
+impl SynthModel {
+    /// Adds tensor `name` of `dims` (ggml order) with random contents: a vector of positive values
+    /// around `a` (norm weights, biases), or a matrix of random `ty` blocks whose values are about `a`.
+    fn add_random(&mut self, rng: &mut SynthRng, name: String, dims: &[usize], ty: GgmlType, a: f32) {
+        let data = if dims.len() == 1 {
+            (0..dims[0]).flat_map(|_| (a * (0.5 + rng.unit())).to_le_bytes()).collect()
+        } else {
+            random_blocks(rng, ty, dims[0], dims[1..].iter().product(), a)
+        };
+        self.tensors.push(SynthTensor { name, dims: dims.iter().map(|&d| d as u64).collect(), ty, data });
+    }
+}
+
 /// A random-weight Gemma 3 model of `shape`, with matrices in `mix`.
 pub fn gemma3(shape: &Gemma3Shape, mix: FormatMix, seed: u64) -> SynthModel {
     let Gemma3Shape { hidden, layers, q_heads, kv_heads, head_dim, ffn, vocab, window, context } = *shape;
-    let mut m = SynthModel::default();
-    let u = |v: usize| MetaValue::U32(v as u32);
-    let p = "gemma3";
-    m.meta.push(("general.architecture".into(), MetaValue::String(p.into())));
-    m.meta.push(("general.name".into(), MetaValue::String("kiln synthetic gemma3".into())));
-    if let Some(ft) = mix.file_type() {
-        m.meta.push(("general.file_type".into(), u(ft as usize)));
-    }
-    for (k, v) in [
+    let counts = [
         ("context_length", context),
         ("embedding_length", hidden),
         ("block_count", layers),
@@ -328,24 +352,11 @@ pub fn gemma3(shape: &Gemma3Shape, mix: FormatMix, seed: u64) -> SynthModel {
         ("attention.key_length", head_dim),
         ("attention.value_length", head_dim),
         ("attention.sliding_window", window),
-    ] {
-        m.meta.push((format!("{p}.{k}"), u(v)));
-    }
-    m.meta.push((format!("{p}.attention.layer_norm_rms_epsilon"), MetaValue::F32(1e-6)));
-    m.meta.push((format!("{p}.rope.freq_base"), MetaValue::F32(1e6)));
-    m.meta.extend(tokenizer_meta(vocab));
-
+    ];
+    let mut m = SynthModel { meta: decoder_meta("gemma3", mix, &counts, 1e6, vocab), tensors: Vec::new() };
     let mut rng = SynthRng(seed);
     let mat = |k: usize| 1.0 / (k as f32).sqrt();
-    let mut add = |rng: &mut SynthRng, name: String, dims: &[usize], ty: GgmlType, a: f32| {
-        let data = if dims.len() == 1 {
-            // Norm weights: positive, around `a`.
-            (0..dims[0]).flat_map(|_| (a * (0.5 + rng.unit())).to_le_bytes()).collect()
-        } else {
-            random_blocks(rng, ty, dims[0], dims[1..].iter().product(), a)
-        };
-        m.tensors.push(SynthTensor { name, dims: dims.iter().map(|&d| d as u64).collect(), ty, data });
-    };
+    let mut add = |rng: &mut SynthRng, name: String, dims: &[usize], ty: GgmlType, a: f32| m.add_random(rng, name, dims, ty, a);
     let (qw, kw) = (q_heads * head_dim, kv_heads * head_dim);
     add(&mut rng, "token_embd.weight".into(), &[hidden, vocab], mix.pick(GgmlType::Q6_K, hidden), 0.05);
     for l in 0..layers {
@@ -524,15 +535,7 @@ pub fn llama3_rope_factors(head_dim: usize, base: f32, factor: f32) -> Vec<f32> 
 /// embedding Q6_K where it is also the output, else Q4_K and the output Q6_K).
 pub fn llama(shape: &LlamaShape, mix: FormatMix, seed: u64) -> SynthModel {
     let LlamaShape { arch, hidden, layers, q_heads, kv_heads, head_dim, ffn, vocab, context, rope_base, rope_factor, tied } = *shape;
-    let mut m = SynthModel::default();
-    let u = |v: usize| MetaValue::U32(v as u32);
-    let p = arch.name();
-    m.meta.push(("general.architecture".into(), MetaValue::String(p.into())));
-    m.meta.push(("general.name".into(), MetaValue::String(format!("kiln synthetic {p}"))));
-    if let Some(ft) = mix.file_type() {
-        m.meta.push(("general.file_type".into(), u(ft as usize)));
-    }
-    for (k, v) in [
+    let counts = [
         ("context_length", context),
         ("embedding_length", hidden),
         ("block_count", layers),
@@ -542,29 +545,16 @@ pub fn llama(shape: &LlamaShape, mix: FormatMix, seed: u64) -> SynthModel {
         ("attention.key_length", head_dim),
         ("attention.value_length", head_dim),
         ("rope.dimension_count", head_dim),
-    ] {
-        m.meta.push((format!("{p}.{k}"), u(v)));
-    }
-    m.meta.push((format!("{p}.attention.layer_norm_rms_epsilon"), MetaValue::F32(1e-6)));
-    m.meta.push((format!("{p}.rope.freq_base"), MetaValue::F32(rope_base)));
-    m.meta.extend(tokenizer_meta(vocab));
+    ];
+    let mut m = SynthModel { meta: decoder_meta(arch.name(), mix, &counts, rope_base, vocab), tensors: Vec::new() };
     if arch == LlamaArch::Llama && rope_factor != 1.0 {
         let factors = llama3_rope_factors(head_dim, rope_base, rope_factor);
         let data = factors.iter().flat_map(|f| f.to_le_bytes()).collect();
         m.tensors.push(SynthTensor { name: "rope_freqs.weight".into(), dims: vec![(head_dim / 2) as u64], ty: GgmlType::F32, data });
     }
-
     let mut rng = SynthRng(seed);
     let mat = |k: usize| 1.0 / (k as f32).sqrt();
-    let mut add = |rng: &mut SynthRng, name: String, dims: &[usize], ty: GgmlType, a: f32| {
-        let data = if dims.len() == 1 {
-            // Norm weights and biases: around `a`.
-            (0..dims[0]).flat_map(|_| (a * (0.5 + rng.unit())).to_le_bytes()).collect()
-        } else {
-            random_blocks(rng, ty, dims[0], dims[1..].iter().product(), a)
-        };
-        m.tensors.push(SynthTensor { name, dims: dims.iter().map(|&d| d as u64).collect(), ty, data });
-    };
+    let mut add = |rng: &mut SynthRng, name: String, dims: &[usize], ty: GgmlType, a: f32| m.add_random(rng, name, dims, ty, a);
     let (qw, kw) = (q_heads * head_dim, kv_heads * head_dim);
     let embd_ty = if tied { GgmlType::Q6_K } else { GgmlType::Q4_K };
     add(&mut rng, "token_embd.weight".into(), &[hidden, vocab], mix.pick(embd_ty, hidden), 0.05);
