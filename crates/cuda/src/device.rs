@@ -396,7 +396,7 @@ fn compile_family(family: &str, src: &str, arch: (i32, i32)) -> Result<Ptx, Runt
             return Ok(Ptx::from_binary(cubin));
         }
     }
-    // Worth a line by default: the quantized family takes about a minute (once per GPU architecture).
+    // Worth a line by default: the quantized family takes about a minute and a half (once per GPU architecture).
     tracing::warn!("compiling CUDA kernel family '{family}' for sm_{}{} (first use on this GPU architecture, can take a minute; cached for later runs)", arch.0, arch.1);
     let cubin = nvrtc_cubin(family, &full, arch)?;
     if let Some(p) = &path {
