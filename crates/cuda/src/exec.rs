@@ -1893,6 +1893,28 @@ impl CudaExecutable {
         )
     }
 
+    /// A RoPE launch (`rope` or `rope_scaled`): one block per row and head of `x`, `positions`,
+    /// `out` ([x, positions, out]), then the kernel's own frequency arguments `freq`.
+    fn rope(
+        &self,
+        kernel: &str,
+        [x, positions, out]: [Slot; 3],
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        freq: &[Arg],
+    ) -> Result<(), RuntimeError> {
+        let args = [
+            Arg::U64(self.slot(x)),
+            Arg::U64(self.slot(positions)),
+            Arg::U64(self.slot(out)),
+            Arg::I32(heads as i32),
+            Arg::I32(head_dim as i32),
+        ];
+        let block = (head_dim / 2).next_multiple_of(32).min(128) as u32;
+        self.device.launch(kernel, ((rows * heads) as u32, 1), block, &[&args[..], freq].concat())
+    }
+
     /// Enqueues plan step `i` for `active` rows.
     /// `quant_out`: the buffer its output is also written to quantized (0: none); `xq_in`: for a
     /// matrix product, the buffer holding its input quantized.
@@ -1983,23 +2005,9 @@ impl CudaExecutable {
                 }
             }
             Kernel::Rope { x, positions, out, heads, head_dim, theta } => {
-                let block = (head_dim / 2).next_multiple_of(32).min(128) as u32;
-                d.launch(
-                    "rope",
-                    ((rows * heads) as u32, 1),
-                    block,
-                    &[
-                        Arg::U64(self.slot(x)),
-                        Arg::U64(self.slot(positions)),
-                        Arg::U64(self.slot(out)),
-                        Arg::I32(heads as i32),
-                        Arg::I32(head_dim as i32),
-                        Arg::F32(theta),
-                    ],
-                )?;
+                self.rope("rope", [x, positions, out], rows, heads, head_dim, &[Arg::F32(theta)])?
             }
             Kernel::RopeScaled { x, positions, out, heads, head_dim, ref spec } => {
-                let block = (head_dim / 2).next_multiple_of(32).min(128) as u32;
                 let factors = match &spec.freq_factors {
                     Some(f) => {
                         let (_, at) =
@@ -2008,22 +2016,9 @@ impl CudaExecutable {
                     }
                     None => 0,
                 };
-                d.launch(
-                    "rope_scaled",
-                    ((rows * heads) as u32, 1),
-                    block,
-                    &[
-                        Arg::U64(self.slot(x)),
-                        Arg::U64(self.slot(positions)),
-                        Arg::U64(self.slot(out)),
-                        Arg::I32(heads as i32),
-                        Arg::I32(head_dim as i32),
-                        Arg::F32(spec.theta),
-                        Arg::F32(spec.freq_scale),
-                        Arg::U64(factors),
-                        Arg::I32((spec.mode == RopeMode::Norm) as i32),
-                    ],
-                )?;
+                let spec_args =
+                    [Arg::F32(spec.theta), Arg::F32(spec.freq_scale), Arg::U64(factors), Arg::I32((spec.mode == RopeMode::Norm) as i32)];
+                self.rope("rope_scaled", [x, positions, out], rows, heads, head_dim, &spec_args)?
             }
             Kernel::Normalize { x, out, width, group, eps } => d.launch(
                 "rms_normalize",
