@@ -167,10 +167,13 @@ impl Device {
         let name = ctx.name().map_err(cuda_err)?;
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(cuda_err)? as u32;
         let mut functions = HashMap::new();
-        for (family, src) in FAMILIES {
-            let cubin = compile_family(family, src, arch)?;
-            let module = ctx.load_module(cubin).map_err(|e| cuda_err(format!("loading kernel family '{family}': {e}")))?;
-            for f in kernel_names(src) {
+        let programs = programs();
+        let cubins = cubins(&programs, arch)?;
+        for (program, cubin) in programs.into_iter().zip(cubins) {
+            let module = ctx
+                .load_module(Ptx::from_binary(cubin))
+                .map_err(|e| cuda_err(format!("loading kernel program '{}': {e}", program.name)))?;
+            for f in program.kernels {
                 let func = module.load_function(&f).map_err(|e| cuda_err(format!("kernel '{f}': {e}")))?;
                 // Kernels whose blocks take more than the default 48 KiB of shared memory opt in.
                 // (The ring of matvec4 and matvec4p, and the latter's norm prologue row; the
@@ -378,46 +381,118 @@ fn nvrtc_version() -> Result<(i32, i32), RuntimeError> {
     Ok((major, minor))
 }
 
-/// The native code (CUBIN) of one kernel family for `arch`: from the disk cache (keyed by a hash
-/// of the source, the architecture and the NVRTC version) or compiled by NVRTC and stored there.
-/// NVRTC compiles for the device's real architecture, so the driver loads machine code and never
-/// compiles PTX itself (that took over a minute for the quantized kernels on a fresh machine).
-fn compile_family(family: &str, src: &str, arch: (i32, i32)) -> Result<Ptx, RuntimeError> {
-    let nvrtc = nvrtc_version()?;
-    let full = format!("{COMMON}\n{src}");
-    let mut h = Sha256::new();
-    h.update(full.as_bytes());
-    h.update(format!("sm_{}{} nvrtc {}.{}", arch.0, arch.1, nvrtc.0, nvrtc.1).as_bytes());
-    let key: String = h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect();
-    let path = cache_path(family, &key);
-    if let Some(p) = &path {
-        if let Ok(cubin) = std::fs::read(p) {
-            tracing::debug!("kernel family '{family}' from {}", p.display());
-            return Ok(Ptx::from_binary(cubin));
-        }
-    }
-    // Worth a line by default: the quantized family takes about a minute and a half (once per GPU architecture).
-    tracing::warn!("compiling CUDA kernel family '{family}' for sm_{}{} (first use on this GPU architecture, can take a minute; cached for later runs)", arch.0, arch.1);
-    let cubin = nvrtc_cubin(family, &full, arch)?;
-    if let Some(p) = &path {
-        let stored = p.parent().map(std::fs::create_dir_all).transpose().and_then(|_| {
-            let tmp = p.with_extension("tmp");
-            std::fs::write(&tmp, &cubin)?;
-            std::fs::rename(&tmp, p)
-        });
-        if let Err(e) = stored {
-            tracing::warn!("could not cache kernel family '{family}' at {}: {e}", p.display());
-        }
-    }
-    Ok(Ptx::from_binary(cubin))
+/// One NVRTC program: a kernel family, or for the quantized family its shared code with one line
+/// of template instances (`KILN_FORMAT`, `KILN_RING`, `KILN_MMQ`), so that a first use compiles
+/// them on every core instead of one program on one (~90 s on the H200's host).
+struct Program {
+    /// `<family>`, or `<family>-<macro>-<format>` for an instance line (`quant-format-q4_k`), for
+    /// messages and the cache file.
+    name: String,
+    /// The full source: `common.cuh`, then the program's code.
+    source: String,
+    /// The kernels this program's module provides.
+    kernels: Vec<String>,
 }
 
-/// Compiles `src` (kernel family `family`) with NVRTC to a CUBIN for `arch`.
-fn nvrtc_cubin(family: &str, src: &str, arch: (i32, i32)) -> Result<Vec<u8>, RuntimeError> {
+/// Whether `line` instantiates kernel templates (a macro `kernel_names` expands).
+fn is_instance_line(line: &str) -> bool {
+    ["KILN_FORMAT(", "KILN_RING(", "KILN_MMQ("].iter().any(|p| line.starts_with(p))
+}
+
+/// Every family cut into its programs: a family without instance lines is one program; one with
+/// them is its code without them (its own `extern "C"` kernels) plus one program per instance
+/// line (that code with the line: each such module also holds the family's own kernels, unused,
+/// a fraction of a second of compilation each).
+fn programs() -> Vec<Program> {
+    let mut out = Vec::new();
+    for (family, src) in FAMILIES {
+        let code: String = src.lines().filter(|l| !is_instance_line(l)).map(|l| format!("{l}\n")).collect();
+        out.push(Program { name: family.to_string(), source: format!("{COMMON}\n{code}"), kernels: kernel_names(&code) });
+        for line in src.lines().filter(|l| is_instance_line(l)) {
+            let (instances, args) = line.split_once('(').unwrap_or((line, ""));
+            let what = format!("{}-{}", instances.trim_start_matches("KILN_").to_lowercase(), args.split(',').next().unwrap_or("").trim());
+            out.push(Program {
+                name: format!("{family}-{what}"),
+                source: format!("{COMMON}\n{code}{line}\n"),
+                kernels: kernel_names(line),
+            });
+        }
+    }
+    out
+}
+
+/// The native code (CUBIN) of every program for `arch`, in order: from the disk cache (keyed by a
+/// hash of the source, the architecture and the NVRTC version) or compiled by NVRTC (the missing
+/// ones at once on up to one thread per core) and stored there. NVRTC compiles for the device's
+/// real architecture, so the driver loads machine code and never compiles PTX itself (that took
+/// over a minute for the quantized kernels on a fresh machine).
+fn cubins(programs: &[Program], arch: (i32, i32)) -> Result<Vec<Vec<u8>>, RuntimeError> {
+    let nvrtc = nvrtc_version()?;
+    let paths: Vec<Option<PathBuf>> = programs
+        .iter()
+        .map(|p| {
+            let mut h = Sha256::new();
+            h.update(p.source.as_bytes());
+            h.update(format!("sm_{}{} nvrtc {}.{}", arch.0, arch.1, nvrtc.0, nvrtc.1).as_bytes());
+            let key: String = h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect();
+            cache_path(&p.name, &key)
+        })
+        .collect();
+    let mut out: Vec<Option<Vec<u8>>> = paths.iter().map(|p| p.as_ref().and_then(|p| std::fs::read(p).ok())).collect();
+    let missing: Vec<usize> = (0..programs.len()).filter(|&i| out[i].is_none()).collect();
+    if !missing.is_empty() {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(missing.len());
+        // Worth a line by default: on one core the quantized family takes about three minutes.
+        tracing::warn!(
+            "compiling {} CUDA kernel programs for sm_{}{} on {threads} threads (first use on this GPU architecture, can take a minute; cached for later runs)",
+            missing.len(),
+            arch.0,
+            arch.1
+        );
+        let started = std::time::Instant::now();
+        let next = AtomicUsize::new(0);
+        let compiled: Vec<(usize, Result<Vec<u8>, RuntimeError>)> = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut done = Vec::new();
+                        while let Some(&i) = missing.get(next.fetch_add(1, Ordering::Relaxed)) {
+                            done.push((i, nvrtc_cubin(&programs[i].name, &programs[i].source, arch)));
+                        }
+                        done
+                    })
+                })
+                .collect();
+            workers.into_iter().flat_map(|w| w.join().unwrap_or_default()).collect()
+        });
+        for (i, cubin) in compiled {
+            let cubin = cubin?;
+            if let Some(p) = &paths[i] {
+                let stored = p.parent().map(std::fs::create_dir_all).transpose().and_then(|_| {
+                    let tmp = p.with_extension("tmp");
+                    std::fs::write(&tmp, &cubin)?;
+                    std::fs::rename(&tmp, p)
+                });
+                if let Err(e) = stored {
+                    tracing::warn!("could not cache kernel program '{}' at {}: {e}", programs[i].name, p.display());
+                }
+            }
+            out[i] = Some(cubin);
+        }
+        tracing::info!("compiled {} CUDA kernel programs in {:.1} s", missing.len(), started.elapsed().as_secs_f64());
+    }
+    out.into_iter()
+        .zip(programs)
+        .map(|(c, p)| c.ok_or_else(|| cuda_err(format!("kernel program '{}' was not compiled (a compiler thread panicked)", p.name))))
+        .collect()
+}
+
+/// Compiles `src` (kernel program `program`) with NVRTC to a CUBIN for `arch`.
+fn nvrtc_cubin(program: &str, src: &str, arch: (i32, i32)) -> Result<Vec<u8>, RuntimeError> {
     use cudarc::nvrtc::result;
-    let fail = |what: String| cuda_err(format!("NVRTC failed on kernel family '{family}': {what}"));
+    let fail = |what: String| cuda_err(format!("NVRTC failed on kernel program '{program}': {what}"));
     let code = std::ffi::CString::new(src).map_err(|_| fail("the source holds a NUL byte".into()))?;
-    let name = std::ffi::CString::new(format!("{family}.cu")).map_err(|_| fail("bad family name".into()))?;
+    let name = std::ffi::CString::new(format!("{program}.cu")).map_err(|_| fail("bad family name".into()))?;
     let prog = result::create_program(&code, Some(&name)).map_err(|e| fail(format!("{e:?}")))?;
     let options = [format!("--gpu-architecture=sm_{}{}", arch.0, arch.1), "--std=c++17".to_string()];
     // SAFETY: `prog` is a live program until `destroy_program` below; the buffers are sized by
@@ -442,9 +517,9 @@ fn nvrtc_cubin(family: &str, src: &str, arch: (i32, i32)) -> Result<Vec<u8>, Run
     }
 }
 
-/// Where a compiled family is cached (`<kiln cache>/cuda/<family>-<key>.cubin`).
-fn cache_path(family: &str, key: &str) -> Option<PathBuf> {
-    kiln_hub::cache_dir().ok().map(|d| d.join("cuda").join(format!("{family}-{key}.cubin")))
+/// Where a compiled program is cached (`<kiln cache>/cuda/<program>-<key>.cubin`).
+fn cache_path(program: &str, key: &str) -> Option<PathBuf> {
+    kiln_hub::cache_dir().ok().map(|d| d.join("cuda").join(format!("{program}-{key}.cubin")))
 }
 
 /// Median read bandwidth (bytes/s) over `reps` reads of a `bytes` buffer, timed with events.
@@ -476,6 +551,31 @@ pub(crate) fn read_bandwidth(d: &Device, bytes: usize, reps: usize) -> Result<f6
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_kernel_comes_from_exactly_one_program() {
+        let programs = programs();
+        let mut from_programs: Vec<String> = programs.iter().flat_map(|p| p.kernels.clone()).collect();
+        let mut from_families: Vec<String> = FAMILIES.iter().flat_map(|(_, src)| kernel_names(src)).collect();
+        assert_eq!(from_programs.len(), from_families.len());
+        from_programs.sort();
+        from_families.sort();
+        assert_eq!(from_programs, from_families);
+        let n = from_programs.len();
+        from_programs.dedup();
+        assert_eq!(from_programs.len(), n, "a kernel name twice");
+        // The quantized family: its own kernels, then one program per instance line, each with
+        // every template but only its line's instances.
+        let quant: Vec<&Program> = programs.iter().filter(|p| p.name.starts_with("quant")).collect();
+        assert_eq!(quant.len(), 1 + 13 + 4 + 4);
+        assert_eq!(quant[0].kernels, ["argmax_head_q8_0", "quantize_rows"]);
+        let format = quant.iter().find(|p| p.name == "quant-format-q4_k").unwrap();
+        assert!(format.kernels.contains(&"matvec4p_silu_q4_k".to_string()) && format.kernels.len() == 10);
+        assert!(format.source.starts_with(COMMON) && format.source.contains("template"));
+        assert_eq!(format.source.lines().filter(|l| is_instance_line(l)).collect::<Vec<_>>(), ["KILN_FORMAT(q4_k, F_Q4_K)"]);
+        assert!(quant.iter().any(|p| p.name == "quant-ring-q6_k") && quant.iter().any(|p| p.name == "quant-mmq-q5_0"));
+        assert!(programs.iter().any(|p| p.name == "ops") && programs.iter().any(|p| p.name == "attention"));
+    }
 
     #[test]
     fn kernel_names_are_found_in_every_family() {
