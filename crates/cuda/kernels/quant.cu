@@ -34,7 +34,7 @@ template <> struct Fmt<F_Q5_K> { static const int bytes = 176, per = 256; };
 template <> struct Fmt<F_Q6_K> { static const int bytes = 210, per = 256; };
 
 // A packed matrix on the device: `rb` bytes per row, `nblk` blocks in all. The formats whose blocks
-// are not 4-byte aligned (Q5_0, Q8_0, Q6_K) are uploaded planar (weights.rs): each field of every
+// are not 16-byte aligned (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q6_K) are uploaded planar (weights.rs): each field of every
 // block stored contiguously in block order (same bytes), so every field is aligned for vector
 // loads; the other formats keep ggml's layout.
 struct Mat {
@@ -84,39 +84,6 @@ template <> __device__ __forceinline__ void aos32<F_BF16>(const u8* row, int s, 
     const u8* b = row + 64 * s;
 #pragma unroll
     for (int i = 0; i < 32; i++) v[i] = __int_as_float(((u32)b[2 * i] | ((u32)b[2 * i + 1] << 8)) << 16);
-}
-template <> __device__ __forceinline__ void aos32<F_Q4_0>(const u8* row, int s, float* v) {
-    const u8* b = row + 18 * s;
-    float d = half_at(b);
-#pragma unroll
-    for (int j = 0; j < 16; j++) {
-        u8 q = b[2 + j];
-        v[j] = (float)((int)(q & 15) - 8) * d;
-        v[j + 16] = (float)((int)(q >> 4) - 8) * d;
-    }
-}
-template <> __device__ __forceinline__ void aos32<F_Q4_1>(const u8* row, int s, float* v) {
-    const u8* b = row + 20 * s;
-    float d = half_at(b), m = half_at(b + 2);
-#pragma unroll
-    for (int j = 0; j < 16; j++) {
-        u8 q = b[4 + j];
-        v[j] = (float)(q & 15) * d + m;
-        v[j + 16] = (float)(q >> 4) * d + m;
-    }
-}
-template <> __device__ __forceinline__ void aos32<F_Q5_1>(const u8* row, int s, float* v) {
-    const u8* b = row + 24 * s;
-    float d = half_at(b), m = half_at(b + 2);
-    u32 qh = u32_at(b + 4);
-#pragma unroll
-    for (int j = 0; j < 16; j++) {
-        u8 q = b[8 + j];
-        int l0 = (q & 15) | (((qh >> j) & 1) << 4);
-        int l1 = (q >> 4) | (((qh >> (j + 16)) & 1) << 4);
-        v[j] = (float)l0 * d + m;
-        v[j + 16] = (float)l1 * d + m;
-    }
 }
 template <> __device__ __forceinline__ void aos32<F_Q2_K>(const u8* row, int s, float* v) {
     const u8* b = row + 84 * (s >> 3);
@@ -200,6 +167,50 @@ template <> __device__ __forceinline__ void sub32<F_Q8_0>(const Mat& m, u64 r, i
         u32 ws[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
         for (int t = 0; t < 16; t++) v[16 * c + t] = (float)(i8)((ws[t >> 2] >> (8 * (t & 3))) & 0xff) * d;
+    }
+}
+// Planar Q4_0: qs [16 per block], d [2].
+template <> __device__ __forceinline__ void sub32<F_Q4_0>(const Mat& m, u64 r, int s, float* v) {
+    u64 g = block_of<F_Q4_0>(m, r, s);
+    float d = half_u16(*(const u16*)(m.w + 16 * m.nblk + 2 * g));
+    uint4 w = *(const uint4*)(m.w + 16 * g);
+    u32 ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        u32 q = (ws[j >> 2] >> (8 * (j & 3))) & 0xff;
+        v[j] = (float)((int)(q & 15) - 8) * d;
+        v[j + 16] = (float)((int)(q >> 4) - 8) * d;
+    }
+}
+// Planar Q4_1: qs [16 per block], {d, m} [4].
+template <> __device__ __forceinline__ void sub32<F_Q4_1>(const Mat& m, u64 r, int s, float* v) {
+    u64 g = block_of<F_Q4_1>(m, r, s);
+    u32 dm = *(const u32*)(m.w + 16 * m.nblk + 4 * g);
+    float d = half_u16(dm & 0xffff), mn = half_u16(dm >> 16);
+    uint4 w = *(const uint4*)(m.w + 16 * g);
+    u32 ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        u32 q = (ws[j >> 2] >> (8 * (j & 3))) & 0xff;
+        v[j] = (float)(q & 15) * d + mn;
+        v[j + 16] = (float)(q >> 4) * d + mn;
+    }
+}
+// Planar Q5_1: qs [16 per block], qh [4], {d, m} [4].
+template <> __device__ __forceinline__ void sub32<F_Q5_1>(const Mat& m, u64 r, int s, float* v) {
+    u64 g = block_of<F_Q5_1>(m, r, s);
+    u32 dm = *(const u32*)(m.w + 20 * m.nblk + 4 * g);
+    float d = half_u16(dm & 0xffff), mn = half_u16(dm >> 16);
+    u32 qh = *(const u32*)(m.w + 16 * m.nblk + 4 * g);
+    uint4 w = *(const uint4*)(m.w + 16 * g);
+    u32 ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        u32 q = (ws[j >> 2] >> (8 * (j & 3))) & 0xff;
+        int l0 = (q & 15) | (((qh >> j) & 1) << 4);
+        int l1 = (q >> 4) | (((qh >> (j + 16)) & 1) << 4);
+        v[j] = (float)l0 * d + mn;
+        v[j + 16] = (float)l1 * d + mn;
     }
 }
 // Planar Q5_0: qs [16 per block], qh [4], d [2].
@@ -351,6 +362,52 @@ template <> struct Chunk<F_Q8_0> {
     static __device__ __forceinline__ float dot(const Mat& m, const Raw& r, int c, const XGroup* x) { return dot(decode(m, r, c), x); }
     static __device__ __forceinline__ float dot(const Dec& e, const XGroup* x) {
         return e.d * x[0].d * (float)(dotq16(e.a, x[0]) + dotq16(e.b, x[1]));
+    }
+};
+
+// Planar Q4_0 (weights.rs): Q5_0's chunk without the high bits, levels offset by 8.
+template <> struct Chunk<F_Q4_0> {
+    static const int NP = 0;
+    static const int G = 2;
+    struct Raw {
+        uint4 q;
+        u32 d;
+    };
+    static __device__ __forceinline__ int xoff(int c, int g) { return 32 * c + 16 * g; }
+    static __device__ __forceinline__ Raw load(const Mat& m, u64 row, int c) {
+        u64 g = block_of<F_Q4_0>(m, row, c);
+        return Raw{*(const uint4*)(m.w + 16 * g), *(const u16*)(m.w + 16 * m.nblk + 2 * g)};
+    }
+    // Group g's 16 levels (q: the chunk's level words).
+    static __device__ __forceinline__ void levels(const u32* q, int g, u32* w) {
+#pragma unroll
+        for (int t = 0; t < 4; t++) w[t] = g ? (q[t] >> 4) & 0x0f0f0f0fu : q[t] & 0x0f0f0f0fu;
+    }
+    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, int, const XGroup* x) {
+        u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+        int s = 0;
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            u32 w[4];
+            levels(q, g, w);
+            s += dotq16(w, x[g]) - 8 * x[g].s;
+        }
+        return half_u16(r.d) * x[0].d * (float)s;
+    }
+    struct Dec {
+        u32 w[2][4];
+        float d;
+    };
+    static __device__ __forceinline__ Dec decode(const Mat&, const Raw& r, int) {
+        u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+        Dec e;
+        levels(q, 0, e.w[0]);
+        levels(q, 1, e.w[1]);
+        e.d = half_u16(r.d);
+        return e;
+    }
+    static __device__ __forceinline__ float dot(const Dec& e, const XGroup* x) {
+        return e.d * x[0].d * (float)(dotq16(e.w[0], x[0]) - 8 * x[0].s + dotq16(e.w[1], x[1]) - 8 * x[1].s);
     }
 };
 
@@ -1086,6 +1143,11 @@ template <> struct Planes<F_Q8_0> {
     static __device__ __forceinline__ u32 off(int p) { return p ? 32 : 0; }
     static __device__ __forceinline__ u32 per(int p) { return p ? 2 : 32; }
 };
+template <> struct Planes<F_Q4_0> {
+    static const int N = 2;
+    static __device__ __forceinline__ u32 off(int p) { return p ? 16 : 0; }
+    static __device__ __forceinline__ u32 per(int p) { return p ? 2 : 16; }
+};
 template <> struct Planes<F_Q5_0> {
     static const int N = 3;
     static __device__ __forceinline__ u32 off(int p) { return p == 0 ? 0 : p == 1 ? 16 : 20; }
@@ -1493,10 +1555,10 @@ __device__ __forceinline__ u32 ld32(const u8* p) { return *(const u32*)p; }
 // Per format, a weight row's share of one stage j (elements 128j..128j + 127): STRIDE bytes in
 // shared memory (4 more than a multiple of 8 words: the 8 rows of a fragment start 4 banks apart),
 // copied as UNITS cp.async copies (`copy` issues unit u); from it, `frag` gives a lane's B fragment
-// of sub-block i (0..3) of the stage (elements 4t..4t + 3 in b0, 16 later in b1, signed bytes) and
+// of sub-block i (0..3) of stage j (elements 4t..4t + 3 in b0, 16 later in b1, signed bytes) and
 // `scales` an output row's scale and offset (w = d * level - mn; per 16-element half: .x the first,
 // .y the second; HALVES: the halves have scales of their own, so the products are taken 16
-// elements at a time; SHARE_SCALES: see WarpScales). Q6_K, Q8_0 and Q5_0 are uploaded planar
+// elements at a time; SHARE_SCALES: see WarpScales). The 32-element formats and Q6_K are uploaded planar
 // (weights.rs).
 template <int T> struct Tile;
 template <> struct Tile<F_Q4_K> {
@@ -1508,7 +1570,7 @@ template <> struct Tile<F_Q4_K> {
         const u8* b = m.w + row * m.rb + 144 * (u64)(j >> 1);
         cp_async16(dst + 16 * u, u == 0 ? b : b + 16 + 64 * (j & 1) + 16 * (u - 1));
     }
-    static __device__ __forceinline__ void frag(const u8* r, int i, int t, u32& b0, u32& b1) {
+    static __device__ __forceinline__ void frag(const u8* r, int i, int, int t, u32& b0, u32& b1) {
         const u8* q = r + 16 + 32 * (i >> 1) + 4 * t;
         const int sh = 4 * (i & 1);
         b0 = (ld32(q) >> sh) & 0x0f0f0f0fu;
@@ -1523,6 +1585,26 @@ template <> struct Tile<F_Q4_K> {
         const float mm = half_u16(h.x >> 16) * (float)((mn2 >> sh) & 0xff);
         d = make_float2(dd, dd);
         mn = make_float2(mm, mm);
+    }
+};
+template <> struct Tile<F_Q5_K> {
+    static const bool HALVES = false;
+    static const bool SHARE_SCALES = true;
+    static const int STRIDE = 112, UNITS = 7;
+    // [the super-block's 16 header bytes][its 32 high-bit bytes][the 64 level bytes of the stage's
+    // sub-blocks]: Q4_K's tile with the high bits (bit s of byte l: element l of sub-block s).
+    static __device__ __forceinline__ void copy(const Mat& m, u64 row, int j, u8* dst, int u) {
+        const u8* b = m.w + row * m.rb + 176 * (u64)(j >> 1);
+        cp_async16(dst + 16 * u, u < 3 ? b + 16 * u : b + 48 + 64 * (j & 1) + 16 * (u - 3));
+    }
+    static __device__ __forceinline__ void frag(const u8* r, int i, int j, int t, u32& b0, u32& b1) {
+        const u8* q = r + 48 + 32 * (i >> 1) + 4 * t;
+        const int sh = 4 * (i & 1), s = 4 * (j & 1) + i;
+        b0 = ((ld32(q) >> sh) & 0x0f0f0f0fu) | (((ld32(r + 16 + 4 * t) >> s) & 0x01010101u) << 4);
+        b1 = ((ld32(q + 16) >> sh) & 0x0f0f0f0fu) | (((ld32(r + 32 + 4 * t) >> s) & 0x01010101u) << 4);
+    }
+    static __device__ __forceinline__ void scales(const u8* r, int i, int j, const Mat& m, u64 row, float2& d, float2& mn) {
+        Tile<F_Q4_K>::scales(r, i, j, m, row, d, mn);
     }
 };
 template <> struct Tile<F_Q6_K> {
@@ -1542,7 +1624,7 @@ template <> struct Tile<F_Q6_K> {
         else
             cp_async4(dst + 104, m.w + ((208 * m.nblk + 2 * g) & ~(u64)3));
     }
-    static __device__ __forceinline__ void frag(const u8* r, int i, int t, u32& b0, u32& b1) {
+    static __device__ __forceinline__ void frag(const u8* r, int i, int, int t, u32& b0, u32& b1) {
         const u8* l = r + 32 * (i & 1) + 4 * t;
         const u8* h = r + 64 + 4 * t;
         const int nib = 4 * (i >> 1), hs = 2 * i;
@@ -1571,7 +1653,7 @@ template <> struct Tile<F_Q8_0> {
         else
             cp_async8(dst + 128, m.w + 32 * m.nblk + 2 * g);
     }
-    static __device__ __forceinline__ void frag(const u8* r, int i, int t, u32& b0, u32& b1) {
+    static __device__ __forceinline__ void frag(const u8* r, int i, int, int t, u32& b0, u32& b1) {
         b0 = ld32(r + 32 * i + 4 * t);
         b1 = ld32(r + 32 * i + 16 + 4 * t);
     }
@@ -1579,6 +1661,29 @@ template <> struct Tile<F_Q8_0> {
         const float dd = half_u16(*(const u16*)(r + 128 + 2 * i));
         d = make_float2(dd, dd);
         mn = make_float2(0.f, 0.f);
+    }
+};
+template <> struct Tile<F_Q4_0> {
+    static const bool HALVES = false;
+    static const bool SHARE_SCALES = false;
+    static const int STRIDE = 80, UNITS = 5;
+    // [the 4 blocks' 64 level bytes][their 4 scales][8 bytes of padding]
+    static __device__ __forceinline__ void copy(const Mat& m, u64 row, int j, u8* dst, int u) {
+        const u64 g = block_of<F_Q4_0>(m, row, 4 * j);
+        if (u < 4)
+            cp_async16(dst + 16 * u, m.w + 16 * g + 16 * u);
+        else
+            cp_async8(dst + 64, m.w + 16 * m.nblk + 2 * g);
+    }
+    static __device__ __forceinline__ void frag(const u8* r, int i, int, int t, u32& b0, u32& b1) {
+        const u32 w = ld32(r + 16 * i + 4 * t);
+        b0 = w & 0x0f0f0f0fu;
+        b1 = (w >> 4) & 0x0f0f0f0fu;
+    }
+    static __device__ __forceinline__ void scales(const u8* r, int i, int, const Mat&, u64, float2& d, float2& mn) {
+        const float dd = half_u16(*(const u16*)(r + 64 + 2 * i));
+        d = make_float2(dd, dd);
+        mn = make_float2(8.f * dd, 8.f * dd);
     }
 };
 template <> struct Tile<F_Q5_0> {
@@ -1595,7 +1700,7 @@ template <> struct Tile<F_Q5_0> {
         else
             cp_async8(dst + 80, m.w + 20 * m.nblk + 2 * g);
     }
-    static __device__ __forceinline__ void frag(const u8* r, int i, int t, u32& b0, u32& b1) {
+    static __device__ __forceinline__ void frag(const u8* r, int i, int, int t, u32& b0, u32& b1) {
         const u32 w = ld32(r + 16 * i + 4 * t), qh = ld32(r + 64 + 4 * i) >> (4 * t);
         b0 = (w & 0x0f0f0f0fu) | (spread4(qh) << 4);
         b1 = ((w >> 4) & 0x0f0f0f0fu) | (spread4(qh >> 16) << 4);
@@ -1604,6 +1709,44 @@ template <> struct Tile<F_Q5_0> {
         const float dd = half_u16(*(const u16*)(r + 80 + 2 * i));
         d = make_float2(dd, dd);
         mn = make_float2(16.f * dd, 16.f * dd);
+    }
+};
+template <> struct Tile<F_Q4_1> {
+    static const bool HALVES = false;
+    static const bool SHARE_SCALES = false;
+    static const int STRIDE = 80, UNITS = 5;
+    // [the 4 blocks' 64 level bytes][their 4 {d, m} pairs]
+    static __device__ __forceinline__ void copy(const Mat& m, u64 row, int j, u8* dst, int u) {
+        const u64 g = block_of<F_Q4_1>(m, row, 4 * j);
+        cp_async16(dst + 16 * u, u < 4 ? m.w + 16 * g + 16 * u : m.w + 16 * m.nblk + 4 * g);
+    }
+    static __device__ __forceinline__ void frag(const u8* r, int i, int j, int t, u32& b0, u32& b1) {
+        Tile<F_Q4_0>::frag(r, i, j, t, b0, b1);
+    }
+    static __device__ __forceinline__ void scales(const u8* r, int i, int, const Mat&, u64, float2& d, float2& mn) {
+        const u32 dm = ld32(r + 64 + 4 * i);
+        const float dd = half_u16(dm & 0xffff), mm = -half_u16(dm >> 16);
+        d = make_float2(dd, dd);
+        mn = make_float2(mm, mm);
+    }
+};
+template <> struct Tile<F_Q5_1> {
+    static const bool HALVES = false;
+    static const bool SHARE_SCALES = false;
+    static const int STRIDE = 112, UNITS = 6;
+    // [the 4 blocks' 64 level bytes][their 4 high-bit words][their 4 {d, m} pairs][16 bytes of padding]
+    static __device__ __forceinline__ void copy(const Mat& m, u64 row, int j, u8* dst, int u) {
+        const u64 g = block_of<F_Q5_1>(m, row, 4 * j);
+        cp_async16(dst + 16 * u, u < 4 ? m.w + 16 * g + 16 * u : m.w + (16 + 4 * (u - 4)) * m.nblk + 4 * g);
+    }
+    static __device__ __forceinline__ void frag(const u8* r, int i, int j, int t, u32& b0, u32& b1) {
+        Tile<F_Q5_0>::frag(r, i, j, t, b0, b1);
+    }
+    static __device__ __forceinline__ void scales(const u8* r, int i, int, const Mat&, u64, float2& d, float2& mn) {
+        const u32 dm = ld32(r + 80 + 4 * i);
+        const float dd = half_u16(dm & 0xffff), mm = -half_u16(dm >> 16);
+        d = make_float2(dd, dd);
+        mn = make_float2(mm, mm);
     }
 };
 
@@ -1716,8 +1859,8 @@ __device__ __forceinline__ void mmq_walk(float (&acc)[NB][XR == MMQ_ROWS ? 4 : 2
 #pragma unroll
                 for (int jb = 0; jb < NB; jb++) {
                     const int r = wt + 16 * jb + gid;
-                    Tile<T>::frag(ws + r * Tile<T>::STRIDE, i, tid, a[jb][0], a[jb][2]);
-                    Tile<T>::frag(ws + (r + 8) * Tile<T>::STRIDE, i, tid, a[jb][1], a[jb][3]);
+                    Tile<T>::frag(ws + r * Tile<T>::STRIDE, i, j0 + j, tid, a[jb][0], a[jb][2]);
+                    Tile<T>::frag(ws + (r + 8) * Tile<T>::STRIDE, i, j0 + j, tid, a[jb][1], a[jb][3]);
                     sc.row(16 * jb + gid, d0[jb], m0[jb]);
                     sc.row(16 * jb + gid + 8, d1[jb], m1[jb]);
                 }
@@ -1749,7 +1892,7 @@ __device__ __forceinline__ void mmq_walk(float (&acc)[NB][XR == MMQ_ROWS ? 4 : 2
 #pragma unroll
                 for (int jb = 0; jb < NB; jb++) {
                     const int r = wt + 8 * jb;
-                    Tile<T>::frag(ws + (r + gid) * Tile<T>::STRIDE, i, tid, b[jb][0], b[jb][1]);
+                    Tile<T>::frag(ws + (r + gid) * Tile<T>::STRIDE, i, j0 + j, tid, b[jb][0], b[jb][1]);
                     sc.row(8 * jb + 2 * tid, d0[jb], m0[jb]);
                     sc.row(8 * jb + 2 * tid + 1, d1[jb], m1[jb]);
                 }
@@ -1925,6 +2068,10 @@ KILN_MMQ(q4_k, F_Q4_K)
 KILN_MMQ(q6_k, F_Q6_K)
 KILN_MMQ(q8_0, F_Q8_0)
 KILN_MMQ(q5_0, F_Q5_0)
+KILN_MMQ(q5_k, F_Q5_K)
+KILN_MMQ(q4_0, F_Q4_0)
+KILN_MMQ(q4_1, F_Q4_1)
+KILN_MMQ(q5_1, F_Q5_1)
 
 // Per format: matvec (2 output rows per warp, up to MV_ROWS activation rows), matvec1 (the same for
 // one activation row, with the norm prologue), matvec4 (4 output rows per warp, one activation row:
@@ -1998,3 +2145,4 @@ KILN_RING(q4_k, F_Q4_K)
 KILN_RING(q6_k, F_Q6_K)
 KILN_RING(q8_0, F_Q8_0)
 KILN_RING(q5_0, F_Q5_0)
+KILN_RING(q4_0, F_Q4_0)

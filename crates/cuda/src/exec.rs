@@ -112,7 +112,7 @@ pub(crate) fn matvec4_shared_bytes(fmt: &str) -> u32 {
 }
 /// Formats with `matvecr8_<fmt>`, `matvecr4_<fmt>` and `matvecr2_<fmt>` kernels (`KILN_RING` in
 /// quant.cu).
-const RING_FORMATS: [GgmlType; 4] = [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0];
+const RING_FORMATS: [GgmlType; 5] = [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q4_0];
 /// Weight bytes from which a one-row launch streams its weights through shared memory
 /// (`matvecr`; measured on an H200 at 12B shapes, bench/RESULTS.md "issue 4i": the greedy head
 /// 326 -> 205 µs, gate/up 25.9 -> 20.6 µs, o 6.1 -> 4.4 µs, v 4.9 -> 3.8 µs, q/k even).
@@ -199,7 +199,8 @@ fn streamed(ty: GgmlType, k: usize, rows_of: &[usize], glu: bool, plain: bool, a
 /// Formats with `mmq{tile}_<fmt>` kernels (`KILN_MMQ` in quant.cu): integer tensor-core products
 /// of more activation rows than the matrix-vector kernels take, the weights read in their packed
 /// form (other formats are dequantized to f32 for cuBLAS).
-pub(crate) const MMQ_FORMATS: [GgmlType; 4] = [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0];
+pub(crate) const MMQ_FORMATS: [GgmlType; 8] =
+    [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q5_K, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_1];
 /// Elements of one shared-memory stage of the `mmq` kernels (`MMQ_K` in quant.cu): they take
 /// matrices whose rows are a multiple of it (every Gemma, Llama and Qwen width is).
 const MMQ_K: usize = 128;
@@ -289,8 +290,8 @@ impl MmqBlock {
     /// rows' share (`Tile<T>::STRIDE` bytes each; none for a format without `mmq`).
     pub(crate) fn shared(&self, ty: GgmlType, tile: usize) -> usize {
         let stride = match ty {
-            GgmlType::Q4_K => 80,
-            GgmlType::Q6_K | GgmlType::Q5_0 => 112,
+            GgmlType::Q4_K | GgmlType::Q4_0 | GgmlType::Q4_1 => 80,
+            GgmlType::Q6_K | GgmlType::Q5_0 | GgmlType::Q5_K | GgmlType::Q5_1 => 112,
             GgmlType::Q8_0 => 144,
             _ => 0,
         };
@@ -2617,11 +2618,11 @@ mod tests {
         // This model's rows are short: from MMQ_MIN_ROWS rows they take mmq too.
         assert!(capturable(decode(MMQ_MIN_ROWS), FormatMix::Q4KM, SM90));
         // Fewer rows take the matrix-vector kernels (captured without this scratch), as do
-        // formats without mmq up to MATVEC_ROWS rows; then Q5_K takes cuBLAS; prompts are not
+        // formats without mmq up to MATVEC_ROWS rows; then Q3_K takes cuBLAS; prompts are not
         // captured; mma needs sm_80.
         assert!(!capturable(decode(MMQ_MIN_ROWS - 1), FormatMix::Q4KM, SM90));
-        assert!(!capturable(decode(MATVEC_ROWS), FormatMix::All(GgmlType::Q5_K), SM90));
-        assert!(!capturable(decode(16), FormatMix::All(GgmlType::Q5_K), SM90));
+        assert!(!capturable(decode(MATVEC_ROWS), FormatMix::All(GgmlType::Q3_K), SM90));
+        assert!(!capturable(decode(16), FormatMix::All(GgmlType::Q3_K), SM90));
         assert!(!capturable(Bucket::Prefill { rows: 16, seqs: 1 }, FormatMix::Q4KM, SM90));
         assert!(!capturable(decode(16), FormatMix::Q4KM, (7, 5)));
     }
@@ -2638,7 +2639,7 @@ mod tests {
             assert!(!takes_matvec(GgmlType::Q4_K, 3840, rows, SM90), "{rows}");
             assert!(!takes_matvec(GgmlType::Q6_K, 15360, rows, SM90), "{rows}");
             // Formats without mmq and devices without its mma stay.
-            assert!(takes_matvec(GgmlType::Q5_K, 640, rows, SM90), "{rows}");
+            assert!(takes_matvec(GgmlType::Q3_K, 640, rows, SM90), "{rows}");
             assert!(takes_matvec(GgmlType::Q4_K, 640, rows, (7, 5)), "{rows}");
             // In blocks of 8 activation rows.
             assert_eq!(MmqBlock::of(rows), MMQ_FEW);
@@ -2803,7 +2804,8 @@ mod tests {
         assert_eq!(r(Q6_K, 3840, &[262141], false), None);
         assert_eq!(r(Q6_K, 3840, &[15360, 15360], true), None);
         assert_eq!(r(Q4_K, 640, &[2048, 2048], true), None);
-        assert_eq!(r(Q4_0, 3840, &[262144], false), None);
+        assert_eq!(r(Q5_K, 3840, &[262144], false), None);
+        assert_eq!(r(Q4_0, 3840, &[262144], false), g(8, 3, 528));
         // cuda.rs's streamed-launch models (hidden 2048, MLP 32768, vocabulary 65536).
         assert_eq!(r(Q4_K, 2048, &[65536], false), g(8, 4, 528));
         assert_eq!(r(Q8_0, 2048, &[32768, 32768], true), g(8, 3, 528));
@@ -2864,7 +2866,7 @@ mod tests {
             // Rows not a multiple of a stage (here 5 legacy blocks) and devices without mma.
             assert!(!takes_mmq(ty, 160, SM90) && !takes_mmq(ty, 640, (7, 5)), "{ty:?}");
         }
-        assert!(!takes_mmq(GgmlType::Q5_K, 640, SM90));
+        assert!(!takes_mmq(GgmlType::Q3_K, 640, SM90));
         // Shared memory: the Q8_0 block of 128 rows is the largest (two blocks a multiprocessor).
         assert_eq!(MMQ_MANY.shared(GgmlType::Q8_0, 128), 3 * (32 * 336 + 128 * 144));
         assert_eq!(MMQ_FEW.shared(GgmlType::Q4_K, 64), 4 * (8 * 336 + 64 * 80));

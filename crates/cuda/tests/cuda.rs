@@ -197,7 +197,8 @@ streamed!(
     q4_k_streamed_launches_match_cpu => GgmlType::Q4_K,
     q6_k_streamed_launches_match_cpu => GgmlType::Q6_K,
     q8_0_streamed_launches_match_cpu => GgmlType::Q8_0,
-    q5_0_streamed_launches_match_cpu => GgmlType::Q5_0
+    q5_0_streamed_launches_match_cpu => GgmlType::Q5_0,
+    q4_0_streamed_launches_match_cpu => GgmlType::Q4_0
 );
 
 /// A decode step over a long past splits each head's positions over several blocks (from 128
