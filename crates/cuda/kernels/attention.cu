@@ -61,13 +61,13 @@ template <> struct KvElem<u16> {
 // appends the row's keys and values to the cache: the slot it writes holds a position no query of
 // this step reads. Plans of several rows append with `kv_append` after attention.
 // With `xq`, the output row is also written quantized for the next matrix-vector product.
-// With `wq` (one new row, d a multiple of 64): q and k_new are the projections before their per-head
-// RMS norms (weights wq, wk) and NeoX RoPE at the row's position, whose cosines and sines
-// `rope` holds (d / 2 pairs, written by set_inputs, several launches back: read before waiting);
-// the block applies them to its query head (warp 0) and its group's key head (warp 1) first, into
-// shared memory, so the decode step needs no separate q/k norm kernel.
-// (attention_qk: the kernel with the q/k norms; `attention` has no code for them, whose registers
-// slowed 12B decode.)
+// With QK (`attention_qk`: one new row, d a multiple of 64): q and k_new are the projections before their RoPE
+// at the row's position, whose cosines and sines `rope` holds (d / 2 pairs of the layer's
+// frequencies, written by set_inputs, several launches back: read before waiting), pairing elements
+// i and i + d / 2 (NeoX) or with `adjacent` 2i and 2i + 1, and with `wq` before their per-head RMS
+// norms (weights wq, wk); the block applies them to its query head (warp 0) and its group's key head
+// (warp 1) first, into shared memory, so the decode step needs no separate q/k norm or RoPE kernel.
+// (`attention` has no code for the q/k steps, whose registers slowed 12B decode.)
 // With CAP (`attention_cap`, `attention_tiled_cap`: Gemma 2), the scaled scores s are soft-capped,
 // softcap * tanh(s / softcap), before the softmax; the other kernels have no code for it.
 // The cache slot of position `pos` (a ring of `window` rows on a sliding layer, else every
@@ -75,11 +75,16 @@ template <> struct KvElem<u16> {
 __device__ __forceinline__ u64 cache_slot(int pos, int window) { return window > 0 ? (u64)(pos % window) : (u64)pos; }
 __device__ __forceinline__ int first_visible(int p, int window) { return window > 0 ? max(0, p + 1 - window) : 0; }
 
+// RoPE pair j of a head of d elements: elements rope_first(j) and rope_first(j) + rope_second(d):
+// j and j + d / 2 (NeoX), or with `adjacent` 2j and 2j + 1.
+__device__ __forceinline__ int rope_first(int j, int adjacent) { return adjacent ? 2 * j : j; }
+__device__ __forceinline__ int rope_second(int d, int adjacent) { return adjacent ? 1 : d / 2; }
+
 template <bool QK, bool CAP, class C>
 __device__ __forceinline__ void attention_impl(const float* q, const float* k_new, const float* v_new, const u64* cache,
                                                float* out, const int* step, int q_heads, int kv_heads,
                                                int d, int window, float scale, int append, u8* xq, const float* wq,
-                                               const float* wk, const float2* rope, float eps, int splits, float* part,
+                                               const float* wk, const float2* rope, int adjacent, float eps, int splits, float* part,
                                                u32* cnt, float softcap) {
     __shared__ float s_acc[ATT_WARPS][ATT_MAX_DIM];
     __shared__ float s_m[ATT_WARPS], s_l[ATT_WARPS];
@@ -105,18 +110,20 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
         return;
     }
     int kvw = kv_heads * d, per = d >> 5;
-    // Lane l of warps 0 and 1 holds elements l + 32t of its head; element l + 32t pairs with
-    // l + 32(t + per / 2) in the rotation, by angle l + 32t of the table.
-    float rw[ATT_MAX_DIM / 32], rc[ATT_MAX_DIM / 64], rs[ATT_MAX_DIM / 64];
-    if (!QK) wq = nullptr;
-    bool rot = wq && warp < 2;
+    // Lane l of warps 0 and 1 rotates the pairs j = l + 32t of its head (t < per / 2), by angle j of
+    // the table.
+    float wa[ATT_MAX_DIM / 64], wb[ATT_MAX_DIM / 64], rc[ATT_MAX_DIM / 64], rs[ATT_MAX_DIM / 64];
+    if (!QK) rope = nullptr;
+    bool rot = rope && warp < 2;
     if (rot) {
         const float* w = warp == 0 ? wq : wk;
 #pragma unroll
-        for (int t = 0; t < ATT_MAX_DIM / 32; t++) rw[t] = t < per ? w[lane + 32 * t] : 0.f;
-#pragma unroll
         for (int t = 0; t < ATT_MAX_DIM / 64; t++) {
-            float2 cs = t < per / 2 ? rope[lane + 32 * t] : make_float2(1.f, 0.f);
+            const bool in = t < per / 2;
+            const int a = rope_first(lane + 32 * t, adjacent);
+            wa[t] = in && w ? w[a] : 1.f;
+            wb[t] = in && w ? w[a + rope_second(d, adjacent)] : 1.f;
+            float2 cs = in ? rope[lane + 32 * t] : make_float2(1.f, 0.f);
             rc[t] = cs.x;
             rs[t] = cs.y;
         }
@@ -134,31 +141,39 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
         }
     }
     pdl_wait();
-    if (wq) {
+    if (rope) {
         if (rot) {
             const float* x = warp == 0 ? q + ((u64)i * q_heads + h) * d : k_new + (u64)i * kvw + g * d;
-            float xv[ATT_MAX_DIM / 32], ss = 0.f;
+            float xa[ATT_MAX_DIM / 64], xb[ATT_MAX_DIM / 64], ss = 0.f;
 #pragma unroll
-            for (int t = 0; t < ATT_MAX_DIM / 32; t++) {
-                xv[t] = t < per ? x[lane + 32 * t] : 0.f;
-                ss += xv[t] * xv[t];
+            for (int t = 0; t < ATT_MAX_DIM / 64; t++) {
+                const bool in = t < per / 2;
+                const int a = rope_first(lane + 32 * t, adjacent);
+                xa[t] = in ? x[a] : 0.f;
+                xb[t] = in ? x[a + rope_second(d, adjacent)] : 0.f;
             }
-            float inv = 1.f / sqrtf(warp_sum(ss) / (float)d + eps);
+            // (Summed in element order for NeoX pairs, as the norm kernels do.)
+#pragma unroll
+            for (int t = 0; t < ATT_MAX_DIM / 64; t++) ss += xa[t] * xa[t];
+#pragma unroll
+            for (int t = 0; t < ATT_MAX_DIM / 64; t++) ss += xb[t] * xb[t];
+            float inv = wq ? 1.f / sqrtf(warp_sum(ss) / (float)d + eps) : 1.f;
 #pragma unroll
             for (int t = 0; t < ATT_MAX_DIM / 64; t++) {
                 if (t < per / 2) {
-                    float a = xv[t] * inv * rw[t], b = xv[t + per / 2] * inv * rw[t + per / 2];
-                    s_qk[warp][lane + 32 * t] = a * rc[t] - b * rs[t];
-                    s_qk[warp][lane + 32 * (t + per / 2)] = b * rc[t] + a * rs[t];
+                    const int e = rope_first(lane + 32 * t, adjacent);
+                    float a = xa[t] * inv * wa[t], b = xb[t] * inv * wb[t];
+                    s_qk[warp][e] = a * rc[t] - b * rs[t];
+                    s_qk[warp][e + rope_second(d, adjacent)] = b * rc[t] + a * rs[t];
                 }
             }
         }
         __syncthreads();
     }
-    // (With wq the rotated query and key in shared memory replace the step's rows.)
-    const float* kh_new = wq ? s_qk[1] : k_new + (u64)i * kvw + g * d;
+    // (With rope the rotated query and key in shared memory replace the step's rows.)
+    const float* kh_new = rope ? s_qk[1] : k_new + (u64)i * kvw + g * d;
     float qv[ATT_MAX_DIM / 32], acc[ATT_MAX_DIM / 32];
-    const float* qh = wq ? s_qk[0] : q + ((u64)i * q_heads + h) * d;
+    const float* qh = rope ? s_qk[0] : q + ((u64)i * q_heads + h) * d;
 #pragma unroll
     for (int t = 0; t < ATT_MAX_DIM / 32; t++) {
         qv[t] = t < per ? qh[lane + 32 * t] : 0.f;
@@ -181,7 +196,7 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
             s[u] = 0.f;
             if (pos <= e0) {
                 // (Position pos of the row's sequence is new row i + pos - p.)
-                const float* kn = wq ? s_qk[1] : k_new + (u64)(i + pos - p) * kvw + g * d;
+                const float* kn = rope ? s_qk[1] : k_new + (u64)(i + pos - p) * kvw + g * d;
                 const float* vn = v_new + (u64)(i + pos - p) * kvw + g * d;
                 if constexpr (sizeof(C) == 4) {
                     const float *kr = kn, *vr = vn;
@@ -304,8 +319,8 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
 #define ATT_ARGS                                                                                                   \
     const float *q, const float *k_new, const float *v_new, const u64 *cache, float *out, const int *step,               \
         int q_heads, int kv_heads, int d, int window, float scale, int append, u8 *xq, const float *wq, const float *wk,  \
-        const float2 *rope, float eps, int splits, float *part, u32 *cnt, float softcap
-#define ATT_PASS q, k_new, v_new, cache, out, step, q_heads, kv_heads, d, window, scale, append, xq, wq, wk, rope, eps, splits, part, cnt, softcap
+        const float2 *rope, int adjacent, float eps, int splits, float *part, u32 *cnt, float softcap
+#define ATT_PASS q, k_new, v_new, cache, out, step, q_heads, kv_heads, d, window, scale, append, xq, wq, wk, rope, adjacent, eps, splits, part, cnt, softcap
 extern "C" __global__ void attention(ATT_ARGS) { attention_impl<false, false, float>(ATT_PASS); }
 extern "C" __global__ void attention_qk(ATT_ARGS) { attention_impl<true, false, float>(ATT_PASS); }
 extern "C" __global__ void attention_cap(ATT_ARGS) { attention_impl<false, true, float>(ATT_PASS); }

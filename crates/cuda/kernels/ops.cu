@@ -4,17 +4,24 @@
 // Writes the step's token ids and positions into the arena from the step buffer (common.cuh) of a
 // plan of `rows` rows. The positions live in device memory, so a captured graph serves every step
 // of its bucket. For one-row steps also the RoPE cosines and sines of the row's position for
-// `n_rope` (<= 2) bases (theta0, theta1), `half` pairs each, into rope[c * half + i] (angles in
-// double, as the CPU and the rope kernel compute them).
-extern "C" __global__ void set_inputs(const int* step, int rows, int* tokens, int* positions, float2* rope, int n_rope, int half,
-                                      float theta0, float theta1) {
+// `n_rope` (<= 2) tables c, pair j of table c at rope[c * stride + j] (`half` pairs each): angle
+// position * scale * theta^(-2j / (2 half)) / factors[j] (factors null: no divisors), in double
+// as the CPU and the rope kernels compute it.
+extern "C" __global__ void set_inputs(const int* step, int rows, int* tokens, int* positions, float2* rope, int n_rope, int stride,
+                                      float theta0, float scale0, const float* factors0, int half0, float theta1, float scale1,
+                                      const float* factors1, int half1) {
     pdl_wait();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n_rope * half) {
-        int j = i % half;
-        double inv_freq = 1.0 / pow((double)(i < half ? theta0 : theta1), (double)(2 * j) / (double)(2 * half));
-        double ang = (double)step_row(step, 0).pos * inv_freq;
-        rope[i] = make_float2((float)cos(ang), (float)sin(ang));
+    if (i < n_rope * stride) {
+        const bool first = i < stride;
+        const int j = i % stride, half = first ? half0 : half1;
+        const float* factors = first ? factors0 : factors1;
+        if (j < half) {
+            double inv_freq = (double)(first ? scale0 : scale1) / pow((double)(first ? theta0 : theta1), (double)(2 * j) / (double)(2 * half));
+            if (factors) inv_freq /= (double)factors[j];
+            double ang = (double)step_row(step, 0).pos * inv_freq;
+            rope[i] = make_float2((float)cos(ang), (float)sin(ang));
+        }
     }
     if (i >= step[0]) return;
     if (tokens) tokens[i] = step_token(step, rows, i);

@@ -563,9 +563,49 @@ enum Op {
     NormPair { first: usize, second: usize },
     /// The per-head q and k norms and their RoPE.
     QkNormRope([usize; 4]),
-    /// The per-head q and k norms and their RoPE (as in `QkNormRope`) computed by the attention
-    /// step that follows them, for one new row.
-    QkAttention { qk: [usize; 4], att: usize },
+    /// The q and k steps before the attention step that follows them (see `QkSteps`) computed by
+    /// that attention, for one new row.
+    QkAttention { qk: QkSteps, att: usize },
+}
+
+/// The steps between the q/k projections and attention that one-row attention applies itself
+/// (`Op::QkAttention`): the per-head q and k norms, if any, then the q and k RoPE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct QkSteps {
+    /// The q and k norms.
+    norms: Option<[usize; 2]>,
+    /// The q and k RoPE (`Rope` or `RopeScaled`).
+    ropes: [usize; 2],
+}
+
+impl QkSteps {
+    /// The plan steps, in order.
+    fn steps(self) -> impl Iterator<Item = usize> {
+        self.norms.into_iter().flatten().chain(self.ropes)
+    }
+}
+
+/// The angles of a RoPE at one position (a table `set_inputs` computes once per step): base,
+/// frequency scale, per-frequency divisors and head size (`RopeSpec` less its pairing).
+#[derive(Clone, Debug, PartialEq)]
+struct RopeTable {
+    theta: f32,
+    scale: f32,
+    factors: Option<Vec<f32>>,
+    head_dim: usize,
+}
+
+/// The angle table of a RoPE step and whether it pairs adjacent elements (2i with 2i + 1; else
+/// NeoX: i with i + d / 2), if it is one.
+fn rope_table(kernel: &Kernel) -> Option<(RopeTable, bool)> {
+    match *kernel {
+        Kernel::Rope { theta, head_dim, .. } => Some((RopeTable { theta, scale: 1.0, factors: None, head_dim }, false)),
+        Kernel::RopeScaled { head_dim, ref spec, .. } => Some((
+            RopeTable { theta: spec.theta, scale: spec.freq_scale, factors: spec.freq_factors.clone(), head_dim },
+            spec.mode == RopeMode::Norm,
+        )),
+        _ => None,
+    }
 }
 
 /// A launch and how its matrix-vector input and output are quantized.
@@ -687,19 +727,21 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> Result<Ve
     }
     if plan.rows() == 1 {
         let mut out: Vec<Op> = Vec::with_capacity(ops.len());
-        // The RoPE bases (at most ROPE_TABLES, one head size) of the fused attentions.
-        let mut ropes: Vec<(f32, usize)> = Vec::new();
+        // The RoPE tables (at most ROPE_TABLES) of the fused attentions.
+        let mut tables: Vec<RopeTable> = Vec::new();
         for op in ops {
-            if let (Op::Step(att), Some(&Op::QkNormRope(qk))) = (&op, out.last()) {
-                let rope = rope_of(plan, qk);
-                let fits = ropes.contains(&rope) || (ropes.len() < ROPE_TABLES && ropes.iter().all(|r| r.1 == rope.1));
-                if fits && qk_attention_applies(plan, qk, *att) {
-                    if !ropes.contains(&rope) {
-                        ropes.push(rope);
+            if let Op::Step(att) = op {
+                let fused = qk_before(&out).into_iter().find(|&(qk, _)| qk_attention_applies(plan, weights, qk, att).unwrap_or(false));
+                if let Some((qk, taken)) = fused {
+                    let table = rope_table(&steps[qk.ropes[0]].kernel).map(|t| t.0);
+                    if let Some(t) = table.filter(|t| tables.contains(t) || tables.len() < ROPE_TABLES) {
+                        if !tables.contains(&t) {
+                            tables.push(t);
+                        }
+                        out.truncate(out.len() - taken);
+                        out.push(Op::QkAttention { qk, att });
+                        continue;
                     }
-                    out.pop();
-                    out.push(Op::QkAttention { qk, att: *att });
-                    continue;
                 }
             }
             out.push(op);
@@ -829,7 +871,7 @@ fn op_writes(plan: &Plan, op: &Op) -> Vec<Slot> {
         }
         Op::NormPair { first, second } => vec![*first, *second],
         Op::QkNormRope(q) => q.to_vec(),
-        Op::QkAttention { qk, att } => qk.iter().chain([att]).copied().collect(),
+        Op::QkAttention { qk, att } => qk.steps().chain([*att]).collect(),
     };
     idx.iter().map(|&t| s[t].kernel.out()).collect()
 }
@@ -951,43 +993,83 @@ const FUSED_QK_MAX_KV: usize = 2048;
 /// RoPE tables the step's `set_inputs` computes (`n_rope` in ops.cu).
 const ROPE_TABLES: usize = 2;
 
-/// The RoPE base and head size of fused q/k norms and RoPE.
-fn rope_of(plan: &Plan, qk: [usize; 4]) -> (f32, usize) {
-    match plan.steps[qk[2]].kernel {
-        Kernel::Rope { theta, head_dim, .. } => (theta, head_dim),
-        _ => (0.0, 0),
+/// The q/k steps that may end the launches `out` (an attention step following them), each with the
+/// count of launches it takes: fused q/k norms and RoPE (`Op::QkNormRope`); two norm steps and two
+/// RoPE steps; two RoPE steps (`qk_attention_applies` decides which, if any, apply).
+fn qk_before(out: &[Op]) -> Vec<(QkSteps, usize)> {
+    let mut found = Vec::new();
+    let step = |back: usize| match out.len().checked_sub(back).map(|i| &out[i]) {
+        Some(&Op::Step(t)) => Some(t),
+        _ => None,
+    };
+    if let Some(&Op::QkNormRope([a, b, c, d])) = out.last() {
+        found.push((QkSteps { norms: Some([a, b]), ropes: [c, d] }, 1));
     }
+    if let (Some(c), Some(d)) = (step(2), step(1)) {
+        if let (Some(a), Some(b)) = (step(4), step(3)) {
+            found.push((QkSteps { norms: Some([a, b]), ropes: [c, d] }, 4));
+        }
+        found.push((QkSteps { norms: None, ropes: [c, d] }, 2));
+    }
+    found
 }
 
-/// Whether the q/k norms and RoPE `qk` (fused as `Op::QkNormRope`) can run inside the attention
-/// step `att` after them: a one-row plan whose positions are the step's, attention reading the
-/// rotated q and k of heads a multiple of 64 wide, key rows of at most `FUSED_QK_MAX_KV`, nothing
-/// else reading the normed or rotated values (the fused kernel does not store them), and the
-/// attention output disjoint from q, k and v (its blocks write it while others read them).
-fn qk_attention_applies(plan: &Plan, qk: [usize; 4], att: usize) -> bool {
+/// Whether the q/k steps `qk` can run inside the attention step `att` after them: a one-row plan
+/// whose positions are the step's, RoPE of one spec on q and k (any `RopeSpec`: its angles come
+/// from a table) after per-head norms of one epsilon (if any: RMS norms of each head without
+/// residual), attention reading the rotated q and k of heads a multiple of 64 wide, key rows of at
+/// most `FUSED_QK_MAX_KV`, nothing else reading the normed or rotated values (the fused kernel does
+/// not store them), and the attention output disjoint from q, k and v (its blocks write it while
+/// others read them).
+fn qk_attention_applies(plan: &Plan, weights: &dyn WeightShapes, qk: QkSteps, att: usize) -> Result<bool, RuntimeError> {
     let s = &plan.steps;
-    let (
-        &Kernel::RmsNorm { x: q, out: qn, .. },
-        &Kernel::RmsNorm { x: k, out: kn, .. },
-        &Kernel::Rope { positions, out: qr, head_dim, .. },
-        &Kernel::Rope { out: kr, .. },
-        &Kernel::Attention { q: aq, k: ak, v, out, head_dim: ad, kv_heads, .. },
-    ) = (&s[qk[0]].kernel, &s[qk[1]].kernel, &s[qk[2]].kernel, &s[qk[3]].kernel, &s[att].kernel)
-    else {
-        return false;
+    let [rq, rk] = qk.ropes;
+    let (Some((table, adjacent)), Some((table_k, adjacent_k))) = (rope_table(&s[rq].kernel), rope_table(&s[rk].kernel)) else {
+        return Ok(false);
     };
+    let (
+        &(Kernel::Rope { x: q, positions, out: qr, heads: qh, head_dim, .. }
+        | Kernel::RopeScaled { x: q, positions, out: qr, heads: qh, head_dim, .. }),
+        &(Kernel::Rope { x: k, positions: pk, out: kr, heads: kh, .. }
+        | Kernel::RopeScaled { x: k, positions: pk, out: kr, heads: kh, .. }),
+        &Kernel::Attention { q: aq, k: ak, v, out, head_dim: ad, q_heads, kv_heads, .. },
+    ) = (&s[rq].kernel, &s[rk].kernel, &s[att].kernel)
+    else {
+        return Ok(false);
+    };
+    // The raw q and k the attention reads, and the steps' outputs nothing else may read.
+    let (mut raw, mut outs) = ([q, k], vec![qr, kr]);
+    if let Some([nq, nk]) = qk.norms {
+        let (
+            &Kernel::RmsNorm { x: xq, weight: wq, out: qn, eps, residual: None, .. },
+            &Kernel::RmsNorm { x: xk, weight: wk, out: kn, eps: eps_k, residual: None, .. },
+        ) = (&s[nq].kernel, &s[nk].kernel)
+        else {
+            return Ok(false);
+        };
+        let per_head = |w| weights.vector_len(w).map(|n| n == head_dim);
+        if qn != q || kn != k || eps != eps_k || !per_head(wq)? || !per_head(wk)? {
+            return Ok(false);
+        }
+        (raw, outs) = ([xq, xk], vec![qn, kn, qr, kr]);
+    }
+    let first = qk.steps().next().unwrap_or(att);
+    let except: Vec<usize> = qk.steps().chain([att]).collect();
+    let read_elsewhere = outs.iter().any(|&w| read_later(plan, w, first, &except));
     let step_positions = plan.inputs.iter().any(|i| i.name == "positions" && i.slot == positions);
-    let except = [qk[0], qk[1], qk[2], qk[3], att];
-    let read_elsewhere = [qn, kn, qr, kr].iter().any(|&w| read_later(plan, w, qk[0], &except));
-    plan.rows() == 1
+    Ok(plan.rows() == 1
         && step_positions
+        && pk == positions
+        && table == table_k
+        && adjacent == adjacent_k
+        && (qh, kh) == (q_heads, kv_heads)
         && aq == qr
         && ak == kr
         && ad == head_dim
         && head_dim.is_multiple_of(64)
         && kv_heads * head_dim <= FUSED_QK_MAX_KV
         && !read_elsewhere
-        && [q, k, v].iter().all(|r| !overlaps(out, *r))
+        && [raw[0], raw[1], v].iter().all(|r| !overlaps(out, *r)))
 }
 
 /// Whether a later step (after `from`, not one of `except`, whose writes still count) reads values
@@ -1241,10 +1323,11 @@ pub struct CudaExecutable {
     xq: Vec<DeviceBuffer>,
     /// The private rows of the norm prologues (`PRIVATE_ROWS` rows of `PROLOGUE_MAX` floats).
     private: DeviceBuffer,
-    /// The RoPE bases and head size of the fused attentions, and their tables of cosines and sines
-    /// at the step's position (written by `set_inputs`).
-    ropes: Vec<(f32, usize)>,
+    /// The RoPE tables of the fused attentions, and their cosines and sines at the step's position
+    /// (written by `set_inputs`; table i from pair `i * rope_stride` on).
+    ropes: Vec<RopeTable>,
     rope: DeviceBuffer,
+    rope_stride: usize,
     /// The RoPE frequency divisors of the plan's `RopeScaled` steps (`RopeSpec::freq_factors`),
     /// and each distinct vector's byte offset in `factors`.
     factors: DeviceBuffer,
@@ -1346,8 +1429,9 @@ fn kv_kernel(base: &str, kv: KvType) -> Result<&'static str, RuntimeError> {
 }
 
 /// The attention kernel of a launch for caches of `kv`: `attention_tiled` (prompts) or `attention`
-/// (a block per row and head), soft-capped (`_cap`: `AttentionSoftCap`) or with the fused q/k norms
-/// and RoPE (`attention_qk`; never soft-capped: `qk_attention_applies` takes uncapped attention only).
+/// (a block per row and head), soft-capped (`_cap`: `AttentionSoftCap`) or with the fused q/k steps
+/// (`attention_qk`: RoPE, with or without norms; never soft-capped: `qk_attention_applies` takes
+/// uncapped attention only).
 fn attention_kernel(tiled: bool, qk: bool, capped: bool, kv: KvType) -> Result<&'static str, RuntimeError> {
     let base = match (tiled, qk, capped) {
         (true, false, false) => "attention_tiled",
@@ -1457,12 +1541,14 @@ impl CudaExecutable {
         let mut ropes = Vec::new();
         for l in &launches {
             if let Op::QkAttention { qk, .. } = l.op {
-                if !ropes.contains(&rope_of(&plan, qk)) {
-                    ropes.push(rope_of(&plan, qk));
+                let (table, _) = rope_table(&plan.steps[qk.ropes[0]].kernel).ok_or_else(|| cuda_err("a fused attention without RoPE"))?;
+                if !ropes.contains(&table) {
+                    ropes.push(table);
                 }
             }
         }
-        let rope = DeviceBuffer::new(&device.ctx, ROPE_TABLES * ropes.first().map_or(1, |r| r.1 / 2) * 8)?;
+        let rope_stride = ropes.iter().map(|t| t.head_dim / 2).max().unwrap_or(1);
+        let rope = DeviceBuffer::new(&device.ctx, ROPE_TABLES * rope_stride * 8)?;
         let factors_buf = DeviceBuffer::new(&device.ctx, factors.len() * 4)?;
         {
             let _guard = device.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
@@ -1495,6 +1581,7 @@ impl CudaExecutable {
             private,
             ropes,
             rope,
+            rope_stride,
             factors: factors_buf,
             rope_factors,
             sync,
@@ -1519,24 +1606,23 @@ impl CudaExecutable {
         let n = run.rows;
         let d = &*self.device;
         let (tokens, positions_in) = (self.input("tokens"), self.input("positions"));
-        let half = self.ropes.first().map_or(0, |r| r.1 / 2);
-        let theta = |i: usize| self.ropes.get(i).map_or(0.0, |r| r.0);
-        d.launch(
-            "set_inputs",
-            (n.max(self.ropes.len() * half).div_ceil(256) as u32, 1),
-            256,
-            &[
-                Arg::U64(self.step.ptr()),
-                Arg::I32(self.layout.rows as i32),
-                Arg::U64(tokens),
-                Arg::U64(positions_in),
-                Arg::U64(self.rope.ptr()),
-                Arg::I32(self.ropes.len() as i32),
-                Arg::I32(half as i32),
-                Arg::F32(theta(0)),
-                Arg::F32(theta(1)),
-            ],
-        )?;
+        let mut args = vec![
+            Arg::U64(self.step.ptr()),
+            Arg::I32(self.layout.rows as i32),
+            Arg::U64(tokens),
+            Arg::U64(positions_in),
+            Arg::U64(self.rope.ptr()),
+            Arg::I32(self.ropes.len() as i32),
+            Arg::I32(self.rope_stride as i32),
+        ];
+        for i in 0..ROPE_TABLES {
+            let (theta, scale, factors, half) = match self.ropes.get(i) {
+                Some(t) => (t.theta, t.scale, self.rope_factors(&t.factors)?, t.head_dim / 2),
+                None => (0.0, 0.0, 0, 0),
+            };
+            args.extend([Arg::F32(theta), Arg::F32(scale), Arg::U64(factors), Arg::I32(half as i32)]);
+        }
+        d.launch("set_inputs", (n.max(self.ropes.len() * self.rope_stride).div_ceil(256) as u32, 1), 256, &args)?;
         scratch.quantized_of = None;
         for l in &self.launches {
             let quant_out = l.quant_out.map_or(0, |b| self.xq[b].ptr());
@@ -1894,6 +1980,13 @@ impl CudaExecutable {
         )
     }
 
+    /// The device address of RoPE frequency divisors (uploaded once, `rope_factors`; none: 0).
+    fn rope_factors(&self, factors: &Option<Vec<f32>>) -> Result<u64, RuntimeError> {
+        let Some(f) = factors else { return Ok(0) };
+        let (_, at) = self.rope_factors.iter().find(|(g, _)| g == f).ok_or_else(|| cuda_err("RoPE factors not uploaded"))?;
+        Ok(self.factors.ptr() + at)
+    }
+
     /// A RoPE launch (`rope` or `rope_scaled`): one block per row and head of `x`, `positions`,
     /// `out` ([x, positions, out]), then the kernel's own frequency arguments `freq`.
     fn rope(
@@ -2009,14 +2102,7 @@ impl CudaExecutable {
                 self.rope("rope", [x, positions, out], rows, heads, head_dim, &[Arg::F32(theta)])?
             }
             Kernel::RopeScaled { x, positions, out, heads, head_dim, ref spec } => {
-                let factors = match &spec.freq_factors {
-                    Some(f) => {
-                        let (_, at) =
-                            self.rope_factors.iter().find(|(g, _)| g == f).ok_or_else(|| cuda_err("RoPE factors not uploaded"))?;
-                        self.factors.ptr() + at
-                    }
-                    None => 0,
-                };
+                let factors = self.rope_factors(&spec.freq_factors)?;
                 let spec_args =
                     [Arg::F32(spec.theta), Arg::F32(spec.freq_scale), Arg::U64(factors), Arg::I32((spec.mode == RopeMode::Norm) as i32)];
                 self.rope("rope_scaled", [x, positions, out], rows, heads, head_dim, &spec_args)?
@@ -2061,26 +2147,36 @@ impl CudaExecutable {
     /// `takes_tiled_attention`), its output also quantized into `quant_out` (0: not), and the KV
     /// append into each sequence's cache (checked by `check_kv`); with `qk` (see
     /// `Op::QkAttention`), the q/k norm and RoPE steps before it too.
-    fn attention(&self, i: usize, run: Active, quant_out: u64, qk: Option<[usize; 4]>) -> Result<(), RuntimeError> {
+    fn attention(&self, i: usize, run: Active, quant_out: u64, qk: Option<QkSteps>) -> Result<(), RuntimeError> {
         let active = run.rows;
         let Some(AttentionStep { mut q, mut k, v, out, layer, q_heads, kv_heads, head_dim, window, scale, softcap }) =
             attention_of(&self.plan.steps[i].kernel)
         else {
             return Err(cuda_err("not an attention step"));
         };
-        // The norm weights, RoPE table and epsilon of a fused q/k norm (null weights: none).
-        let (mut wq, mut wk, mut rope, mut eps) = (0, 0, 0, 0f32);
-        if let Some(qk @ [a, b, ..]) = qk {
+        // The RoPE table and pairing, and the norm weights and epsilon, of fused q/k steps (null
+        // table: none; null weights: no norms).
+        let (mut rope, mut adjacent, mut wq, mut wk, mut eps) = (0, false, 0, 0, 0f32);
+        if let Some(qk) = qk {
             let s = &self.plan.steps;
-            let (&Kernel::RmsNorm { x: xq, weight: w1, eps: e, .. }, &Kernel::RmsNorm { x: xk, weight: w2, .. }) =
-                (&s[a].kernel, &s[b].kernel)
+            let (
+                Some((r, adj)),
+                &(Kernel::Rope { x: xq, .. } | Kernel::RopeScaled { x: xq, .. }),
+                &(Kernel::Rope { x: xk, .. } | Kernel::RopeScaled { x: xk, .. }),
+            ) = (rope_table(&s[qk.ropes[0]].kernel), &s[qk.ropes[0]].kernel, &s[qk.ropes[1]].kernel)
             else {
-                return Err(cuda_err("a fused q/k norm and RoPE is not two norms and two RoPEs"));
+                return Err(cuda_err("fused q/k steps without their RoPE"));
             };
-            let r = rope_of(&self.plan, qk);
-            let table = self.ropes.iter().position(|&x| x == r).ok_or_else(|| cuda_err("no RoPE table for a fused attention"))?;
-            rope = self.rope.ptr() + (table * r.1 / 2 * 8) as u64;
-            (q, k, wq, wk, eps) = (xq, xk, self.weights.vector(w1)?.ptr(), self.weights.vector(w2)?.ptr(), e);
+            let table = self.ropes.iter().position(|x| *x == r).ok_or_else(|| cuda_err("no RoPE table for a fused attention"))?;
+            (rope, adjacent, q, k) = (self.rope.ptr() + (table * self.rope_stride * 8) as u64, adj, xq, xk);
+            if let Some([a, b]) = qk.norms {
+                let (&Kernel::RmsNorm { x: xq, weight: w1, eps: e, .. }, &Kernel::RmsNorm { x: xk, weight: w2, .. }) =
+                    (&s[a].kernel, &s[b].kernel)
+                else {
+                    return Err(cuda_err("fused q/k norms that are not norms"));
+                };
+                (q, k, wq, wk, eps) = (xq, xk, self.weights.vector(w1)?.ptr(), self.weights.vector(w2)?.ptr(), e);
+            }
         }
         let d = &*self.device;
         // The layer's key and value cache addresses, in the step buffer.
@@ -2124,6 +2220,7 @@ impl CudaExecutable {
                 Arg::U64(wq),
                 Arg::U64(wk),
                 Arg::U64(rope),
+                Arg::I32(adjacent as i32),
                 Arg::F32(eps),
                 Arg::I32(splits as i32),
                 Arg::U64(self.attention_parts.ptr()),
@@ -2568,13 +2665,14 @@ mod tests {
 
     #[test]
     fn each_family_takes_its_fused_attention_paths_where_they_apply() {
-        let decode = Bucket::Decode { past: 16, seqs: 1 };
-        let fused = |family: &str| {
+        // Per family: attentions with their q/k steps fused (with norms, without), RoPE launches
+        // left, soft-capped attention steps.
+        let fused = |family: &str, seqs: usize| {
+            let decode = Bucket::Decode { past: 16, seqs };
             let (plan, l) = family_launches(family, Some(GgmlType::Q8_0), decode, OutputMode::NextToken);
-            let qk = l.iter().filter(|l| matches!(l.op, Op::QkAttention { .. })).count();
-            let steps = |f: fn(&Kernel) -> bool| plan.steps.iter().filter(|st| f(&st.kernel)).count();
-            let scaled = steps(|k| matches!(k, Kernel::RopeScaled { .. }));
-            let capped = steps(|k| matches!(k, Kernel::AttentionSoftCap { .. }));
+            let qk = |norms: bool| l.iter().filter(|l| matches!(l.op, Op::QkAttention { qk, .. } if qk.norms.is_some() == norms)).count();
+            let ropes = l.iter().filter(|l| matches!(l.op, Op::Step(t) if rope_table(&plan.steps[t].kernel).is_some())).count();
+            let capped = plan.steps.iter().filter(|st| matches!(st.kernel, Kernel::AttentionSoftCap { .. })).count();
             // Every attention's output is written quantized for the output projection.
             for (i, x) in l.iter().enumerate() {
                 let att = match x.op {
@@ -2584,22 +2682,53 @@ mod tests {
                 if att.is_some() {
                     assert!(x.quant_out.is_some() && l[i + 1].xq_in == x.quant_out, "{family}: {x:?}");
                 }
+                // A fused attention reads the q and k its steps read, and the steps are its own.
+                if let Op::QkAttention { qk, att } = x.op {
+                    assert!(qk.steps().all(|t| t < att) && !l.iter().any(|y| matches!(y.op, Op::Step(t) if qk.steps().any(|u| u == t))));
+                }
             }
-            (qk, scaled, capped)
+            (qk(true), qk(false), ropes, capped)
         };
-        // Qwen 3's q/k norms and NeoX RoPE run inside attention; Llama's RoPE is scaled and
-        // pairs adjacent elements (two per layer); Gemma 2's attention is soft-capped; Gemma 4's
-        // sliding layers (3 of 5) fuse, its global ones take the proportional RoPE kernel.
-        assert_eq!(fused("qwen3"), (3, 0, 0));
-        assert_eq!(fused("llama"), (0, 6, 0));
-        assert_eq!(fused("qwen2"), (0, 0, 0));
-        assert_eq!(fused("gemma2"), (0, 0, 4));
-        assert_eq!(fused("gemma4"), (3, 4, 0));
-        let (plan, _) = family_launches("llama", None, decode, OutputMode::NextToken);
+        // Qwen 3's q/k norms and NeoX RoPE run inside attention, and so do Llama's scaled RoPE of
+        // adjacent pairs and Qwen 2's plain RoPE (no norms); Gemma 2's attention is soft-capped (two
+        // RoPE launches a layer); Gemma 4's sliding layers (3 of 5) and its global ones, with
+        // proportional RoPE (another table: another head size, divisors), fuse.
+        assert_eq!(fused("qwen3", 1), (3, 0, 0, 0));
+        assert_eq!(fused("llama", 1), (0, 3, 0, 0));
+        assert_eq!(fused("qwen2", 1), (0, 2, 0, 0));
+        assert_eq!(fused("gemma2", 1), (0, 0, 8, 4));
+        assert_eq!(fused("gemma4", 1), (5, 0, 0, 0));
+        // Several rows keep their RoPE launches (and `qk_norm_rope` where it applies).
+        assert_eq!(fused("llama", 2), (0, 0, 6, 0));
+        assert_eq!(fused("qwen2", 2), (0, 0, 4, 0));
+        let (plan, _) = family_launches("llama", None, Bucket::Decode { past: 16, seqs: 1 }, OutputMode::NextToken);
         for st in &plan.steps {
             if let Kernel::RopeScaled { ref spec, head_dim, .. } = st.kernel {
                 assert_eq!(spec.mode, RopeMode::Norm);
                 assert_eq!(spec.freq_factors.as_ref().map(Vec::len), Some(head_dim / 2));
+                let (table, adjacent) = rope_table(&st.kernel).unwrap();
+                assert!(adjacent && table.factors.is_some() && table.head_dim == head_dim);
+            }
+        }
+    }
+
+    #[test]
+    fn a_llama_or_qwen_decode_layer_fuses_rope_into_attention() {
+        // Llama: per layer q/k/v (with the norm before them), attention with both RoPEs, the output
+        // projection, the residual add, gate/up/SiLU (with the norm), down, the residual add.
+        for family in ["llama", "qwen2"] {
+            let (plan, l) = family_launches(family, Some(GgmlType::Q8_0), Bucket::Decode { past: 16, seqs: 1 }, OutputMode::NextToken);
+            let layers = plan.steps.iter().filter(|st| attention_of(&st.kernel).is_some()).count();
+            for x in &l {
+                if let Op::QkAttention { qk: QkSteps { norms: None, ropes }, att } = x.op {
+                    // The fused attention reads the rotations' inputs.
+                    let (Kernel::Rope { x: q, .. } | Kernel::RopeScaled { x: q, .. }) = plan.steps[ropes[0]].kernel else { panic!() };
+                    assert!(attention_of(&plan.steps[att].kernel).is_some_and(|a| !overlaps(a.out, q)), "{family}");
+                }
+            }
+            assert_eq!(l.iter().filter(|l| matches!(l.op, Op::QkAttention { .. })).count(), layers, "{family}");
+            if family == "llama" {
+                assert_eq!(l.len(), 1 + 7 * layers + 2, "{family}: {l:#?}");
             }
         }
     }
