@@ -860,7 +860,8 @@ __device__ __forceinline__ void argmax_publish(const u64 (&best)[ROWS], u32 bad,
 // - `ecnt` (one matrix, no glu): the last block to finish (counted in `ecnt`) also computes the
 //   norm (pair) of the products o0 (see norm_epilogue): all of them are written by then.
 // - `px` (PRO kernels, one activation row, no `ecnt`): x is not given quantized but as the input px of a norm
-//   (pair) with the epilogue's arguments (ew1, er, eh, ew2, eout, eps): every block computes it
+//   (pair) with the epilogue's arguments (ew1, er, eh, ew2, eout, eps; with er but no ew1 the pair's
+//   first norm is none, h = er + px: a residual add and the next norm): every block computes it
 //   into its dynamic shared memory (after the ring) right after waiting, and reads it there
 //   instead of xq; block 0 also writes h (eh), a copy of h or of x without residual (eh2), y
 //   (eout, when given) and y quantized (exq, when given) for later launches. No norm kernel, no
@@ -908,7 +909,7 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
         for (int j = 0; j < PRO_PER; j++) {
             int i = 4 * (threadIdx.x + j * blockDim.x);
             float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-            pw1[j] = i < k ? *(const float4*)(ew1 + i) : z;
+            pw1[j] = i < k ? ew1 ? *(const float4*)(ew1 + i) : make_float4(1.f, 1.f, 1.f, 1.f) : z;
             pres[j] = i < k && er ? *(const float4*)(er + i) : z;
             pw2[j] = i < k && er ? *(const float4*)(ew2 + i) : z;
         }
@@ -926,7 +927,10 @@ __device__ __forceinline__ void matvec(const u8* w0, const u8* w1, const u8* w2,
             v[j] = i < k ? __ldcg((const float4*)(px + i)) : make_float4(0.f, 0.f, 0.f, 0.f);
             ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
         }
+        // (Without ew1 no first norm: h = residual + x, exactly, its weights ones. Its sum is
+        // reduced all the same: skipping it cost registers in some instances.)
         float inv = 1.f / sqrtf(block_sum(ss, scratch) / (float)k + eps);
+        if (!ew1) inv = 1.f;
         if (er) {
             float ss2 = 0.f;
 #pragma unroll

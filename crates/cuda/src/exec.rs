@@ -496,7 +496,8 @@ fn norm_threads(width: usize) -> u32 {
 
 /// A norm of a matrix-vector launch's products computed by its last block (or, in a `Prologue`, of
 /// its input by every block): a plan `RmsNorm` step over whole rows without residual, or a
-/// post-norm with its residual add and the next pre-norm (two steps).
+/// post-norm with its residual add and the next pre-norm (two steps; in a `Prologue` the first may
+/// be a residual `Add` instead, see `sum_norm`).
 #[derive(Clone, Copy, Debug)]
 enum Epilogue {
     /// One norm step.
@@ -685,8 +686,14 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> Result<Ve
                 }
                 op => op,
             };
-            let producer = out.len().checked_sub(2).map(|i| &out[i]);
-            let pro = match out.last() {
+            // A residual add and the norm of its sum, taken as a pair whose first norm is none.
+            let sum = match *out.as_slice() {
+                [.., Op::Step(a), Op::Step(t)] if sum_norm(plan, weights, a, t)? => Some(Op::NormPair { first: a, second: t }),
+                _ => None,
+            };
+            let taken = if sum.is_some() { 2 } else { 1 };
+            let producer = out.len().checked_sub(taken + 1).map(|i| &out[i]);
+            let pro = match sum.as_ref().or(out.last()) {
                 Some(norm) => prologue_for(plan, weights, producer, norm, &op, &mirror)?,
                 None => None,
             };
@@ -698,8 +705,8 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> Result<Ve
             }
             match (pro, op) {
                 (Some(p), Op::MatVecs { steps: group, glu, epi, .. }) => {
-                    // The norm launch is replaced by the prologue.
-                    out.pop();
+                    // The norm (and add) launches are replaced by the prologue.
+                    out.truncate(out.len() - taken);
                     mirror[p.h_out - 1] = match p.norm {
                         Epilogue::Pair(a, _) => Some(steps[a].kernel.out()),
                         Epilogue::Norm(t) => steps[t].kernel.reads().first().copied(),
@@ -1072,6 +1079,30 @@ fn qk_attention_applies(plan: &Plan, weights: &dyn WeightShapes, qk: QkSteps, at
         && [raw[0], raw[1], v].iter().all(|r| !overlaps(out, *r)))
 }
 
+/// Whether plan steps `a` and `t` are a residual add and an RMS norm of whole rows of its sum (Llama's
+/// and Qwen's `h = x + o; n = rmsnorm(h) * w`), which a norm prologue computes as a norm pair whose
+/// first norm is none: h = residual + x with the add's operands `b` as x and `a` as the residual
+/// (`norm_input`).
+fn sum_norm(plan: &Plan, weights: &dyn WeightShapes, a: usize, t: usize) -> Result<bool, RuntimeError> {
+    let s = &plan.steps;
+    Ok(match (&s[a].kernel, &s[t].kernel) {
+        (&Kernel::Add { out, width, .. }, &Kernel::RmsNorm { x, weight, width: w2, residual: None, .. }) => {
+            x == out && width == w2 && s[a].rows == s[t].rows && weights.vector_len(weight)? == width
+        }
+        _ => false,
+    })
+}
+
+/// The input, residual and width of the first step of a norm (pair) (`Epilogue`): an RMS norm, or
+/// a residual add (`sum_norm`: x = b, residual a).
+fn norm_input(k: &Kernel) -> Option<(Slot, Option<Slot>, usize)> {
+    match *k {
+        Kernel::RmsNorm { x, residual, width, .. } => Some((x, residual, width)),
+        Kernel::Add { a, b, width, .. } => Some((b, Some(a), width)),
+        _ => None,
+    }
+}
+
 /// Whether a later step (after `from`, not one of `except`, whose writes still count) reads values
 /// of `slot` before they are overwritten, or the plan outputs them. (The arena reuses a slot's words only once its values
 /// are dead, so the first later write to any of its words ends them.)
@@ -1088,7 +1119,8 @@ fn read_later(plan: &Plan, slot: Slot, from: usize, except: &[usize]) -> bool {
 }
 
 /// The norm prologue of the matrix-vector group `m` for the launch `norm` before it (a norm of
-/// whole rows without residual, or a norm pair), if it applies: a one-row plan, the group's input
+/// whole rows without residual, or a norm pair, whose first step may be a residual add:
+/// `sum_norm`), if it applies: a one-row plan, the group's input
 /// being the norm's output, rows of at most `PROLOGUE_MAX` (a multiple of 128) elements at 16-byte
 /// aligned slots. The launch's blocks run in any order, so nothing it writes may overlap what its
 /// blocks read: an input whose words the launch's products reuse is read from a private row
@@ -1113,8 +1145,8 @@ fn prologue_for(
         },
         _ => return Ok(None),
     };
-    let (&Kernel::RmsNorm { x, width, residual, .. }, &Kernel::RmsNorm { out: y, .. }, &Kernel::MatMul { x: mx, k, .. }) =
-        (&s[first].kernel, &s[last].kernel, &s[group[0]].kernel)
+    let (Some((x, residual, width)), &Kernel::RmsNorm { out: y, .. }, &Kernel::MatMul { x: mx, k, .. }) =
+        (norm_input(&s[first].kernel), &s[last].kernel, &s[group[0]].kernel)
     else {
         return Ok(None);
     };
@@ -1675,10 +1707,12 @@ impl CudaExecutable {
                     // A prologue's input: the first norm's.
                     let px = match pro {
                         Some(Prologue { x_private: true, .. }) => self.private_row(0),
-                        Some(Prologue { norm: Epilogue::Norm(t) | Epilogue::Pair(t, _), .. }) => match self.plan.steps[*t].kernel {
-                            Kernel::RmsNorm { x, .. } => self.slot(x),
-                            _ => return Err(cuda_err("a prologue is not a norm")),
-                        },
+                        Some(Prologue { norm: Epilogue::Norm(t) | Epilogue::Pair(t, _), .. }) => {
+                            match norm_input(&self.plan.steps[*t].kernel) {
+                                Some((x, ..)) => self.slot(x),
+                                None => return Err(cuda_err("a prologue is not a norm")),
+                            }
+                        }
                         None => 0,
                     };
                     let xq = match l.xq_in {
@@ -1768,6 +1802,22 @@ impl CudaExecutable {
             Epilogue::Norm(t) => {
                 let Kernel::RmsNorm { weight, out, eps, .. } = s[t].kernel else { return Err(cuda_err("an epilogue is not a norm")) };
                 EpilogueArgs { w1: self.weights.vector(weight)?.ptr(), residual: 0, h: 0, h2: 0, w2: 0, out: self.slot(out), xq, eps }
+            }
+            // (A residual add first: no first norm, w1 null.)
+            Epilogue::Pair(a, b) if matches!(s[a].kernel, Kernel::Add { .. }) => {
+                let (Kernel::Add { a: r, out: h, .. }, Kernel::RmsNorm { weight: w2, out, eps, .. }) = (&s[a].kernel, &s[b].kernel) else {
+                    return Err(cuda_err("an epilogue is not an add and a norm"));
+                };
+                EpilogueArgs {
+                    w1: 0,
+                    residual: self.slot(*r),
+                    h: self.slot(*h),
+                    h2: 0,
+                    w2: self.weights.vector(*w2)?.ptr(),
+                    out: self.slot(*out),
+                    xq,
+                    eps: *eps,
+                }
             }
             Epilogue::Pair(a, b) => {
                 let (Kernel::RmsNorm { weight, out: h, eps, residual: Some(r), .. }, Kernel::RmsNorm { weight: w2, out, .. }) =
@@ -2713,12 +2763,31 @@ mod tests {
     }
 
     #[test]
-    fn a_llama_or_qwen_decode_layer_fuses_rope_into_attention() {
-        // Llama: per layer q/k/v (with the norm before them), attention with both RoPEs, the output
-        // projection, the residual add, gate/up/SiLU (with the norm), down, the residual add.
-        for family in ["llama", "qwen2"] {
-            let (plan, l) = family_launches(family, Some(GgmlType::Q8_0), Bucket::Decode { past: 16, seqs: 1 }, OutputMode::NextToken);
+    fn a_llama_or_qwen_decode_layer_fuses_rope_and_the_residual_adds() {
+        // One row: per layer q/k/v (with the residual add and norm before them; the first layer's
+        // norm alone), attention with both RoPEs, the output projection, gate/up/SiLU (with the
+        // residual add and norm before them), down; then the last add, the final norm and the head.
+        // Qwen 2's q, k and v (each with its bias launch) stay three launches.
+        for (family, qkv) in [("llama", 1), ("qwen2", 6)] {
+            let decode = |seqs| family_launches(family, Some(GgmlType::Q8_0), Bucket::Decode { past: 16, seqs }, OutputMode::NextToken);
+            let (plan, l) = decode(1);
             let layers = plan.steps.iter().filter(|st| attention_of(&st.kernel).is_some()).count();
+            let adds = |plan: &Plan, l: &[Launch]| {
+                l.iter().filter(|l| matches!(l.op, Op::Step(t) if matches!(plan.steps[t].kernel, Kernel::Add { .. }))).count()
+            };
+            let sums: Vec<Prologue> = l
+                .iter()
+                .filter_map(|l| match &l.op {
+                    Op::MatVecs { pro: Some(p @ Prologue { norm: Epilogue::Pair(a, _), .. }), .. } => {
+                        matches!(plan.steps[*a].kernel, Kernel::Add { .. }).then_some(*p)
+                    }
+                    _ => None,
+                })
+                .collect();
+            assert_eq!((adds(&plan, &l), sums.len()), (1, 2 * layers - 1), "{family}: {l:#?}");
+            // Each later add's residual is the sum an earlier launch's block 0 stored (its slot, and a
+            // mirror row where the launch's products reuse its words).
+            assert!(sums.iter().all(|p| p.h_out >= 1 && p.res_in.is_none_or(|r| r != p.h_out)), "{family}");
             for x in &l {
                 if let Op::QkAttention { qk: QkSteps { norms: None, ropes }, att } = x.op {
                     // The fused attention reads the rotations' inputs.
@@ -2727,9 +2796,10 @@ mod tests {
                 }
             }
             assert_eq!(l.iter().filter(|l| matches!(l.op, Op::QkAttention { .. })).count(), layers, "{family}");
-            if family == "llama" {
-                assert_eq!(l.len(), 1 + 7 * layers + 2, "{family}: {l:#?}");
-            }
+            assert_eq!(l.len(), 1 + (qkv + 4) * layers + 3, "{family}: {l:#?}");
+            // Two rows: every add its own launch.
+            let (plan, l) = decode(2);
+            assert_eq!(adds(&plan, &l), 2 * layers, "{family}");
         }
     }
 
