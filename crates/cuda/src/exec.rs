@@ -738,7 +738,12 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> Result<Ve
         let mut tables: Vec<RopeTable> = Vec::new();
         for op in ops {
             if let Op::Step(att) = op {
-                let fused = qk_before(&out).into_iter().find(|&(qk, _)| qk_attention_applies(plan, weights, qk, att).unwrap_or(false));
+                let mut fused = None;
+                for (qk, taken) in qk_before(&out) {
+                    if fused.is_none() && qk_attention_applies(plan, weights, qk, att)? {
+                        fused = Some((qk, taken));
+                    }
+                }
                 if let Some((qk, taken)) = fused {
                     let table = rope_table(&steps[qk.ropes[0]].kernel).map(|t| t.0);
                     if let Some(t) = table.filter(|t| tables.contains(t) || tables.len() < ROPE_TABLES) {
