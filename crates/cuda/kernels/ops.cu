@@ -86,7 +86,9 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_normalize(const f
 // (every Gemma width) go through float4 loads, the norm weights loaded before waiting for the
 // kernels before and all of x and the residual in one round trip after (measured on an H200:
 // 10.3 µs per 12B row of 3840 in the scalar form, whose weights came in two more round trips
-// after the reductions).
+// after the reductions). With w1 null there is no first norm, h = residual + x (a residual add and
+// the next norm: Llama, Qwen); such pairs take the float4 path only (exec.rs `fuse_at` pairs an
+// add only where it applies).
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm2(const float* x, const float* w1, const float* residual,
                                                                      float* h, const float* w2, float* out, u8* xq,
                                                                      int width, float eps) {
@@ -105,7 +107,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm2(const float
 #pragma unroll
     for (int j = 0; j < PER4; j++) {
         int i = 4 * (threadIdx.x + j * blockDim.x);
-        a[j] = i < width ? *(const float4*)(w1 + i) : z;
+        a[j] = i < width ? w1 ? *(const float4*)(w1 + i) : make_float4(1.f, 1.f, 1.f, 1.f) : z;
         b[j] = i < width ? *(const float4*)(w2 + i) : z;
     }
     pdl_wait();
@@ -117,7 +119,8 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) rms_norm2(const float
         r[j] = i < width ? *(const float4*)(residual + base + i) : z;
         ss += v[j].x * v[j].x + v[j].y * v[j].y + v[j].z * v[j].z + v[j].w * v[j].w;
     }
-    float inv = 1.f / sqrtf(block_sum(ss, scratch) / (float)width + eps), ss2 = 0.f;
+    // (Without w1 no first norm: h = residual + x exactly.)
+    float inv = w1 ? 1.f / sqrtf(block_sum(ss, scratch) / (float)width + eps) : 1.f, ss2 = 0.f;
 #pragma unroll
     for (int j = 0; j < PER4; j++) {
         v[j] = make_float4(r[j].x + v[j].x * inv * a[j].x, r[j].y + v[j].y * inv * a[j].y, r[j].z + v[j].z * inv * a[j].z,

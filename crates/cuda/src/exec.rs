@@ -497,7 +497,7 @@ fn norm_threads(width: usize) -> u32 {
 /// A norm of a matrix-vector launch's products computed by its last block (or, in a `Prologue`, of
 /// its input by every block): a plan `RmsNorm` step over whole rows without residual, or a
 /// post-norm with its residual add and the next pre-norm (two steps; in a `Prologue` the first may
-/// be a residual `Add` instead, see `sum_norm`).
+/// be a residual `Add` instead, see `fuse_at`).
 #[derive(Clone, Copy, Debug)]
 enum Epilogue {
     /// One norm step.
@@ -686,14 +686,8 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> Result<Ve
                 }
                 op => op,
             };
-            // A residual add and the norm of its sum, taken as a pair whose first norm is none.
-            let sum = match *out.as_slice() {
-                [.., Op::Step(a), Op::Step(t)] if sum_norm(plan, weights, a, t)? => Some(Op::NormPair { first: a, second: t }),
-                _ => None,
-            };
-            let taken = if sum.is_some() { 2 } else { 1 };
-            let producer = out.len().checked_sub(taken + 1).map(|i| &out[i]);
-            let pro = match sum.as_ref().or(out.last()) {
+            let producer = out.len().checked_sub(2).map(|i| &out[i]);
+            let pro = match out.last() {
                 Some(norm) => prologue_for(plan, weights, producer, norm, &op, &mirror)?,
                 None => None,
             };
@@ -705,8 +699,8 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> Result<Ve
             }
             match (pro, op) {
                 (Some(p), Op::MatVecs { steps: group, glu, epi, .. }) => {
-                    // The norm (and add) launches are replaced by the prologue.
-                    out.truncate(out.len() - taken);
+                    // The norm launch is replaced by the prologue.
+                    out.pop();
                     mirror[p.h_out - 1] = match p.norm {
                         Epilogue::Pair(a, _) => Some(steps[a].kernel.out()),
                         Epilogue::Norm(t) => steps[t].kernel.reads().first().copied(),
@@ -1084,22 +1078,8 @@ fn qk_attention_applies(plan: &Plan, weights: &dyn WeightShapes, qk: QkSteps, at
         && [raw[0], raw[1], v].iter().all(|r| !overlaps(out, *r)))
 }
 
-/// Whether plan steps `a` and `t` are a residual add and an RMS norm of whole rows of its sum (Llama's
-/// and Qwen's `h = x + o; n = rmsnorm(h) * w`), which a norm prologue computes as a norm pair whose
-/// first norm is none: h = residual + x with the add's operands `b` as x and `a` as the residual
-/// (`norm_input`).
-fn sum_norm(plan: &Plan, weights: &dyn WeightShapes, a: usize, t: usize) -> Result<bool, RuntimeError> {
-    let s = &plan.steps;
-    Ok(match (&s[a].kernel, &s[t].kernel) {
-        (&Kernel::Add { out, width, .. }, &Kernel::RmsNorm { x, weight, width: w2, residual: None, .. }) => {
-            x == out && width == w2 && s[a].rows == s[t].rows && weights.vector_len(weight)? == width
-        }
-        _ => false,
-    })
-}
-
 /// The input, residual and width of the first step of a norm (pair) (`Epilogue`): an RMS norm, or
-/// a residual add (`sum_norm`: x = b, residual a).
+/// a residual add (x = b, residual a: see `fuse_at`).
 fn norm_input(k: &Kernel) -> Option<(Slot, Option<Slot>, usize)> {
     match *k {
         Kernel::RmsNorm { x, residual, width, .. } => Some((x, residual, width)),
@@ -1125,7 +1105,7 @@ fn read_later(plan: &Plan, slot: Slot, from: usize, except: &[usize]) -> bool {
 
 /// The norm prologue of the matrix-vector group `m` for the launch `norm` before it (a norm of
 /// whole rows without residual, or a norm pair, whose first step may be a residual add:
-/// `sum_norm`), if it applies: a one-row plan, the group's input
+/// `fuse_at`), if it applies: a one-row plan, the group's input
 /// being the norm's output, rows of at most `PROLOGUE_MAX` (a multiple of 128) elements at 16-byte
 /// aligned slots. The launch's blocks run in any order, so nothing it writes may overlap what its
 /// blocks read: an input whose words the launch's products reuse is read from a private row
@@ -1228,6 +1208,25 @@ fn fuse_at(steps: &[Step], i: usize, weights: &dyn WeightShapes) -> Result<Optio
                     if fusable(&[h, out], &[x, r], &[(1, 0), (1, 1)]) {
                         return Ok(Some((Op::NormPair { first: i, second: i + 1 }, 2)));
                     }
+                }
+            }
+        }
+        Kernel::Add { a: r, b: x, out: h, width } => {
+            // Llama's and Qwen's `h = r + x; y = rmsnorm(h) * w`: a norm pair whose first norm is
+            // none (rms_norm2 without w1; its float4 path only: whole 128-element warps, aligned
+            // rows). One block per row reads its row before writing, so h and y may reuse x's or
+            // r's words.
+            if let Some(&Kernel::RmsNorm { x: x2, weight: w2, out, width: width2, residual: None, .. }) = at(i + 1) {
+                let aligned = [r, x, h, out].iter().all(|s| s.offset.is_multiple_of(4));
+                if x2 == h
+                    && width2 == width
+                    && width <= NORM_MAX
+                    && width.is_multiple_of(128)
+                    && aligned
+                    && weights.vector_len(w2)? == width
+                    && fusable(&[h, out], &[x, r], &[(0, 0), (0, 1), (1, 0), (1, 1)])
+                {
+                    return Ok(Some((Op::NormPair { first: i, second: i + 1 }, 2)));
                 }
             }
         }
@@ -1729,25 +1728,32 @@ impl CudaExecutable {
                     self.matvecs(MatVecArgs { xq, mats: &mats, glu, act, gq, rows, epi: epi.as_ref(), argmax: 0, px })?;
                 }
                 &Op::NormPair { first: a, second: b } => {
-                    let (Kernel::RmsNorm { x, weight, out: h, width, eps, residual: Some(r) }, Kernel::RmsNorm { weight: w2, out, .. }) =
-                        (&self.plan.steps[a].kernel, &self.plan.steps[b].kernel)
-                    else {
-                        return Err(cuda_err("a fused norm pair is not two norms"));
+                    let Kernel::RmsNorm { weight: w2, out, eps, .. } = &self.plan.steps[b].kernel else {
+                        return Err(cuda_err("a fused norm pair does not end in a norm"));
+                    };
+                    // The first step: a norm with its residual, or a residual add (no first norm: w1 null).
+                    let (w1, h) = match &self.plan.steps[a].kernel {
+                        Kernel::RmsNorm { weight, out: h, residual: Some(_), .. } => (self.weights.vector(*weight)?.ptr(), *h),
+                        Kernel::Add { out: h, .. } => (0, *h),
+                        _ => return Err(cuda_err("a fused norm pair does not start with a norm or an add")),
+                    };
+                    let Some((x, Some(r), width)) = norm_input(&self.plan.steps[a].kernel) else {
+                        return Err(cuda_err("a fused norm pair has no residual"));
                     };
                     let rows = rows_of(self.plan.steps[a].rows, n, run.seqs);
                     d.launch(
                         "rms_norm2",
                         (rows as u32, 1),
-                        norm_threads(*width),
+                        norm_threads(width),
                         &[
-                            Arg::U64(self.slot(*x)),
-                            Arg::U64(self.weights.vector(*weight)?.ptr()),
-                            Arg::U64(self.slot(*r)),
-                            Arg::U64(self.slot(*h)),
+                            Arg::U64(self.slot(x)),
+                            Arg::U64(w1),
+                            Arg::U64(self.slot(r)),
+                            Arg::U64(self.slot(h)),
                             Arg::U64(self.weights.vector(*w2)?.ptr()),
                             Arg::U64(self.slot(*out)),
                             Arg::U64(quant_out),
-                            Arg::I32(*width as i32),
+                            Arg::I32(width as i32),
                             Arg::F32(*eps),
                         ],
                     )?;
@@ -2771,14 +2777,20 @@ mod tests {
     fn a_llama_or_qwen_decode_layer_fuses_rope_and_the_residual_adds() {
         // One row: per layer q/k/v (with the residual add and norm before them; the first layer's
         // norm alone), attention with both RoPEs, the output projection, gate/up/SiLU (with the
-        // residual add and norm before them), down; then the last add, the final norm and the head.
-        // Qwen 2's q, k and v (each with its bias launch) stay three launches.
+        // residual add and norm before them), down; then the last add with the final norm (one
+        // rms_norm2 launch) and the head. Qwen 2's q, k and v (each with its bias launch) stay
+        // three launches.
         for (family, qkv) in [("llama", 1), ("qwen2", 6)] {
             let decode = |seqs| family_launches(family, Some(GgmlType::Q8_0), Bucket::Decode { past: 16, seqs }, OutputMode::NextToken);
             let (plan, l) = decode(1);
             let layers = plan.steps.iter().filter(|st| attention_of(&st.kernel).is_some()).count();
             let adds = |plan: &Plan, l: &[Launch]| {
                 l.iter().filter(|l| matches!(l.op, Op::Step(t) if matches!(plan.steps[t].kernel, Kernel::Add { .. }))).count()
+            };
+            let add_pairs = |plan: &Plan, l: &[Launch]| {
+                l.iter()
+                    .filter(|l| matches!(l.op, Op::NormPair { first, .. } if matches!(plan.steps[first].kernel, Kernel::Add { .. })))
+                    .count()
             };
             let sums: Vec<Prologue> = l
                 .iter()
@@ -2789,7 +2801,7 @@ mod tests {
                     _ => None,
                 })
                 .collect();
-            assert_eq!((adds(&plan, &l), sums.len()), (1, 2 * layers - 1), "{family}: {l:#?}");
+            assert_eq!((adds(&plan, &l), add_pairs(&plan, &l), sums.len()), (0, 1, 2 * layers - 1), "{family}: {l:#?}");
             // Each later add's residual is the sum an earlier launch's block 0 stored (its slot, and a
             // mirror row where the launch's products reuse its words).
             assert!(sums.iter().all(|p| p.h_out >= 1 && p.res_in.is_none_or(|r| r != p.h_out)), "{family}");
@@ -2801,10 +2813,10 @@ mod tests {
                 }
             }
             assert_eq!(l.iter().filter(|l| matches!(l.op, Op::QkAttention { .. })).count(), layers, "{family}");
-            assert_eq!(l.len(), 1 + (qkv + 4) * layers + 3, "{family}: {l:#?}");
-            // Two rows: every add its own launch.
+            assert_eq!(l.len(), 1 + (qkv + 4) * layers + 2, "{family}: {l:#?}");
+            // Two rows: every add with the norm after it in one rms_norm2 launch.
             let (plan, l) = decode(2);
-            assert_eq!(adds(&plan, &l), 2 * layers, "{family}");
+            assert_eq!((adds(&plan, &l), add_pairs(&plan, &l)), (0, 2 * layers), "{family}");
         }
     }
 
