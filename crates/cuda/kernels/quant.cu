@@ -544,6 +544,40 @@ template <> struct Chunk<F_Q4_K> {
         return group(x[0], 0, e.w[0], e.sc2, e.mn2, e.d, e.dmin) + group(x[1], 1, e.w[1], e.sc2, e.mn2, e.d, e.dmin);
     }
 };
+// Q5_K: Q4_K's chunks with the fifth bits (bit s of high-bit byte l: element l of sub-block s).
+template <> struct Chunk<F_Q5_K> {
+    static const int NP = 0;
+    static const int G = 2;
+    struct Raw {
+        uint4 hdr, q, qh;
+    };
+    static __device__ __forceinline__ int xoff(int c, int g) { return Chunk<F_Q4_K>::xoff(c, g); }
+    static __device__ __forceinline__ Raw load(const Mat& m, u64 row, int c) {
+        const u8* b = m.w + row * m.rb + 176 * (c >> 3);
+        int j = (c & 7) >> 1, h = c & 1;
+        return Raw{*(const uint4*)b, *(const uint4*)(b + 48 + 32 * j + 16 * h), *(const uint4*)(b + 16 + 16 * h)};
+    }
+    using Dec = Chunk<F_Q4_K>::Dec;
+    // Group g's 16 levels (q, qh: the chunk's level and high-bit words; sub-block 2j + g).
+    static __device__ __forceinline__ void levels(const u32* q, const u32* qh, int j, int g, u32* w) {
+        Chunk<F_Q4_K>::levels(q, g, w);
+#pragma unroll
+        for (int t = 0; t < 4; t++) w[t] |= ((qh[t] >> (2 * j + g)) & 0x01010101u) << 4;
+    }
+    static __device__ __forceinline__ Dec decode(const Mat&, const Raw& r, int c) {
+        Dec e;
+        const int j = (c & 7) >> 1;
+        u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w}, qh[4] = {r.qh.x, r.qh.y, r.qh.z, r.qh.w};
+        q4k_pair_scales(r.hdr, j, &e.sc2, &e.mn2);
+        levels(q, qh, j, 0, e.w[0]);
+        levels(q, qh, j, 1, e.w[1]);
+        e.d = half_u16(r.hdr.x & 0xffff);
+        e.dmin = half_u16(r.hdr.x >> 16);
+        return e;
+    }
+    static __device__ __forceinline__ float dot(const Mat& m, const Raw& r, int c, const XGroup* x) { return dot(decode(m, r, c), x); }
+    static __device__ __forceinline__ float dot(const Dec& e, const XGroup* x) { return Chunk<F_Q4_K>::dot(e, x); }
+};
 
 template <> struct Chunk<F_Q6_K> {
     static const int NP = 0;
@@ -2150,3 +2184,4 @@ KILN_RING(q6_k, F_Q6_K)
 KILN_RING(q8_0, F_Q8_0)
 KILN_RING(q5_0, F_Q5_0)
 KILN_RING(q4_0, F_Q4_0)
+KILN_RING(q5_k, F_Q5_K)

@@ -198,7 +198,8 @@ streamed!(
     q6_k_streamed_launches_match_cpu => GgmlType::Q6_K,
     q8_0_streamed_launches_match_cpu => GgmlType::Q8_0,
     q5_0_streamed_launches_match_cpu => GgmlType::Q5_0,
-    q4_0_streamed_launches_match_cpu => GgmlType::Q4_0
+    q4_0_streamed_launches_match_cpu => GgmlType::Q4_0,
+    q5_k_streamed_launches_match_cpu => GgmlType::Q5_K
 );
 
 /// A decode step over a long past splits each head's positions over several blocks (from 128
