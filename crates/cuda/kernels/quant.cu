@@ -411,6 +411,38 @@ template <> struct Chunk<F_Q4_0> {
     }
 };
 
+// Planar Q4_1 (weights.rs): Q4_0's levels, w = d * level + m.
+template <> struct Chunk<F_Q4_1> {
+    static const int NP = 0;
+    static const int G = 2;
+    struct Raw {
+        uint4 q;
+        u32 dm;
+    };
+    static __device__ __forceinline__ int xoff(int c, int g) { return 32 * c + 16 * g; }
+    static __device__ __forceinline__ Raw load(const Mat& m, u64 row, int c) {
+        u64 g = block_of<F_Q4_1>(m, row, c);
+        return Raw{*(const uint4*)(m.w + 16 * g), *(const u32*)(m.w + 16 * m.nblk + 4 * g)};
+    }
+    struct Dec {
+        u32 w[2][4];
+        float d, m;
+    };
+    static __device__ __forceinline__ Dec decode(const Mat&, const Raw& r, int) {
+        u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+        Dec e;
+        Chunk<F_Q4_0>::levels(q, 0, e.w[0]);
+        Chunk<F_Q4_0>::levels(q, 1, e.w[1]);
+        e.d = half_u16(r.dm & 0xffff);
+        e.m = half_u16(r.dm >> 16);
+        return e;
+    }
+    static __device__ __forceinline__ float dot(const Mat& m, const Raw& r, int c, const XGroup* x) { return dot(decode(m, r, c), x); }
+    static __device__ __forceinline__ float dot(const Dec& e, const XGroup* x) {
+        return x[0].d * (e.d * (float)(dotq16(e.w[0], x[0]) + dotq16(e.w[1], x[1])) + e.m * (float)(x[0].s + x[1].s));
+    }
+};
+
 // Bits 0-3 of `bits` to bit 0 of bytes 0-3.
 __device__ __forceinline__ u32 spread4(u32 bits) { return ((bits & 15u) * 0x00204081u) & 0x01010101u; }
 
@@ -471,6 +503,36 @@ template <> struct Chunk<F_Q5_0> {
     static __device__ __forceinline__ float dot(const Dec& e, const XGroup* x) {
         return e.d * x[0].d * (float)(dotq16(e.w[0], x[0]) - 16 * x[0].s + dotq16(e.w[1], x[1]) - 16 * x[1].s);
     }
+};
+
+// Planar Q5_1 (weights.rs): Q5_0's levels, w = d * level + m.
+template <> struct Chunk<F_Q5_1> {
+    static const int NP = 0;
+    static const int G = 2;
+    struct Raw {
+        uint4 q;
+        u32 h, dm;
+    };
+    static __device__ __forceinline__ int xoff(int c, int g) { return 32 * c + 16 * g; }
+    static __device__ __forceinline__ Raw load(const Mat& m, u64 row, int c) {
+        u64 g = block_of<F_Q5_1>(m, row, c);
+        return Raw{*(const uint4*)(m.w + 16 * g), *(const u32*)(m.w + 16 * m.nblk + 4 * g), *(const u32*)(m.w + 20 * m.nblk + 4 * g)};
+    }
+    using Dec = Chunk<F_Q4_1>::Dec;
+    static __device__ __forceinline__ Dec decode(const Mat&, const Raw& r, int) {
+        u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+        Dec e;
+#pragma unroll
+        for (int g = 0; g < 2; g++)
+#pragma unroll
+            for (int t = 0; t < 4; t++)
+                e.w[g][t] = (g ? (q[t] >> 4) & 0x0f0f0f0fu : q[t] & 0x0f0f0f0fu) | (spread4(r.h >> (16 * g + 4 * t)) << 4);
+        e.d = half_u16(r.dm & 0xffff);
+        e.m = half_u16(r.dm >> 16);
+        return e;
+    }
+    static __device__ __forceinline__ float dot(const Mat& m, const Raw& r, int c, const XGroup* x) { return dot(decode(m, r, c), x); }
+    static __device__ __forceinline__ float dot(const Dec& e, const XGroup* x) { return Chunk<F_Q4_1>::dot(e, x); }
 };
 
 // The 6-bit scales and minima of a Q4_K super-block's sub-blocks 2j and 2j + 1 (hdr: the block's
