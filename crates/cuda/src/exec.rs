@@ -1411,6 +1411,19 @@ struct EpilogueArgs {
     eps: f32,
 }
 
+/// The device arguments of a norm pair (`CudaExecutable::pair_args`).
+struct PairArgs {
+    x: u64,
+    /// The first norm's weights (0: none, the pair is a residual add and one norm).
+    w1: u64,
+    residual: u64,
+    h: u64,
+    w2: u64,
+    out: u64,
+    width: usize,
+    eps: f32,
+}
+
 /// One matrix-vector launch: up to three matrices of one format (with their outputs) over `rows`
 /// rows of the quantized input `xq`; `glu`: the gated product (activation `act`) of two matrices
 /// (quantized into `gq` too when not 0); `epi`: the norm of the products computed by the last block, or with `px`
@@ -1728,33 +1741,22 @@ impl CudaExecutable {
                     self.matvecs(MatVecArgs { xq, mats: &mats, glu, act, gq, rows, epi: epi.as_ref(), argmax: 0, px })?;
                 }
                 &Op::NormPair { first: a, second: b } => {
-                    let Kernel::RmsNorm { weight: w2, out, eps, .. } = &self.plan.steps[b].kernel else {
-                        return Err(cuda_err("a fused norm pair does not end in a norm"));
-                    };
-                    // The first step: a norm with its residual, or a residual add (no first norm: w1 null).
-                    let (w1, h) = match &self.plan.steps[a].kernel {
-                        Kernel::RmsNorm { weight, out: h, residual: Some(_), .. } => (self.weights.vector(*weight)?.ptr(), *h),
-                        Kernel::Add { out: h, .. } => (0, *h),
-                        _ => return Err(cuda_err("a fused norm pair does not start with a norm or an add")),
-                    };
-                    let Some((x, Some(r), width)) = norm_input(&self.plan.steps[a].kernel) else {
-                        return Err(cuda_err("a fused norm pair has no residual"));
-                    };
+                    let p = self.pair_args(a, b)?;
                     let rows = rows_of(self.plan.steps[a].rows, n, run.seqs);
                     d.launch(
                         "rms_norm2",
                         (rows as u32, 1),
-                        norm_threads(width),
+                        norm_threads(p.width),
                         &[
-                            Arg::U64(self.slot(x)),
-                            Arg::U64(w1),
-                            Arg::U64(self.slot(r)),
-                            Arg::U64(self.slot(h)),
-                            Arg::U64(self.weights.vector(*w2)?.ptr()),
-                            Arg::U64(self.slot(*out)),
+                            Arg::U64(p.x),
+                            Arg::U64(p.w1),
+                            Arg::U64(p.residual),
+                            Arg::U64(p.h),
+                            Arg::U64(p.w2),
+                            Arg::U64(p.out),
                             Arg::U64(quant_out),
-                            Arg::I32(width as i32),
-                            Arg::F32(*eps),
+                            Arg::I32(p.width as i32),
+                            Arg::F32(p.eps),
                         ],
                     )?;
                 }
@@ -1806,6 +1808,33 @@ impl CudaExecutable {
         self.plan.inputs.iter().find(|i| i.name == name).map_or(0, |i| self.slot(i.slot))
     }
 
+    /// The device arguments of a norm pair (plan steps `a`, `b`): a post-norm with its residual add,
+    /// or a residual add alone (no first norm: w1 null), then the norm of the sum.
+    fn pair_args(&self, a: usize, b: usize) -> Result<PairArgs, RuntimeError> {
+        let s = &self.plan.steps;
+        let Kernel::RmsNorm { weight: w2, out, eps, .. } = s[b].kernel else {
+            return Err(cuda_err("a norm pair does not end in a norm"));
+        };
+        let w1 = match s[a].kernel {
+            Kernel::RmsNorm { weight, residual: Some(_), .. } => self.weights.vector(weight)?.ptr(),
+            Kernel::Add { .. } => 0,
+            _ => return Err(cuda_err("a norm pair does not start with a norm or an add")),
+        };
+        let Some((x, Some(r), width)) = norm_input(&s[a].kernel) else {
+            return Err(cuda_err("a norm pair has no residual"));
+        };
+        Ok(PairArgs {
+            x: self.slot(x),
+            w1,
+            residual: self.slot(r),
+            h: self.slot(s[a].kernel.out()),
+            w2: self.weights.vector(w2)?.ptr(),
+            out: self.slot(out),
+            width,
+            eps,
+        })
+    }
+
     /// The kernel arguments of a norm epilogue (its output also quantized into `xq` when not 0).
     fn epilogue_args(&self, e: Epilogue, xq: u64) -> Result<EpilogueArgs, RuntimeError> {
         let s = &self.plan.steps;
@@ -1814,38 +1843,9 @@ impl CudaExecutable {
                 let Kernel::RmsNorm { weight, out, eps, .. } = s[t].kernel else { return Err(cuda_err("an epilogue is not a norm")) };
                 EpilogueArgs { w1: self.weights.vector(weight)?.ptr(), residual: 0, h: 0, h2: 0, w2: 0, out: self.slot(out), xq, eps }
             }
-            // (A residual add first: no first norm, w1 null.)
-            Epilogue::Pair(a, b) if matches!(s[a].kernel, Kernel::Add { .. }) => {
-                let (Kernel::Add { a: r, out: h, .. }, Kernel::RmsNorm { weight: w2, out, eps, .. }) = (&s[a].kernel, &s[b].kernel) else {
-                    return Err(cuda_err("an epilogue is not an add and a norm"));
-                };
-                EpilogueArgs {
-                    w1: 0,
-                    residual: self.slot(*r),
-                    h: self.slot(*h),
-                    h2: 0,
-                    w2: self.weights.vector(*w2)?.ptr(),
-                    out: self.slot(*out),
-                    xq,
-                    eps: *eps,
-                }
-            }
             Epilogue::Pair(a, b) => {
-                let (Kernel::RmsNorm { weight, out: h, eps, residual: Some(r), .. }, Kernel::RmsNorm { weight: w2, out, .. }) =
-                    (&s[a].kernel, &s[b].kernel)
-                else {
-                    return Err(cuda_err("an epilogue is not a norm pair"));
-                };
-                EpilogueArgs {
-                    w1: self.weights.vector(*weight)?.ptr(),
-                    residual: self.slot(*r),
-                    h: self.slot(*h),
-                    h2: 0,
-                    w2: self.weights.vector(*w2)?.ptr(),
-                    out: self.slot(*out),
-                    xq,
-                    eps: *eps,
-                }
+                let p = self.pair_args(a, b)?;
+                EpilogueArgs { w1: p.w1, residual: p.residual, h: p.h, h2: 0, w2: p.w2, out: p.out, xq, eps: p.eps }
             }
         })
     }
