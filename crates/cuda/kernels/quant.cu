@@ -169,65 +169,47 @@ template <> __device__ __forceinline__ void sub32<F_Q8_0>(const Mat& m, u64 r, i
         for (int t = 0; t < 16; t++) v[16 * c + t] = (float)(i8)((ws[t >> 2] >> (8 * (t & 3))) & 0xff) * d;
     }
 }
-// Planar Q4_0: qs [16 per block], d [2].
-template <> __device__ __forceinline__ void sub32<F_Q4_0>(const Mat& m, u64 r, int s, float* v) {
-    u64 g = block_of<F_Q4_0>(m, r, s);
-    float d = half_u16(*(const u16*)(m.w + 16 * m.nblk + 2 * g));
-    uint4 w = *(const uint4*)(m.w + 16 * g);
+// A planar 32-element block's values: byte j of `w` holds levels j (low nibble) and j + 16 (high),
+// with HIGH their fifth bits j and j + 16 of `qh`; each value d * (level - OFF), or with MIN
+// d * level + m.
+template <int OFF, bool HIGH, bool MIN>
+__device__ __forceinline__ void legacy32(const uint4& w, u32 qh, float d, float m, float* v) {
     u32 ws[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
     for (int j = 0; j < 16; j++) {
         u32 q = (ws[j >> 2] >> (8 * (j & 3))) & 0xff;
-        v[j] = (float)((int)(q & 15) - 8) * d;
-        v[j + 16] = (float)((int)(q >> 4) - 8) * d;
+        int l0 = q & 15, l1 = q >> 4;
+        if (HIGH) {
+            l0 |= ((qh >> j) & 1) << 4;
+            l1 |= ((qh >> (j + 16)) & 1) << 4;
+        }
+        v[j] = MIN ? (float)l0 * d + m : (float)(l0 - OFF) * d;
+        v[j + 16] = MIN ? (float)l1 * d + m : (float)(l1 - OFF) * d;
     }
+}
+// Planar Q4_0: qs [16 per block], d [2].
+template <> __device__ __forceinline__ void sub32<F_Q4_0>(const Mat& m, u64 r, int s, float* v) {
+    u64 g = block_of<F_Q4_0>(m, r, s);
+    legacy32<8, false, false>(*(const uint4*)(m.w + 16 * g), 0, half_u16(*(const u16*)(m.w + 16 * m.nblk + 2 * g)), 0.f, v);
 }
 // Planar Q4_1: qs [16 per block], {d, m} [4].
 template <> __device__ __forceinline__ void sub32<F_Q4_1>(const Mat& m, u64 r, int s, float* v) {
     u64 g = block_of<F_Q4_1>(m, r, s);
     u32 dm = *(const u32*)(m.w + 16 * m.nblk + 4 * g);
-    float d = half_u16(dm & 0xffff), mn = half_u16(dm >> 16);
-    uint4 w = *(const uint4*)(m.w + 16 * g);
-    u32 ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int j = 0; j < 16; j++) {
-        u32 q = (ws[j >> 2] >> (8 * (j & 3))) & 0xff;
-        v[j] = (float)(q & 15) * d + mn;
-        v[j + 16] = (float)(q >> 4) * d + mn;
-    }
+    legacy32<0, false, true>(*(const uint4*)(m.w + 16 * g), 0, half_u16(dm & 0xffff), half_u16(dm >> 16), v);
 }
 // Planar Q5_1: qs [16 per block], qh [4], {d, m} [4].
 template <> __device__ __forceinline__ void sub32<F_Q5_1>(const Mat& m, u64 r, int s, float* v) {
     u64 g = block_of<F_Q5_1>(m, r, s);
     u32 dm = *(const u32*)(m.w + 20 * m.nblk + 4 * g);
-    float d = half_u16(dm & 0xffff), mn = half_u16(dm >> 16);
-    u32 qh = *(const u32*)(m.w + 16 * m.nblk + 4 * g);
-    uint4 w = *(const uint4*)(m.w + 16 * g);
-    u32 ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int j = 0; j < 16; j++) {
-        u32 q = (ws[j >> 2] >> (8 * (j & 3))) & 0xff;
-        int l0 = (q & 15) | (((qh >> j) & 1) << 4);
-        int l1 = (q >> 4) | (((qh >> (j + 16)) & 1) << 4);
-        v[j] = (float)l0 * d + mn;
-        v[j + 16] = (float)l1 * d + mn;
-    }
+    legacy32<0, true, true>(*(const uint4*)(m.w + 16 * g), *(const u32*)(m.w + 16 * m.nblk + 4 * g), half_u16(dm & 0xffff),
+                            half_u16(dm >> 16), v);
 }
 // Planar Q5_0: qs [16 per block], qh [4], d [2].
 template <> __device__ __forceinline__ void sub32<F_Q5_0>(const Mat& m, u64 r, int s, float* v) {
     u64 g = block_of<F_Q5_0>(m, r, s);
-    float d = half_u16(*(const u16*)(m.w + 20 * m.nblk + 2 * g));
-    u32 qh = *(const u32*)(m.w + 16 * m.nblk + 4 * g);
-    uint4 w = *(const uint4*)(m.w + 16 * g);
-    u32 ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int j = 0; j < 16; j++) {
-        u32 q = (ws[j >> 2] >> (8 * (j & 3))) & 0xff;
-        int l0 = (q & 15) | (((qh >> j) & 1) << 4);
-        int l1 = (q >> 4) | (((qh >> (j + 16)) & 1) << 4);
-        v[j] = (float)(l0 - 16) * d;
-        v[j + 16] = (float)(l1 - 16) * d;
-    }
+    legacy32<16, true, false>(*(const uint4*)(m.w + 16 * g), *(const u32*)(m.w + 16 * m.nblk + 4 * g),
+                              half_u16(*(const u16*)(m.w + 20 * m.nblk + 2 * g)), 0.f, v);
 }
 // Planar Q6_K: ql [128 per block], qh [64], scales [16], d [2].
 template <> __device__ __forceinline__ void sub32<F_Q6_K>(const Mat& m, u64 r, int s, float* v) {
@@ -383,17 +365,6 @@ template <> struct Chunk<F_Q4_0> {
 #pragma unroll
         for (int t = 0; t < 4; t++) w[t] = g ? (q[t] >> 4) & 0x0f0f0f0fu : q[t] & 0x0f0f0f0fu;
     }
-    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, int, const XGroup* x) {
-        u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
-        int s = 0;
-#pragma unroll
-        for (int g = 0; g < 2; g++) {
-            u32 w[4];
-            levels(q, g, w);
-            s += dotq16(w, x[g]) - 8 * x[g].s;
-        }
-        return half_u16(r.d) * x[0].d * (float)s;
-    }
     struct Dec {
         u32 w[2][4];
         float d;
@@ -405,6 +376,19 @@ template <> struct Chunk<F_Q4_0> {
         levels(q, 1, e.w[1]);
         e.d = half_u16(r.d);
         return e;
+    }
+    // (The raw chunk's product without the decoded struct: through it, matvecr4_q4_0 took 106
+    // registers instead of 104.)
+    static __device__ __forceinline__ float dot(const Mat&, const Raw& r, int, const XGroup* x) {
+        u32 q[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+        int s = 0;
+#pragma unroll
+        for (int g = 0; g < 2; g++) {
+            u32 w[4];
+            levels(q, g, w);
+            s += dotq16(w, x[g]) - 8 * x[g].s;
+        }
+        return half_u16(r.d) * x[0].d * (float)s;
     }
     static __device__ __forceinline__ float dot(const Dec& e, const XGroup* x) {
         return e.d * x[0].d * (float)(dotq16(e.w[0], x[0]) - 8 * x[0].s + dotq16(e.w[1], x[1]) - 8 * x[1].s);

@@ -734,8 +734,9 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> Result<Ve
             if let Op::Step(att) = op {
                 let mut fused = None;
                 for (qk, taken) in qk_before(&out) {
-                    if fused.is_none() && qk_attention_applies(plan, weights, qk, att)? {
+                    if qk_attention_applies(plan, weights, qk, att)? {
                         fused = Some((qk, taken));
+                        break;
                     }
                 }
                 if let Some((qk, taken)) = fused {
