@@ -1,18 +1,22 @@
 // Can one persistent kernel run a Gemma 3 12B decode layer at the read bandwidth? L layers of
 // 12B shapes (q/k/v 8192 x 3840, o 3840 x 4096, gate and up 15360 x 3840, down 3840 x 15360, all
 // Q4_K; attention over a past of P f32 positions; the norm pairs of Gemma 3) in ONE launch of one
-// block of 16 warps per multiprocessor: every tile of every matrix of every layer the block takes
-// streams through a shared-memory ring (TMA bulk copies), each stage refilled with the tile NS
-// later as soon as it is consumed, whatever matrix or layer that tile belongs to, so the stream
-// goes on while the block waits at a dependency, as far as the ring reaches; 4 groups of 4 warps
-// take alternate tiles (each its own stages). The blocks meet at an arrival counter in global
-// memory after each of a layer's 5 stages (q/k/v, attention, o, gate/up, down); each block computes
-// the norms and the quantized input itself. Modes: full; no tile asked for across a stage boundary;
-// no dependency waits (what the same work costs without them; results wrong); stream only (the
-// copies alone). The full mode is checked against a chain of plain kernels (kiln's norm_row,
-// quantize32 and chunk decoders); block 0's clock at 15 points of each layer shows where a layer
-// goes. Results: bench/RESULTS.md, 2026-12-02, issue 4q. Build and run on the device machine from
-// the checkout's root (arguments: layers, past):
+// block of 16 consumer warps and a producer warp per multiprocessor: every tile of every matrix of
+// every layer the block takes streams through a shared-memory ring of NS stages (TMA bulk copies):
+// the producer asks for the block's tiles in order, each once its stage is free and while fewer
+// than `lim` of the block's tiles are in flight, whatever matrix or layer it belongs to, so the
+// stream goes on while the consumers wait at a dependency, as far as the ring reaches; 4 groups
+// of 4 consumer warps take alternate tiles (each its own stages). The blocks meet at an arrival
+// counter in global memory after each of a layer's 5 stages (q/k/v, attention, o, gate/up, down);
+// each block computes the norms and the quantized input itself. Modes: full; no dependency waits
+// (what the same work costs without them; results wrong); stream only (the copies alone); no
+// copies (the consumers compute on the ring as they find it, with the dependency waits: what the
+// work costs without the stream beside it). The full mode is checked against a chain of plain
+// kernels (kiln's norm_row, quantize32 and chunk decoders); block 0's clock at 15 points of each
+// layer shows where a layer goes. Results: bench/RESULTS.md, 2026-12-02, issue 4q (consumers
+// refilling their own stages, all NS in flight), and 2026-12-05, issue 4ag (the producer, `lim`
+// 2-8 and the no-copies mode). Build and run on the device machine from the checkout's root
+// (arguments: layers, past):
 //   bench/cuda/prep.sh /tmp/pk && nvcc -O3 -arch=sm_90 -std=c++17 -I/tmp/pk -o /tmp/pk/persistent bench/cuda/persistent.cu && /tmp/pk/persistent 8 512
 #include "common.cuh"
 #include "quant_f.cu"
@@ -38,9 +42,13 @@ struct Prm {
     float *qkv, *att, *o, *glu, *dn, *res_a, *res_in, *part;  // per layer
     u32* cnt;                                                 // [L][NSTG], then [L][NKV]
     long long* stamps;                                        // block 0's clock at 15 points a layer
-    int L, P, mode;
+    int L, P, mode, lim;                                      // lim: most tiles in flight per block
 };
 
+// One arrival on a shared-memory barrier.
+__device__ __forceinline__ void bar_arrive(u64* bar) {
+    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(smem_addr(bar)) : "memory");
+}
 __device__ __forceinline__ void cbar() { asm volatile("bar.sync 1, %0;" ::"n"(CT) : "memory"); }
 constexpr int GROUPS = 4, GW = NC / GROUPS, GT = GW * 32;  // consumer groups: warps, threads each
 __device__ __forceinline__ void gbar(int g) { asm volatile("bar.sync %0, %1;" ::"r"(2 + g), "n"(GT) : "memory"); }
@@ -117,7 +125,7 @@ __device__ void issue(const Prm& p, const Order& o, u8* ring, u64* full, u32 sq)
 // set's ROWS rows (their activations held for the whole matrix), then the group meets, its warp 0
 // writes the sums, its thread 0 refills the stage with the group's tile NS / 4 later (sq + NS).
 template <int NS, int M>
-__device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u32& seq, const u8* xq, float* out, float (*red)[2][GW][8],
+__device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* empty, u32& seq, const u8* xq, float* out, float (*red)[2][GW][8],
                         bool compute) {
     constexpr Geo g = geo(M);
     constexpr int CHUNKS = g.k / 64, SETS = CHUNKS <= 64 ? 2 : 1, ROWS = g.tr / SETS, LANES = GT / SETS;
@@ -133,14 +141,11 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u32& 
                 for (int e = 0; e < 4; e++) xg[q][e] = xgroup(xq, g.k, 64 * (li + q * LANES) + 16 * e);
     const u32 s0 = seq;
     const int mine = o.n[M];
-    // Mode 3: the matrix's first tiles are asked for only now (after its prologue).
-    if (p.mode == 3 && threadIdx.x == 0)
-        for (int j = 0; j < NS && j < mine; j++) issue<NS>(p, o, ring, full, s0 + j);
     int par = 0;
     for (int j = (int)((gi - s0 % GROUPS + GROUPS) % GROUPS); j < mine; j += GROUPS, par ^= 1) {
         const u32 sq = s0 + j, slot = slot_of<NS>(sq);
         const int t = blockIdx.x + j * gridDim.x;
-        bar_wait(&full[slot], phase_of<NS>(sq));
+        if (p.mode != 3) bar_wait(&full[slot], phase_of<NS>(sq));
         float acc[ROWS];
 #pragma unroll
         for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
@@ -168,7 +173,7 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u32& 
             }
         }
         gbar(gi);
-        if (tig == 0 && (p.mode != 3 || sq + NS < s0 + mine)) issue<NS>(p, o, ring, full, sq + NS);
+        if (tig == 0) bar_arrive(&empty[slot]);
         if (!compute || wg != 0) continue;
         // Row r of the tile: set r / ROWS, the sums of that set's warps.
         auto sum = [&](int r) {
@@ -299,20 +304,33 @@ __device__ void attention(const Prm& p, int l, float* scr, float (*sc)[64], u32*
 }
 
 template <int NS>
-__global__ void __launch_bounds__(CT, 1) layers(const __grid_constant__ Prm p) {
+__global__ void __launch_bounds__(CT + 32, 1) layers(const __grid_constant__ Prm p) {
     extern __shared__ __align__(128) u8 dyn[];
-    __shared__ __align__(8) u64 full[NS];
+    __shared__ __align__(8) u64 full[NS], empty[NS];
     __shared__ float red[GROUPS][2][GW][8], scr[32], sc[2][64];
     __shared__ u32 flag;
     u8* ring = dyn;
     u8* xq = dyn + NS * SLOT;
     const Order o = order();
     if (threadIdx.x == 0) {
-        for (int s = 0; s < NS; s++) bar_init(&full[s], 1);
+        for (int s = 0; s < NS; s++) bar_init(&full[s], 1), bar_init(&empty[s], 1);
         bar_init_fence();
-        for (int s = 0; s < NS && p.mode != 3; s++) issue<NS>(p, o, ring, full, s);
     }
     __syncthreads();
+    // The producer (warp NC, one lane): the block's tiles in order, tile sq once its stage is free
+    // (tile sq - NS consumed) and fewer than p.lim of the block's tiles are in flight (tile sq -
+    // lim landed).
+    if (threadIdx.x >= CT) {
+        if (threadIdx.x == CT && p.mode != 3) {
+            const u32 total = (u32)o.per * p.L;
+            for (u32 sq = 0; sq < total; sq++) {
+                if (sq >= NS) bar_wait(&empty[slot_of<NS>(sq)], phase_of<NS>(sq) ^ 1);
+                if (p.lim < NS && sq >= (u32)p.lim) bar_wait(&full[slot_of<NS>(sq - p.lim)], phase_of<NS>(sq - p.lim));
+                issue<NS>(p, o, ring, full, sq);
+            }
+        }
+        return;
+    }
     const bool compute = p.mode != 2, waits = p.mode == 0 || p.mode == 3;
     const u32 G = gridDim.x;
     auto wait_for = [&](const u32* c, u32 n) {
@@ -345,7 +363,7 @@ __global__ void __launch_bounds__(CT, 1) layers(const __grid_constant__ Prm p) {
                             scr);
         }
         stamp(2);
-        consume<NS, 0>(p, o, ring, full, seq, xq, p.qkv + (u64)l * QKV, red, compute);
+        consume<NS, 0>(p, o, ring, full, empty, seq, xq, p.qkv + (u64)l * QKV, red, compute);
         done(cnt + 0);
         stamp(3);
         if (compute && blockIdx.x < NKV * SHARES) {
@@ -358,7 +376,7 @@ __global__ void __launch_bounds__(CT, 1) layers(const __grid_constant__ Prm p) {
         stamp(6);
         if (compute) prologue<8>(p.att + (u64)l * QD, nullptr, nullptr, nullptr, nullptr, xq, QD, scr);
         stamp(7);
-        consume<NS, 1>(p, o, ring, full, seq, xq, p.o + (u64)l * D, red, compute);
+        consume<NS, 1>(p, o, ring, full, empty, seq, xq, p.o + (u64)l * D, red, compute);
         done(cnt + 2);
         stamp(8);
         wait_for(cnt + 2, G);
@@ -366,14 +384,14 @@ __global__ void __launch_bounds__(CT, 1) layers(const __grid_constant__ Prm p) {
         if (compute)
             prologue<8>(p.o + (u64)l * D, l == 0 ? p.x0 : p.res_in + (u64)l * D, y.n_pa, y.n_pf, p.res_a + (u64)l * D, xq, D, scr);
         stamp(10);
-        consume<NS, 2>(p, o, ring, full, seq, xq, p.glu + (u64)l * FF, red, compute);
+        consume<NS, 2>(p, o, ring, full, empty, seq, xq, p.glu + (u64)l * FF, red, compute);
         done(cnt + 3);
         stamp(11);
         wait_for(cnt + 3, G);
         stamp(12);
         if (compute) prologue<FF / CT>(p.glu + (u64)l * FF, nullptr, nullptr, nullptr, nullptr, xq, FF, scr);
         stamp(13);
-        consume<NS, 3>(p, o, ring, full, seq, xq, p.dn + (u64)l * D, red, compute);
+        consume<NS, 3>(p, o, ring, full, empty, seq, xq, p.dn + (u64)l * D, red, compute);
         done(cnt + 4);
         stamp(14);
     }
@@ -470,10 +488,11 @@ int main(int argc, char** argv) {
 
     auto run = [&](auto kern, int ns, int mode) {
         p.mode = mode;
+        p.lim = ns;
         const size_t smem = (size_t)ns * SLOT + XQ_MAX;
         CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         CK(cudaMemsetAsync(p.cnt, 0, 4 * ncnt, st));
-        kern<<<sms, CT, smem, st>>>(p);
+        kern<<<sms, CT + 32, smem, st>>>(p);
     };
     // The reference chain, into its own buffers.
     float *r_x = buf(D), *r_h = buf(D), *r_qkv = buf(QKV), *r_att = buf(QD), *r_o = buf(D), *r_g = buf(FF), *r_u = buf(FF), *r_gl = buf(FF),
@@ -509,11 +528,13 @@ int main(int argc, char** argv) {
     }
     printf("read bandwidth %.0f GB/s; %d layers, %.1f MB of weights each, past %d (KV %.1f MB a layer), %d blocks of %d warps\n",
            bw / 1e9, L, wbytes / 1e6 / L, P, 2.0 * NKV * P * HD * 4 / 1e6, sms, NC);
-    const char* names[4] = {"full", "no dependency waits", "stream only", "no copies across stages"};
+    const char* names[4] = {"full", "no dependency waits", "stream only", "no copies (smem as found)"};
+    const int ns = 8;
     for (int pass = 0; pass < 2; pass++)
-        for (int ns : {8, 4})
-            for (int mode : {0, 3, 1, 2}) {
-                auto k = ns == 8 ? layers<8> : layers<4>;
+        for (int lim : {8, 2})
+            for (int mode : {0, 1, 2, 3}) {
+                auto k = layers<8>;
+                p.lim = lim;
                 std::vector<double> ts;
                 for (int r = 0; r < 7; r++) {
                     cudaEvent_t e0, e1;
@@ -524,7 +545,7 @@ int main(int argc, char** argv) {
                     CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
                     CK(cudaMemsetAsync(p.cnt, 0, 4 * ncnt, st));
                     CK(cudaEventRecord(e0, st));
-                    k<<<sms, CT, smem, st>>>(p);
+                    k<<<sms, CT + 32, smem, st>>>(p);
                     CK(cudaEventRecord(e1, st));
                     CK(cudaEventSynchronize(e1));
                     float ms;
@@ -550,7 +571,7 @@ int main(int argc, char** argv) {
                         printf(" %s %.1f%s", what[i], median(d), i == 13 ? "\n" : ",");
                     }
                 }
-                printf("pass %d, ring %2d stages, %-20s %6.1f us a layer = %5.0f GB/s of weights (%2.0f%% of the read bandwidth)\n", pass, ns,
+                printf("pass %d, ring %d stages, at most %d in flight, %-20s %6.1f us a layer = %5.0f GB/s of weights (%2.0f%% of the read bandwidth)\n", pass, ns, lim,
                        names[mode], us, wbytes / L / (us * 1e-6) / 1e9, 100.0 * wbytes / L / (us * 1e-6) / bw);
             }
     return 0;
