@@ -38,8 +38,8 @@ struct Launch {
 // multiprocessor (half that of matvecr4), launch kinds (bit i: kind i of `names` below, 5: the
 // head).
 static int o_ring = 0, o_ring_bps = 4, o_ring_kinds = 63;
-typedef void (*RingFn)(const u8*, const u8*, const u8*, u64, int, int, int, float*, float*, float*, float*, const u8*, int, int, u64*, int*,
-                       u32*);
+typedef void (*RingFn)(const u8*, const u8*, const u8*, u64, int, int, int, float*, float*, float*, const float*, const float*,
+                       const float*, float*, const u8*, int, int, u64*, int*, u32*);
 // The ring of a matvecr block of tiles of `rows` rows (bytes).
 static u64 ring_bytes(int rows) { return (u64)o_ring * 1024 * (rows == 4 ? 2 : 1); }
 // Whether a matrix cuts in matvecr tiles of `rows` rows (with glu, half of them from each matrix):
@@ -78,8 +78,9 @@ static bool launch_ring(const Launch& L, cudaStream_t st) {
     const u8* w2 = L.nm > 2 ? L.m[2]->w : nullptr;
     int n1 = L.nm > 1 ? L.m[1]->n : 0, n2 = L.nm > 2 ? L.m[2]->n : 0;
     PdlLaunch pl(dim3(blocks), dim3(32 * (rows == 4 ? MVR4_WARPS : MVR_WARPS)), (size_t)ns * rows * m.rb, st);
-    CK(cudaLaunchKernelEx(&pl.cfg, fn, (const u8*)m.w, w1, w2, m.rb, m.n, n1, n2, B.o0, B.o1, B.o2, L.glu ? B.glu : (float*)nullptr, xq, m.k,
-                          ns, B.aslots, L.argmax ? B.aout : nullptr, B.acnt));
+    const float* nob = nullptr;  // (No biases.)
+    CK(cudaLaunchKernelEx(&pl.cfg, fn, (const u8*)m.w, w1, w2, m.rb, m.n, n1, n2, B.o0, B.o1, B.o2, nob, nob, nob,
+                          L.glu ? B.glu : (float*)nullptr, xq, m.k, ns, B.aslots, L.argmax ? B.aout : nullptr, B.acnt));
     return true;
 }
 

@@ -1287,10 +1287,11 @@ __device__ __forceinline__ float rows_sum8(float (&a)[8], int lane) {
 // The tiles of a matvec_ring block (after its wait; arguments as matvec_ring's, with its ring,
 // stage barriers, partial sums `red`, tile counts and the refill `issue`), computed with the tile's
 // rows in SETS sets, each walked by 32 W / SETS lanes (a lane takes ROWS = TR / SETS rows of its
-// chunks): the sums, the outputs (or the argmax, or the glu of activation ACT), the refills.
+// chunks): the sums, the outputs (with their biases; or the argmax, or the glu of activation ACT), the refills.
 template <int T, int TR, int W, int SETS, int ACT, class Issue>
 __device__ __forceinline__ void ring_tiles(const Issue& issue, const u8* ring, u64* full, float (*red)[W][TR], int mine, int tiles,
-                                           u64 rb, u64 tb, u32 stage, int n0, int n1, float* o0, float* o1, float* o2, float* glu,
+                                           u64 rb, u64 tb, u32 stage, int n0, int n1, float* o0, float* o1, float* o2, const float* b0,
+                                           const float* b1, const float* b2, float* glu,
                                            const u8* xq, int k, int ns, u64* aslots, int* aout, u32* acnt) {
     constexpr int HALF = TR / 2;
     const int wi = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1382,8 +1383,9 @@ __device__ __forceinline__ void ring_tiles(const Issue& issue, const u8* ring, u
                 const u64 key = argmax_key(s, g);
                 best = key > best ? key : best;
             } else {
-                const int mi = g < n0 ? 0 : g < n0 + n1 ? 1 : 2;
-                (mi == 0 ? o0 : mi == 1 ? o1 : o2)[g - (mi > 0 ? n0 : 0) - (mi > 1 ? n1 : 0)] = s;
+                const int mi = g < n0 ? 0 : g < n0 + n1 ? 1 : 2, o = g - (mi > 0 ? n0 : 0) - (mi > 1 ? n1 : 0);
+                const float* b = mi == 0 ? b0 : mi == 1 ? b1 : b2;
+                (mi == 0 ? o0 : mi == 1 ? o1 : o2)[o] = b ? s + __ldg(b + o) : s;
             }
         }
     }
@@ -1393,8 +1395,8 @@ __device__ __forceinline__ void ring_tiles(const Issue& issue, const u8* ring, u
     }
 }
 
-// One activation row times up to three matrices of one format, the glu pair (activation ACT) or the
-// greedy argmax (arguments as in `matvec`; no norm prologue or epilogue, no glu quantization) with the weights
+// One activation row times up to three matrices of one format (each plus its bias where given), the
+// glu pair (activation ACT) or the greedy argmax (arguments as in `matvec`; no norm prologue or epilogue, no glu quantization) with the weights
 // streamed through shared memory (sm_90): the rows are cut in tiles of TR rows (8, 4 or 2; with
 // glu, TR / 2 rows of W_0 and the same rows of W_1), taken by the blocks in turn (block b: tiles b,
 // b + gridDim.x, ...). Thread 0 asks the copy engine for each tile into a ring of `ns` stages of
@@ -1416,7 +1418,7 @@ __device__ __forceinline__ void ring_tiles(const Issue& issue, const u8* ring, u
 // activations serve 4 rows, not 2.
 template <int T, int TR, int W, int ACT>
 __device__ __forceinline__ void matvec_ring(const u8* w0, const u8* w1, const u8* w2, u64 rb, int n0, int n1, int n2, float* o0,
-                                            float* o1, float* o2, float* glu, const u8* xq, int k, int ns, u64* aslots, int* aout,
+                                            float* o1, float* o2, const float* b0, const float* b1, const float* b2, float* glu, const u8* xq, int k, int ns, u64* aslots, int* aout,
                                             u32* acnt) {
     constexpr int HALF = TR / 2;
     extern __shared__ uint4 mvr_dyn[];
@@ -1454,11 +1456,11 @@ __device__ __forceinline__ void matvec_ring(const u8* w0, const u8* w1, const u8
     // lanes cover a row in one chunk each (a lane still takes 8 x 32 elements of an 8-row tile).
     if constexpr (RingChunk<T>::G == 4) {
         if (2 * (k / (16 * RingChunk<T>::G)) <= 32 * W) {
-            ring_tiles<T, TR, W, 2, ACT>(issue, ring, full, red, mine, tiles, rb, tb, stage, n0, n1, o0, o1, o2, glu, xq, k, ns, aslots, aout, acnt);
+            ring_tiles<T, TR, W, 2, ACT>(issue, ring, full, red, mine, tiles, rb, tb, stage, n0, n1, o0, o1, o2, b0, b1, b2, glu, xq, k, ns, aslots, aout, acnt);
             return;
         }
     }
-    ring_tiles<T, TR, W, 1, ACT>(issue, ring, full, red, mine, tiles, rb, tb, stage, n0, n1, o0, o1, o2, glu, xq, k, ns, aslots, aout, acnt);
+    ring_tiles<T, TR, W, 1, ACT>(issue, ring, full, red, mine, tiles, rb, tb, stage, n0, n1, o0, o1, o2, b0, b1, b2, glu, xq, k, ns, aslots, aout, acnt);
 }
 
 // Greedy head for one activation row over a planar Q8_0 matrix of n rows and k <= HEAD_MAX_K
@@ -2222,9 +2224,9 @@ KILN_FORMAT(q6_k, F_Q6_K)
     }
 #define KILN_RING(NAME, T) KILN_RINGS(NAME, T, , ACT_GELU) KILN_RINGS(NAME, T, _silu, ACT_SILU)
 #define MVR_ARGS                                                                                                             \
-    const u8 *w0, const u8 *w1, const u8 *w2, u64 rb, int n0, int n1, int n2, float *o0, float *o1, float *o2, float *glu, \
-        const u8 *xq, int k, int ns, u64 *aslots, int *aout, u32 *acnt
-#define MVR_PASS w0, w1, w2, rb, n0, n1, n2, o0, o1, o2, glu, xq, k, ns, aslots, aout, acnt
+    const u8 *w0, const u8 *w1, const u8 *w2, u64 rb, int n0, int n1, int n2, float *o0, float *o1, float *o2,               \
+        const float *b0, const float *b1, const float *b2, float *glu, const u8 *xq, int k, int ns, u64 *aslots, int *aout, u32 *acnt
+#define MVR_PASS w0, w1, w2, rb, n0, n1, n2, o0, o1, o2, b0, b1, b2, glu, xq, k, ns, aslots, aout, acnt
 KILN_RING(q4_k, F_Q4_K)
 KILN_RING(q6_k, F_Q6_K)
 KILN_RING(q8_0, F_Q8_0)

@@ -555,11 +555,13 @@ enum Op {
     Step(usize),
     /// Consecutive matmuls of one format sharing their input (q/k/v, gate/up), and with `glu`
     /// the gated product of the two that follows (`GeluMul` or `SiluMul`, `Glu`): one
-    /// matrix-vector launch for few rows. With `epi`
+    /// matrix-vector launch for few rows. `biases` (one per matmul): the `AddBias` step right
+    /// after it, in one-row launches that stream their weights (Qwen 2's q/k/v; no `epi` or
+    /// `pro` then), whose output the launch writes its products plus the bias to. With `epi`
     /// (one matrix) the norm (pair) of its products that follows is computed by its last block.
     /// With `pro` (one activation row), the norm (pair) before the group, whose output is the
     /// group's input, is computed by every block of the launch first (no norm kernel).
-    MatVecs { steps: Vec<usize>, glu: Option<usize>, epi: Option<Epilogue>, pro: Option<Prologue> },
+    MatVecs { steps: Vec<usize>, biases: Vec<Option<usize>>, glu: Option<usize>, epi: Option<Epilogue>, pro: Option<Prologue> },
     /// A post-norm with its residual add, then the next pre-norm of its output.
     NormPair { first: usize, second: usize },
     /// The per-head q and k norms and their RoPE.
@@ -668,7 +670,7 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> Result<Ve
     let mut ops = Vec::with_capacity(steps.len());
     let mut i = 0;
     while i < steps.len() {
-        let (op, used) = fuse_at(steps, i, weights)?.unwrap_or((Op::Step(i), 1));
+        let (op, used) = fuse_at(plan, i, weights, plan.rows() == 1 && arch.0 >= 9)?.unwrap_or((Op::Step(i), 1));
         ops.push(op);
         i += used;
     }
@@ -682,7 +684,7 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> Result<Ve
         for op in ops {
             let op = match op {
                 Op::Step(t) if matches!(steps[t].kernel, Kernel::MatMul { .. }) => {
-                    Op::MatVecs { steps: vec![t], glu: None, epi: None, pro: None }
+                    Op::MatVecs { steps: vec![t], biases: vec![None], glu: None, epi: None, pro: None }
                 }
                 op => op,
             };
@@ -698,14 +700,14 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> Result<Ve
                 }
             }
             match (pro, op) {
-                (Some(p), Op::MatVecs { steps: group, glu, epi, .. }) => {
+                (Some(p), Op::MatVecs { steps: group, biases, glu, epi, .. }) => {
                     // The norm launch is replaced by the prologue.
                     out.pop();
                     mirror[p.h_out - 1] = match p.norm {
                         Epilogue::Pair(a, _) => Some(steps[a].kernel.out()),
                         Epilogue::Norm(t) => steps[t].kernel.reads().first().copied(),
                     };
-                    out.push(Op::MatVecs { steps: group, glu, epi, pro: Some(p) });
+                    out.push(Op::MatVecs { steps: group, biases, glu, epi, pro: Some(p) });
                 }
                 (_, op) => out.push(op),
             }
@@ -716,8 +718,10 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> Result<Ve
     if small {
         let mut out: Vec<Op> = Vec::with_capacity(ops.len());
         for op in ops {
-            if let Some(Op::MatVecs { steps: group, glu: None, epi: epi @ None, pro: None }) = out.last_mut() {
-                if let Some(e) = epilogue_for(plan, weights, group, &op)? {
+            // (Biases are added only by the streamed kernels, which take no epilogue.)
+            if let Some(Op::MatVecs { steps: group, biases, glu: None, epi: epi @ None, pro: None }) = out.last_mut() {
+                let biased = biases.iter().any(Option::is_some);
+                if let Some(e) = if biased { None } else { epilogue_for(plan, weights, group, &op)? } {
                     *epi = Some(e);
                     continue;
                 }
@@ -867,14 +871,15 @@ fn launch_width(plan: &Plan, op: &Op) -> usize {
     }
 }
 
-/// The arena slots a launch writes.
+/// The arena slots a launch writes (a matrix-vector launch's biased products also their own slots,
+/// which its per-step fallback writes).
 fn op_writes(plan: &Plan, op: &Op) -> Vec<Slot> {
     let s = &plan.steps;
     let idx: Vec<usize> = match op {
         Op::Step(t) => vec![*t],
-        Op::MatVecs { steps, glu, epi, pro } => {
+        Op::MatVecs { steps, biases, glu, epi, pro } => {
             let norms = (*epi).into_iter().chain(pro.map(|p| p.norm)).flat_map(Epilogue::steps);
-            steps.iter().chain(glu).copied().chain(norms).collect()
+            steps.iter().chain(biases.iter().flatten()).chain(glu).copied().chain(norms).collect()
         }
         Op::NormPair { first, second } => vec![*first, *second],
         Op::QkNormRope(q) => q.to_vec(),
@@ -1122,7 +1127,11 @@ fn prologue_for(
     mirror: &[Option<Slot>; 2],
 ) -> Result<Option<Prologue>, RuntimeError> {
     let s = &plan.steps;
-    let Op::MatVecs { steps: group, epi: None, pro: None, .. } = m else { return Ok(None) };
+    let Op::MatVecs { steps: group, biases, epi: None, pro: None, .. } = m else { return Ok(None) };
+    // (Biases are added only by the streamed kernels, which take no prologue.)
+    if biases.iter().any(Option::is_some) {
+        return Ok(None);
+    }
     let (e, first, last) = match *norm {
         Op::NormPair { first, second } => (Epilogue::Pair(first, second), first, second),
         Op::Step(t) => match s[t].kernel {
@@ -1174,31 +1183,61 @@ fn prologue_for(
     Ok(ok.then_some(Prologue { norm: e, write_y, x_private, res_in, h_out }))
 }
 
-/// A fused launch starting at step `i` and how many steps it covers, if one applies.
-fn fuse_at(steps: &[Step], i: usize, weights: &dyn WeightShapes) -> Result<Option<(Op, usize)>, RuntimeError> {
+/// The `AddBias` step right after the matmul step `m` that its matrix-vector launch can add
+/// itself (`Op::MatVecs::biases`): one over the product's rows and width with a bias of that
+/// width, the product read by nothing after it (the launch stores only the sum).
+fn bias_after(plan: &Plan, weights: &dyn WeightShapes, m: usize) -> Result<Option<usize>, RuntimeError> {
+    let s = &plan.steps;
+    let (Kernel::MatMul { out, n, .. }, Some(&Step { kernel: Kernel::AddBias { x, bias, width, .. }, rows })) =
+        (&s[m].kernel, s.get(m + 1))
+    else {
+        return Ok(None);
+    };
+    let ok = rows == s[m].rows && x == *out && width == *n && weights.vector_len(bias)? == width && !read_later(plan, *out, m + 1, &[]);
+    Ok(ok.then_some(m + 1))
+}
+
+/// A fused launch starting at step `i` and how many steps it covers, if one applies. With
+/// `biases` (one-row plans on sm_90 and later, whose products always take the matrix-vector
+/// kernels) a matmul's `AddBias` step after it joins its launch (`bias_after`) where the launch
+/// streams its weights: only the `matvecr` kernels add biases (in the other matrix-vector kernels
+/// the bias stores slowed the launches without biases: the 270M's decode by 1.3-3.6% on an H100).
+fn fuse_at(plan: &Plan, i: usize, weights: &dyn WeightShapes, biases: bool) -> Result<Option<(Op, usize)>, RuntimeError> {
+    let steps = &plan.steps;
     let at = |j: usize| steps.get(j).filter(|s| s.rows == steps[i].rows).map(|s| &s.kernel);
     match steps[i].kernel {
-        Kernel::MatMul { x, w, out, .. } => {
+        Kernel::MatMul { x, w, k, .. } => {
             let ty = weights.matrix_ty(w)?;
-            let (mut group, mut outs) = (vec![i], vec![out]);
+            // The matmuls, their bias steps, the slots the launch writes, the steps it covers.
+            let (mut group, mut bias, mut outs, mut used) = (vec![], vec![], vec![], 0);
             while group.len() < 3 {
-                match at(i + group.len()) {
-                    Some(&Kernel::MatMul { x: x2, w: w2, out: o2, .. }) if x2 == x && weights.matrix_ty(w2)? == ty => {
-                        group.push(i + group.len());
-                        outs.push(o2);
+                match at(i + used) {
+                    Some(&Kernel::MatMul { x: x2, w: w2, out, .. }) if x2 == x && weights.matrix_ty(w2)? == ty => {
+                        let b = if biases { bias_after(plan, weights, i + used)? } else { None };
+                        group.push(i + used);
+                        bias.push(b);
+                        outs.push(b.map_or(out, |b| steps[b].kernel.out()));
+                        used += 1 + b.iter().count();
                     }
                     _ => break,
                 }
             }
-            if let (2, Some((_, gate, up, out, _))) = (group.len(), at(i + 2).and_then(glu_of)) {
-                // The matrix-vector kernel reads x quantized (a copy); cuBLAS runs the steps in order.
-                if gate == outs[0] && up == outs[1] && fusable(&[outs[0], outs[1], out], &[], &[]) {
-                    return Ok(Some((Op::MatVecs { steps: group, glu: Some(i + 2), epi: None, pro: None }, 3)));
+            if bias.iter().any(Option::is_some) {
+                let rows_of: Vec<usize> =
+                    group.iter().map(|&m| if let Kernel::MatMul { n, .. } = steps[m].kernel { n } else { 0 }).collect();
+                if ring_geometry(ty, k, &rows_of, false, 1).is_none() {
+                    return fuse_at(plan, i, weights, false);
                 }
             }
-            if group.len() > 1 && fusable(&outs, &[x], &[]) {
-                let n = group.len();
-                return Ok(Some((Op::MatVecs { steps: group, glu: None, epi: None, pro: None }, n)));
+            if let ((2, 2), Some((_, gate, up, out, _))) = ((group.len(), used), at(i + 2).and_then(glu_of)) {
+                // The matrix-vector kernel reads x quantized (a copy); cuBLAS runs the steps in order.
+                if gate == outs[0] && up == outs[1] && fusable(&[outs[0], outs[1], out], &[], &[]) {
+                    return Ok(Some((Op::MatVecs { steps: group, biases: bias, glu: Some(i + 2), epi: None, pro: None }, 3)));
+                }
+            }
+            // (Several matmuls, or one with its bias.)
+            if used > 1 && fusable(&outs, &[x], &[]) {
+                return Ok(Some((Op::MatVecs { steps: group, biases: bias, glu: None, epi: None, pro: None }, used)));
             }
         }
         Kernel::RmsNorm { x, weight, out: h, width, eps, residual: Some(r) } => {
@@ -1425,14 +1464,14 @@ struct PairArgs {
     eps: f32,
 }
 
-/// One matrix-vector launch: up to three matrices of one format (with their outputs) over `rows`
-/// rows of the quantized input `xq`; `glu`: the gated product (activation `act`) of two matrices
+/// One matrix-vector launch: up to three matrices of one format (with their outputs and biases)
+/// over `rows` rows of the quantized input `xq`; `glu`: the gated product (activation `act`) of two matrices
 /// (quantized into `gq` too when not 0); `epi`: the norm of the products computed by the last block, or with `px`
 /// (not 0) the norm of px computed first by every block, whose output is the launch's input;
 /// `argmax` (not 0): only the argmax of each row is written there.
 struct MatVecArgs<'a> {
     xq: u64,
-    mats: &'a [(WeightId, u64)],
+    mats: &'a [MatVec],
     glu: u64,
     act: Glu,
     gq: u64,
@@ -1442,9 +1481,18 @@ struct MatVecArgs<'a> {
     px: u64,
 }
 
+/// One matrix of a matrix-vector launch: its output address (0 for an argmax) and the address of
+/// the bias added to its products (0: none; only launches that stream their weights take one).
+#[derive(Clone, Copy)]
+struct MatVec {
+    w: WeightId,
+    out: u64,
+    bias: u64,
+}
+
 /// Input width of a matrix-vector group.
-fn mats_k(weights: &CudaWeights, mats: &[(WeightId, u64)]) -> Result<usize, RuntimeError> {
-    Ok(weights.matrix(mats[0].0)?.k)
+fn mats_k(weights: &CudaWeights, mats: &[MatVec]) -> Result<usize, RuntimeError> {
+    Ok(weights.matrix(mats[0].w)?.k)
 }
 
 /// What one run of an executable covers: its active rows, their sequences, and the context of
@@ -1682,25 +1730,32 @@ impl CudaExecutable {
             }
             match &l.op {
                 Op::Step(i) => self.enqueue_step(*i, run, scratch, quant_out, l.xq_in)?,
-                Op::MatVecs { steps, glu, epi, pro } => {
+                Op::MatVecs { steps, biases, glu, epi, pro } => {
                     let rows = rows_of(self.plan.steps[steps[0]].rows, n, run.seqs);
                     // (A group's matrices share their input, so their width, and their format.)
                     let Kernel::MatMul { w, .. } = self.plan.steps[steps[0]].kernel else {
                         return Err(cuda_err("a matrix-vector group that starts with no product"));
                     };
                     if !self.takes_matvec(w, rows)? {
+                        // Each product, then its bias step (if any), in the plan's order.
                         let norms = pro.map_or(Vec::new(), |p| p.norm.steps());
-                        for &i in norms.iter().chain(steps).chain(glu) {
+                        let products = steps.iter().zip(biases).flat_map(|(m, b)| std::iter::once(m).chain(b));
+                        for &i in norms.iter().chain(products).chain(glu) {
                             self.enqueue_step(i, run, scratch, 0, None)?;
                         }
                         continue;
                     }
                     let mut x = 0;
                     let mut mats = Vec::with_capacity(steps.len());
-                    for &i in steps {
+                    for (&i, b) in steps.iter().zip(biases) {
                         if let Kernel::MatMul { x: xs, w, out, .. } = self.plan.steps[i].kernel {
                             x = self.slot(xs);
-                            mats.push((w, if l.private_out { self.private_row(0) } else { self.slot(out) }));
+                            let (out, bias) = match b.map(|b| &self.plan.steps[b].kernel) {
+                                Some(&Kernel::AddBias { bias, out, .. }) => (out, self.weights.vector(bias)?.ptr()),
+                                Some(_) => return Err(cuda_err("a product's bias step adds no bias")),
+                                None => (out, 0),
+                            };
+                            mats.push(MatVec { w, out: if l.private_out { self.private_row(0) } else { self.slot(out) }, bias });
                         }
                     }
                     let (act, glu) = match glu.and_then(|g| glu_of(&self.plan.steps[g].kernel)) {
@@ -1865,29 +1920,36 @@ impl CudaExecutable {
 
     /// One matrix-vector launch (see `MatVecArgs`).
     fn matvecs(&self, a: MatVecArgs<'_>) -> Result<(), RuntimeError> {
-        let ms = a.mats.iter().map(|&(w, _)| self.weights.matrix(w)).collect::<Result<Vec<_>, _>>()?;
+        let ms = a.mats.iter().map(|m| self.weights.matrix(m.w)).collect::<Result<Vec<_>, _>>()?;
         let m = ms[0];
         let fmt = format_name(m.ty).ok_or_else(|| cuda_err(format!("no kernels for {:?}", m.ty)))?;
         let rows_of: Vec<usize> = ms.iter().map(|m| m.n).collect();
         let sync = self.sync.ptr();
         // The arguments both kernel families begin with: the matrices, their row bytes and rows,
-        // the outputs, the glu output, the quantized input and its width.
-        let mut args = Vec::with_capacity(28);
+        // the outputs; then (streamed kernels only) the biases; then the glu output, the quantized
+        // input and its width.
+        let mut args = Vec::with_capacity(31);
         args.extend((0..3).map(|i| Arg::U64(ms.get(i).map_or(0, |m| m.buf.ptr()))));
         args.push(Arg::U64(m.row_bytes as u64));
         args.extend((0..3).map(|i| Arg::I32(rows_of.get(i).map_or(0, |&n| n as i32))));
-        args.extend((0..3).map(|i| Arg::U64(a.mats.get(i).map_or(0, |m| m.1))));
-        args.extend([Arg::U64(a.glu), Arg::U64(a.xq), Arg::I32(m.k as i32)]);
+        args.extend((0..3).map(|i| Arg::U64(a.mats.get(i).map_or(0, |m| m.out))));
+        let tail = [Arg::U64(a.glu), Arg::U64(a.xq), Arg::I32(m.k as i32)];
         // One-row launches without fused norms or glu quantization stream their weights through
         // shared memory.
         let plain = a.rows == 1 && a.px == 0 && a.epi.is_none() && a.gq == 0;
         let ring = streamed(m.ty, m.k, &rows_of, a.glu != 0, plain, self.device.arch, self.device.sms as usize);
         if let Some(RingGeometry { rows, warps, stages, blocks }) = ring {
+            args.extend((0..3).map(|i| Arg::U64(a.mats.get(i).map_or(0, |m| m.bias))));
+            args.extend(tail);
             args.extend([Arg::I32(stages as i32), Arg::U64(sync), Arg::U64(a.argmax), Arg::U64(sync + SYNC_ARGMAX)]);
             let shared = (stages * rows * m.row_bytes) as u32;
             let name = format!("matvecr{rows}{}_{fmt}", a.act.infix());
             return self.device.launch_shared(&name, (blocks as u32, 1, 1), 32 * warps as u32, shared, &args);
         }
+        if a.mats.iter().any(|m| m.bias != 0) {
+            return Err(cuda_err("a matrix-vector launch with biases that does not stream its weights (only matvecr adds biases)"));
+        }
+        args.extend(tail);
         let shape = MatVecShape { rows: a.rows, total: rows_of.iter().sum(), n: m.n, k: m.k, glu: a.glu != 0, prologue: a.px != 0 };
         let MatVecGeometry { kernel, per_warp, split, blocks } = shape.geometry(self.device.sms as usize);
         let e = a.epi.copied().unwrap_or(EpilogueArgs { w1: 0, residual: 0, h: 0, h2: 0, w2: 0, out: 0, xq: 0, eps: 0.0 });
@@ -1928,7 +1990,17 @@ impl CudaExecutable {
                 Some(b) => self.xq[b].ptr(),
                 None => self.quantize(x, m.k, rows)?,
             };
-            return self.matvecs(MatVecArgs { xq, mats: &[(w, out)], glu: 0, act: Glu::Gelu, gq: 0, rows, epi: None, argmax: 0, px: 0 });
+            return self.matvecs(MatVecArgs {
+                xq,
+                mats: &[MatVec { w, out, bias: 0 }],
+                glu: 0,
+                act: Glu::Gelu,
+                gq: 0,
+                rows,
+                epi: None,
+                argmax: 0,
+                px: 0,
+            });
         }
         let fmt = format_name(m.ty).ok_or_else(|| cuda_err(format!("no kernels for {:?}", m.ty)))?;
         if takes_mmq(m.ty, m.k, d.arch) {
@@ -2153,7 +2225,17 @@ impl CudaExecutable {
                             ],
                         )?;
                     } else {
-                        self.matvecs(MatVecArgs { xq, mats: &[(wid, 0)], glu: 0, act: Glu::Gelu, gq: 0, rows, epi: None, argmax, px: 0 })?;
+                        self.matvecs(MatVecArgs {
+                            xq,
+                            mats: &[MatVec { w: wid, out: 0, bias: 0 }],
+                            glu: 0,
+                            act: Glu::Gelu,
+                            gq: 0,
+                            rows,
+                            epi: None,
+                            argmax,
+                            px: 0,
+                        })?;
                     }
                 } else {
                     self.matmul(self.slot(x), wid, self.head.ptr(), rows, scratch, None)?;
@@ -2477,7 +2559,7 @@ impl Drop for CudaExecutable {
 mod tests {
     use super::*;
     use kiln_ir::Bucket;
-    use kiln_models::synth::{gemma3, FormatMix, Gemma3Shape};
+    use kiln_models::synth::{gemma3, FormatMix, Gemma3Shape, LlamaArch, LlamaShape, SynthModel};
     use kiln_models::OutputMode;
     use kiln_runtime::WeightStore;
 
@@ -2532,12 +2614,18 @@ mod tests {
     /// formats, so that no gate and up matrices share one and nothing fuses them), and its
     /// architecture.
     fn family_store(family: &str, ty: Option<GgmlType>) -> (Box<dyn kiln_models::Architecture>, WeightStore) {
+        let requantize = ty.map(|ty| move |m: &mut SynthModel| m.requantize_matrices(ty).unwrap());
+        edited_family_store(family, requantize.as_ref().map(|f| f as &dyn Fn(&mut SynthModel)))
+    }
+
+    /// The family fixture `family`, edited by `edit` where given, and its architecture.
+    fn edited_family_store(family: &str, edit: Option<&dyn Fn(&mut SynthModel)>) -> (Box<dyn kiln_models::Architecture>, WeightStore) {
         let fixture = std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tests/fixtures/families"))
             .join(format!("{family}.gguf"));
         let mut file = kiln_gguf::GgufFile::open(&fixture).unwrap();
-        if let Some(ty) = ty {
-            let mut m = kiln_models::synth::SynthModel::from_gguf(&file);
-            m.requantize_matrices(ty).unwrap();
+        if let Some(edit) = edit {
+            let mut m = SynthModel::from_gguf(&file);
+            edit(&mut m);
             static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
             let call = CALLS.fetch_add(1, Ordering::Relaxed);
             let path = std::env::temp_dir().join(format!("kiln-cuda-family-{}-{family}-{call}.gguf", std::process::id()));
@@ -2818,6 +2906,67 @@ mod tests {
             // Two rows: every add with the norm after it in one rms_norm2 launch.
             let (plan, l) = decode(2);
             assert_eq!((adds(&plan, &l), add_pairs(&plan, &l)), (0, 2 * layers), "{family}");
+        }
+    }
+
+    #[test]
+    fn a_qwen2_bias_joins_its_products_launch_where_it_streams() {
+        // One Qwen 2 layer wide enough for q/k/v to stream (4 MB and more a launch) in Q8_0, v in
+        // Q8_0 or Q4_0 (its own launch of 0.6 MB: not streamed).
+        let shape = LlamaShape {
+            arch: LlamaArch::Qwen2,
+            hidden: 2048,
+            layers: 1,
+            q_heads: 16,
+            kv_heads: 4,
+            head_dim: 128,
+            ffn: 2048,
+            vocab: 512,
+            context: 512,
+            rope_base: 1e6,
+            rope_factor: 1.0,
+            tied: true,
+        };
+        for (v_ty, arch) in [(GgmlType::Q8_0, SM90), (GgmlType::Q4_0, SM90), (GgmlType::Q8_0, (8, 0))] {
+            let edit = |m: &mut SynthModel| {
+                *m = kiln_models::synth::llama(&shape, FormatMix::All(GgmlType::Q8_0), 3);
+                for t in m.tensors.iter_mut().filter(|t| t.name.ends_with("attn_v.weight")) {
+                    let mut v = vec![0f32; t.dims.iter().product::<u64>() as usize];
+                    kiln_quant::dequantize(t.ty, &t.data, &mut v).unwrap();
+                    (t.data, t.ty) = (kiln_quant::quantize(v_ty, &v).unwrap(), v_ty);
+                }
+            };
+            let (model, store) = edited_family_store("qwen2", Some(&edit));
+            let plan =
+                kiln_runtime::compile(&model.build_graph(Bucket::Decode { past: 16, seqs: 1 }, OutputMode::NextToken).unwrap(), &store)
+                    .unwrap();
+            let l = lower(&plan, &store, arch).unwrap();
+            let bias_steps =
+                l.iter().filter(|l| matches!(l.op, Op::Step(t) if matches!(plan.steps[t].kernel, Kernel::AddBias { .. }))).count();
+            let biased: Vec<&Op> = l
+                .iter()
+                .map(|l| &l.op)
+                .filter(|op| matches!(op, Op::MatVecs { biases, .. } if biases.iter().any(Option::is_some)))
+                .collect();
+            let what = format!("v {v_ty:?}, sm_{}{}", arch.0, arch.1);
+            if arch.0 < 9 {
+                // No streamed launches: every bias its own launch.
+                assert!(biased.is_empty() && bias_steps == 3, "{what}: {l:#?}");
+                continue;
+            }
+            // The streamed q/k(/v) launch adds its biases (each step right after its product, no
+            // norm prologue); a v of another format keeps its bias launch.
+            let [Op::MatVecs { steps, biases, pro: None, epi: None, glu: None }] = biased[..] else { panic!("{what}: {l:#?}") };
+            assert_eq!(steps.len(), if v_ty == GgmlType::Q8_0 { 3 } else { 2 }, "{what}");
+            for (m, b) in steps.iter().zip(biases) {
+                let (Kernel::MatMul { out, .. }, Some(Kernel::AddBias { x, .. })) =
+                    (&plan.steps[*m].kernel, b.map(|b| &plan.steps[b].kernel))
+                else {
+                    panic!("{what}: {l:#?}")
+                };
+                assert!(b == &Some(m + 1) && x == out, "{what}");
+            }
+            assert_eq!(bias_steps, 3 - steps.len(), "{what}");
         }
     }
 

@@ -583,8 +583,10 @@ fn batched_steps_of_llama_and_qwen2_match_each_sequence_alone() {
 /// The Llama fixture's metadata (its tokenizer) with a layer of `hidden` wide rows, `heads`
 /// query heads of 128 (a quarter as many key heads), an MLP of `ffn`, every matrix in `ty` with
 /// random weights, and random Llama 3 RoPE divisors.
-fn wide_llama(hidden: usize, heads: usize, ffn: usize, ty: GgmlType) -> SynthModel {
-    let mut m = family_model("llama");
+/// A one-layer `family` model ("llama": with RoPE divisors; "qwen2": with q/k/v biases) of the
+/// given widths, every matrix in format `ty`.
+fn wide_family(family: &str, hidden: usize, heads: usize, ffn: usize, ty: GgmlType) -> SynthModel {
+    let mut m = family_model(family);
     let (d, kv) = (128, heads / 4);
     for (k, v) in [
         ("embedding_length", hidden),
@@ -596,7 +598,7 @@ fn wide_llama(hidden: usize, heads: usize, ffn: usize, ty: GgmlType) -> SynthMod
         ("attention.value_length", d),
         ("rope.dimension_count", d),
     ] {
-        m.set_meta(&format!("llama.{k}"), MetaValue::U32(v as u32));
+        m.set_meta(&format!("{family}.{k}"), MetaValue::U32(v as u32));
     }
     let vocab = 512;
     let mut rng = SynthRng(5);
@@ -609,10 +611,17 @@ fn wide_llama(hidden: usize, heads: usize, ffn: usize, ty: GgmlType) -> SynthMod
         SynthTensor { name: name.into(), dims: dims.iter().map(|&x| x as u64).collect(), ty, data }
     };
     let mat = |k: usize| 1.0 / (k as f32).sqrt();
-    m.tensors = vec![
-        t("token_embd.weight", &[hidden, vocab], 0.05),
+    m.tensors = vec![t("token_embd.weight", &[hidden, vocab], 0.05)];
+    if family == "llama" {
         // Divisors 2.25..6.75 (Llama 3 divides its low frequencies by up to 8).
-        t("rope_freqs.weight", &[d / 2], 4.5),
+        m.tensors.push(t("rope_freqs.weight", &[d / 2], 4.5));
+    }
+    if family == "qwen2" {
+        for (name, n) in [("q", heads * d), ("k", kv * d), ("v", kv * d)] {
+            m.tensors.push(t(&format!("blk.0.attn_{name}.bias"), &[n], 0.2));
+        }
+    }
+    m.tensors.extend([
         t("blk.0.attn_norm.weight", &[hidden], 1.0),
         t("blk.0.attn_q.weight", &[hidden, heads * d], mat(hidden)),
         t("blk.0.attn_k.weight", &[hidden, kv * d], mat(hidden)),
@@ -624,36 +633,41 @@ fn wide_llama(hidden: usize, heads: usize, ffn: usize, ty: GgmlType) -> SynthMod
         t("blk.0.ffn_down.weight", &[ffn, hidden], mat(ffn)),
         t("output_norm.weight", &[hidden], 1.0),
         t("output.weight", &[hidden, vocab], mat(hidden)),
-    ];
+    ]);
     m
 }
 
-/// CPU and CUDA agree on a Llama whose one-row launches stream their weights through shared
-/// memory (`matvecr`: rows of 2048, wider than the norm prologues take, 4 MB and more a launch):
-/// q/k/v, o, the gate/up pair with its SiLU product (`matvecr*_silu_<fmt>`) and the down
-/// projection, in every ring format; a prompt of 20 tokens (`mmq`), decode steps and greedy tokens.
+/// CPU and CUDA agree on a Llama, and a Qwen 2 with its q/k/v biases, whose one-row launches stream
+/// their weights through shared memory (`matvecr`: rows of 2048 or 3072, wider than the norm
+/// prologues take, 4 MB and more a launch): q/k/v (with the biases added by the launch), o, the gate/up pair
+/// with its SiLU product (`matvecr*_silu_<fmt>`) and the down projection, in every ring format; a
+/// prompt of 20 tokens (`mmq`), decode steps and greedy tokens.
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
 fn streamed_swiglu_launches_match_cpu() {
-    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0] {
-        let m = wide_llama(2048, 16, 8192, ty);
+    let formats = [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0];
+    for (family, ty) in formats.iter().map(|&t| ("llama", t)).chain(formats.iter().map(|&t| ("qwen2", t))) {
+        // (Qwen 2 at 3072: its q/k/v read 4 MB and more in every format, so they stream and add
+        // their biases.)
+        let (hidden, heads) = if family == "qwen2" { (3072, 24) } else { (2048, 16) };
+        let m = wide_family(family, hidden, heads, 8192, ty);
         let (c, g) = (load_family(&m, cpu()), load_family(&m, cuda()));
         let p = prompt(20, 512);
         let (mut sc, mut sg) = (c.new_session().unwrap(), g.new_session().unwrap());
         let (want, got) = (logits(&mut sc, &p), logits(&mut sg, &p));
         let e = rel_l2(&got, &want);
-        assert!(e < 1e-3, "{ty:?} prefill: relative L2 {e:.2e}");
+        assert!(e < 1e-3, "{family} {ty:?} prefill: relative L2 {e:.2e}");
         let mut tok = argmax(&want);
         for step in 0..6 {
             let (want, got) = (logits(&mut sc, &[tok]), logits(&mut sg, &[tok]));
             let e = rel_l2(&got, &want);
-            assert!(e < 1e-3, "{ty:?} decode step {step}: relative L2 {e:.2e}");
+            assert!(e < 1e-3, "{family} {ty:?} decode step {step}: relative L2 {e:.2e}");
             tok = argmax(&want);
         }
         let (mut sc, mut sg) = (c.new_session().unwrap(), g.new_session().unwrap());
         let (mut tc, mut tg) = (next_token(&mut sc, &p), next_token(&mut sg, &p));
         for _ in 0..4 {
-            assert_eq!(tc, tg, "{ty:?}");
+            assert_eq!(tc, tg, "{family} {ty:?}");
             tc = next_token(&mut sc, &[tc]);
             tg = next_token(&mut sg, &[tg]);
         }
