@@ -34,7 +34,8 @@ template <> struct Fmt<F_Q5_K> { static const int bytes = 176, per = 256; };
 template <> struct Fmt<F_Q6_K> { static const int bytes = 210, per = 256; };
 
 // A packed matrix on the device: `rb` bytes per row, `nblk` blocks in all. The formats whose blocks
-// are not 16-byte aligned (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q6_K) are uploaded planar (weights.rs): each field of every
+// are not 4-byte aligned or whose fields are not 16-byte aligned (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+// Q3_K, Q6_K) are uploaded planar (weights.rs): each field of every
 // block stored contiguously in block order (same bytes), so every field is aligned for vector
 // loads; the other formats keep ggml's layout.
 struct Mat {
@@ -96,27 +97,6 @@ template <> __device__ __forceinline__ void aos32<F_Q2_K>(const u8* row, int s, 
         const u8* q = b + 16 + 32 * n + 16 * h;
 #pragma unroll
         for (int l = 0; l < 16; l++) v[16 * h + l] = dl * (float)((q[l] >> (2 * j)) & 3) - ml;
-    }
-}
-template <> __device__ __forceinline__ void aos32<F_Q3_K>(const u8* row, int s, float* v) {
-    const u8* b = row + 110 * (s >> 3);
-    int sub = s & 7, n = sub >> 2, j = sub & 3;
-    float d = half_at(b + 108);
-    const u8* sc = b + 96;
-    u8 mask = (u8)(1u << sub);
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        int i = 8 * n + 2 * j + h;
-        int low = i < 8 ? (sc[i] & 15) : (sc[i - 8] >> 4);
-        int high = (sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
-        float dl = d * (float)((low | (high << 4)) - 32);
-        const u8* q = b + 32 + 32 * n + 16 * h;
-        const u8* hm = b + 16 * h;
-#pragma unroll
-        for (int l = 0; l < 16; l++) {
-            int lv = (q[l] >> (2 * j)) & 3;
-            v[16 * h + l] = dl * (float)(lv - ((hm[l] & mask) ? 0 : 4));
-        }
     }
 }
 template <> __device__ __forceinline__ void aos32<F_Q4_K>(const u8* row, int s, float* v) {
@@ -224,6 +204,31 @@ template <> __device__ __forceinline__ void sub32<F_Q6_K>(const Mat& m, u64 r, i
     for (int l = 0; l < 32; l++) {
         int q = ((ql[l] >> nib) & 15) | (((qh[l] >> hs) & 3) << 4);
         v[l] = d * (float)sc[(l >> 4) + 2 * gg] * (float)(q - 32);
+    }
+}
+
+// Planar Q3_K: hmask [32 per block], qs [64], scales [12], d [2]. Element 128n + 32j + l (l < 32)
+// of a block: low bits (qs[32n + l] >> 2j) & 3, high bit hmask[l] >> (4n + j) (set: no -4); the
+// 6-bit scale of 16-element half i = 8n + 2j + h: q3k_scale.
+__device__ __forceinline__ int q3k_scale(const u8* sc, int i) {
+    const int low = i < 8 ? (sc[i] & 15) : (sc[i - 8] >> 4), high = (sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+    return (low | (high << 4)) - 32;
+}
+template <> __device__ __forceinline__ void sub32<F_Q3_K>(const Mat& m, u64 r, int s, float* v) {
+    u64 g = block_of<F_Q3_K>(m, r, s >> 3);
+    int sub = s & 7, n = sub >> 2, j = sub & 3;
+    float d = half_u16(*(const u16*)(m.w + 108 * m.nblk + 2 * g));
+    const u8* hm = m.w + 32 * g;
+    const u8* q = m.w + 32 * m.nblk + 64 * g + 32 * n;
+    const u8* sc = m.w + 96 * m.nblk + 12 * g;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const float dl = d * (float)q3k_scale(sc, 8 * n + 2 * j + h);
+#pragma unroll
+        for (int l = 0; l < 16; l++) {
+            const int lv = ((q[16 * h + l] >> (2 * j)) & 3) | (((hm[16 * h + l] >> (4 * n + j)) & 1) << 2);
+            v[16 * h + l] = dl * (float)(lv - 4);
+        }
     }
 }
 
@@ -690,6 +695,93 @@ template <> struct Chunk<F_Q6_K> {
     static __device__ __forceinline__ float dot(const Dec& e, const XGroup* x) {
         return e.s0 * x[0].d * (float)(dotq16(e.w[0], x[0]) - 32 * x[0].s) + e.s1 * x[1].d * (float)(dotq16(e.w[1], x[1]) - 32 * x[1].s);
     }
+};
+
+// Q2_K (ggml's layout: 84-byte blocks, 4-byte aligned): chunk c is sub-block pair s = c % 8 of
+// super-block c / 8 (half n = s / 4, shift j = s % 4): element l < 32 is (qs[32n + l] >> 2j) & 3,
+// its 16-element half h with scale byte 8n + 2j + h (low nibble: scale, high: minimum).
+template <> struct Chunk<F_Q2_K> {
+    static const int NP = 0;
+    static const int G = 2;
+    struct Raw {
+        u32 q[8];
+        u32 sc, dm;
+    };
+    static __device__ __forceinline__ int xoff(int c, int g) { return 32 * c + 16 * g; }
+    static __device__ __forceinline__ Raw load(const Mat& m, u64 row, int c) {
+        const u8* b = m.w + row * m.rb + 84 * (c >> 3);
+        const int s = c & 7, n = s >> 2, j = s & 3;
+        Raw r;
+#pragma unroll
+        for (int t = 0; t < 8; t++) r.q[t] = *(const u32*)(b + 16 + 32 * n + 4 * t);
+        r.sc = *(const u16*)(b + 8 * n + 2 * j);
+        r.dm = *(const u32*)(b + 80);
+        return r;
+    }
+    // The chunk's levels (2 bits, as bytes), its halves' scales and minima (d and dmin applied).
+    struct Dec {
+        u32 w[2][4];
+        float s0, s1, m0, m1;
+    };
+    static __device__ __forceinline__ Dec decode(const Mat&, const Raw& r, int c) {
+        const int sh = 2 * (c & 3);
+        const float d = half_u16(r.dm & 0xffff), dmin = half_u16(r.dm >> 16);
+        Dec e;
+#pragma unroll
+        for (int t = 0; t < 8; t++) e.w[t >> 2][t & 3] = (r.q[t] >> sh) & 0x03030303u;
+        e.s0 = d * (float)(r.sc & 15);
+        e.s1 = d * (float)((r.sc >> 8) & 15);
+        e.m0 = dmin * (float)((r.sc >> 4) & 15);
+        e.m1 = dmin * (float)((r.sc >> 12) & 15);
+        return e;
+    }
+    static __device__ __forceinline__ float dot(const Dec& e, const XGroup* x) {
+        return x[0].d * (e.s0 * (float)dotq16(e.w[0], x[0]) - e.m0 * (float)x[0].s) +
+               x[1].d * (e.s1 * (float)dotq16(e.w[1], x[1]) - e.m1 * (float)x[1].s);
+    }
+    static __device__ __forceinline__ float dot(const Mat& m, const Raw& r, int c, const XGroup* x) { return dot(decode(m, r, c), x); }
+};
+// Planar Q3_K (see sub32<F_Q3_K>): chunk c is sub-block s = c % 8 of super-block c / 8 (half n =
+// s / 4, shift j = s % 4); its levels 0..7 (low bits, high bit times 4) are 4 more than the values.
+template <> struct Chunk<F_Q3_K> {
+    static const int NP = 0;
+    static const int G = 2;
+    struct Raw {
+        uint4 q0, q1, h0, h1;
+        u32 sc, hi, d;
+    };
+    static __device__ __forceinline__ int xoff(int c, int g) { return 32 * c + 16 * g; }
+    static __device__ __forceinline__ Raw load(const Mat& m, u64 row, int c) {
+        const u64 g = block_of<F_Q3_K>(m, row, c >> 3);
+        const int s = c & 7, n = s >> 2, j = s & 3;
+        const uint4* q = (const uint4*)(m.w + 32 * m.nblk + 64 * g + 32 * n);
+        const uint4* h = (const uint4*)(m.w + 32 * g);
+        const u8* sc = m.w + 96 * m.nblk + 12 * g;
+        // The scales' low nibbles of halves 8n + 2j, + 1 (bytes 2j, 2j + 1, high nibbles for n = 1)
+        // and their high bits (bytes 8 + 2 (j % 2), + 1, bits 2 (2n + j / 2)..).
+        return Raw{q[0], q[1], h[0], h[1], *(const u16*)(sc + 2 * j), *(const u16*)(sc + 8 + 2 * (j & 1)), *(const u16*)(m.w + 108 * m.nblk + 2 * g)};
+    }
+    struct Dec {
+        u32 w[2][4];
+        float s0, s1;
+    };
+    static __device__ __forceinline__ Dec decode(const Mat&, const Raw& r, int c) {
+        const int s = c & 7, n = s >> 2, j = s & 3, sh = 2 * j, hb = 4 * n + j;
+        const u32 q[8] = {r.q0.x, r.q0.y, r.q0.z, r.q0.w, r.q1.x, r.q1.y, r.q1.z, r.q1.w};
+        const u32 h[8] = {r.h0.x, r.h0.y, r.h0.z, r.h0.w, r.h1.x, r.h1.y, r.h1.z, r.h1.w};
+        Dec e;
+#pragma unroll
+        for (int t = 0; t < 8; t++) e.w[t >> 2][t & 3] = ((q[t] >> sh) & 0x03030303u) | (((h[t] >> hb) & 0x01010101u) << 2);
+        const float d = half_u16(r.d);
+        const int lo = n ? (int)(r.sc >> 4) : (int)r.sc, hs = 2 * (2 * n + (j >> 1));
+        e.s0 = d * (float)(((lo & 15) | (((int)(r.hi >> hs) & 3) << 4)) - 32);
+        e.s1 = d * (float)((((lo >> 8) & 15) | (((int)(r.hi >> (8 + hs)) & 3) << 4)) - 32);
+        return e;
+    }
+    static __device__ __forceinline__ float dot(const Dec& e, const XGroup* x) {
+        return e.s0 * x[0].d * (float)(dotq16(e.w[0], x[0]) - 4 * x[0].s) + e.s1 * x[1].d * (float)(dotq16(e.w[1], x[1]) - 4 * x[1].s);
+    }
+    static __device__ __forceinline__ float dot(const Mat& m, const Raw& r, int c, const XGroup* x) { return dot(decode(m, r, c), x); }
 };
 
 // The chunks of the streamed (matvec_ring) kernels: a format's Chunk, except Q4_K's, which takes a
@@ -1836,6 +1928,60 @@ template <> struct Tile<F_Q5_1> {
     }
 };
 
+template <> struct Tile<F_Q2_K> {
+    static const bool HALVES = true;
+    static const bool SHARE_SCALES = true;
+    static const int STRIDE = 48, UNITS = 11;
+    // [the half's 32 level bytes][its 8 scale bytes][d, dmin][4 bytes of padding], copied 4 bytes
+    // at a time (ggml's 84-byte blocks are 4-byte aligned).
+    static __device__ __forceinline__ void copy(const Mat& m, u64 row, int j, u8* dst, int u) {
+        const u8* b = m.w + row * m.rb + 84 * (u64)(j >> 1);
+        const int n = j & 1;
+        cp_async4(dst + 4 * u, u < 8 ? b + 16 + 32 * n + 4 * u : u < 10 ? b + 8 * n + 4 * (u - 8) : b + 80);
+    }
+    static __device__ __forceinline__ void frag(const u8* r, int i, int, int t, u32& b0, u32& b1) {
+        b0 = (ld32(r + 4 * t) >> (2 * i)) & 0x03030303u;
+        b1 = (ld32(r + 16 + 4 * t) >> (2 * i)) & 0x03030303u;
+    }
+    static __device__ __forceinline__ void scales(const u8* r, int i, int, const Mat&, u64, float2& d, float2& mn) {
+        const u32 sc = *(const u16*)(r + 32 + 2 * i), dm = ld32(r + 40);
+        const float dd = half_u16(dm & 0xffff), dmin = half_u16(dm >> 16);
+        d = make_float2(dd * (float)(sc & 15), dd * (float)((sc >> 8) & 15));
+        mn = make_float2(dmin * (float)((sc >> 4) & 15), dmin * (float)((sc >> 12) & 15));
+    }
+};
+template <> struct Tile<F_Q3_K> {
+    static const bool HALVES = true;
+    static const bool SHARE_SCALES = true;
+    static const int STRIDE = 80, UNITS = 8;
+    // [the half's 32 low-bit bytes][the block's 32 high-bit bytes][its 12 scale bytes][the aligned
+    // 4-byte word holding d] (planar, see sub32<F_Q3_K>).
+    static __device__ __forceinline__ void copy(const Mat& m, u64 row, int j, u8* dst, int u) {
+        const u64 g = block_of<F_Q3_K>(m, row, j >> 1);
+        if (u < 2)
+            cp_async16(dst + 16 * u, m.w + 32 * m.nblk + 64 * g + 32 * (j & 1) + 16 * u);
+        else if (u < 4)
+            cp_async16(dst + 16 * u, m.w + 32 * g + 16 * (u - 2));
+        else if (u < 7)
+            cp_async4(dst + 64 + 4 * (u - 4), m.w + 96 * m.nblk + 12 * g + 4 * (u - 4));
+        else
+            cp_async4(dst + 76, m.w + ((108 * m.nblk + 2 * g) & ~(u64)3));
+    }
+    static __device__ __forceinline__ void frag(const u8* r, int i, int j, int t, u32& b0, u32& b1) {
+        const int sh = 2 * i, hb = 4 * (j & 1) + i;
+        b0 = ((ld32(r + 4 * t) >> sh) & 0x03030303u) | (((ld32(r + 32 + 4 * t) >> hb) & 0x01010101u) << 2);
+        b1 = ((ld32(r + 16 + 4 * t) >> sh) & 0x03030303u) | (((ld32(r + 48 + 4 * t) >> hb) & 0x01010101u) << 2);
+    }
+    static __device__ __forceinline__ void scales(const u8* r, int i, int j, const Mat& m, u64 row, float2& d, float2& mn) {
+        // d is the high half of the word for odd blocks: block (row, j / 2) is row * (rb / 110) + j / 2.
+        const u32 odd = ((u32)row & (u32)(m.rb / Fmt<F_Q3_K>::bytes) & 1u) ^ ((u32)(j >> 1) & 1u);
+        const float dd = half_u16((ld32(r + 76) >> (16 * odd)) & 0xffff);
+        const int h = 8 * (j & 1) + 2 * i;
+        d = make_float2(dd * (float)q3k_scale(r + 64, h), dd * (float)q3k_scale(r + 64, h + 1));
+        mn = make_float2(4.f * d.x, 4.f * d.y);
+    }
+};
+
 // Bytes of one stage of a block of `xr` activation rows and `bw` weight rows in format T: activation
 // levels, activation scales ({d, level sum} per 16 elements: 64 bytes a row), weight rows
 // (`MmqBlock::shared` in exec.rs).
@@ -2158,6 +2304,8 @@ KILN_MMQ(q5_k, F_Q5_K)
 KILN_MMQ(q4_0, F_Q4_0)
 KILN_MMQ(q4_1, F_Q4_1)
 KILN_MMQ(q5_1, F_Q5_1)
+KILN_MMQ(q2_k, F_Q2_K)
+KILN_MMQ(q3_k, F_Q3_K)
 
 // Per format: matvec (2 output rows per warp, up to MV_ROWS activation rows), matvec1 (the same for
 // one activation row, with the norm prologue), matvec4 (4 output rows per warp, one activation row:

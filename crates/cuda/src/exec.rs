@@ -199,8 +199,18 @@ fn streamed(ty: GgmlType, k: usize, rows_of: &[usize], glu: bool, plain: bool, a
 /// Formats with `mmq{tile}_<fmt>` kernels (`KILN_MMQ` in quant.cu): integer tensor-core products
 /// of more activation rows than the matrix-vector kernels take, the weights read in their packed
 /// form (other formats are dequantized to f32 for cuBLAS).
-pub(crate) const MMQ_FORMATS: [GgmlType; 8] =
-    [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q5_K, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_1];
+pub(crate) const MMQ_FORMATS: [GgmlType; 10] = [
+    GgmlType::Q4_K,
+    GgmlType::Q6_K,
+    GgmlType::Q8_0,
+    GgmlType::Q5_0,
+    GgmlType::Q5_K,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_1,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+];
 /// Elements of one shared-memory stage of the `mmq` kernels (`MMQ_K` in quant.cu): they take
 /// matrices whose rows are a multiple of it (every Gemma, Llama and Qwen width is).
 const MMQ_K: usize = 128;
@@ -290,7 +300,8 @@ impl MmqBlock {
     /// rows' share (`Tile<T>::STRIDE` bytes each; none for a format without `mmq`).
     pub(crate) fn shared(&self, ty: GgmlType, tile: usize) -> usize {
         let stride = match ty {
-            GgmlType::Q4_K | GgmlType::Q4_0 | GgmlType::Q4_1 => 80,
+            GgmlType::Q2_K => 48,
+            GgmlType::Q4_K | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q3_K => 80,
             GgmlType::Q6_K | GgmlType::Q5_0 | GgmlType::Q5_K | GgmlType::Q5_1 => 112,
             GgmlType::Q8_0 => 144,
             _ => 0,
@@ -2984,11 +2995,11 @@ mod tests {
         // This model's rows are short: from MMQ_MIN_ROWS rows they take mmq too.
         assert!(capturable(decode(MMQ_MIN_ROWS), FormatMix::Q4KM, SM90));
         // Fewer rows take the matrix-vector kernels (captured without this scratch), as do
-        // formats without mmq up to MATVEC_ROWS rows; then Q3_K takes cuBLAS; prompts are not
+        // formats without mmq (the float ones) up to MATVEC_ROWS rows; then F16 takes cuBLAS; prompts are not
         // captured; mma needs sm_80.
         assert!(!capturable(decode(MMQ_MIN_ROWS - 1), FormatMix::Q4KM, SM90));
-        assert!(!capturable(decode(MATVEC_ROWS), FormatMix::All(GgmlType::Q3_K), SM90));
-        assert!(!capturable(decode(16), FormatMix::All(GgmlType::Q3_K), SM90));
+        assert!(!capturable(decode(MATVEC_ROWS), FormatMix::All(GgmlType::F16), SM90));
+        assert!(!capturable(decode(16), FormatMix::All(GgmlType::F16), SM90));
         assert!(!capturable(Bucket::Prefill { rows: 16, seqs: 1 }, FormatMix::Q4KM, SM90));
         assert!(!capturable(decode(16), FormatMix::Q4KM, (7, 5)));
     }
@@ -3005,7 +3016,7 @@ mod tests {
             assert!(!takes_matvec(GgmlType::Q4_K, 3840, rows, SM90), "{rows}");
             assert!(!takes_matvec(GgmlType::Q6_K, 15360, rows, SM90), "{rows}");
             // Formats without mmq and devices without its mma stay.
-            assert!(takes_matvec(GgmlType::Q3_K, 640, rows, SM90), "{rows}");
+            assert!(takes_matvec(GgmlType::F16, 640, rows, SM90), "{rows}");
             assert!(takes_matvec(GgmlType::Q4_K, 640, rows, (7, 5)), "{rows}");
             // In blocks of 8 activation rows.
             assert_eq!(MmqBlock::of(rows), MMQ_FEW);
@@ -3230,10 +3241,12 @@ mod tests {
     fn mmq_takes_its_formats_on_rows_of_whole_stages() {
         for ty in MMQ_FORMATS {
             assert!(takes_mmq(ty, 640, SM90) && takes_mmq(ty, 15360, SM90), "{ty:?}");
+            // Every mmq format's weight rows take shared memory (its `Tile<T>::STRIDE`).
+            assert!(MMQ_MANY.shared(ty, 8) > MMQ_MANY.shared(GgmlType::F32, 8), "{ty:?}");
             // Rows not a multiple of a stage (here 5 legacy blocks) and devices without mma.
             assert!(!takes_mmq(ty, 160, SM90) && !takes_mmq(ty, 640, (7, 5)), "{ty:?}");
         }
-        assert!(!takes_mmq(GgmlType::Q3_K, 640, SM90));
+        assert!(!takes_mmq(GgmlType::F16, 640, SM90));
         // Shared memory: the Q8_0 block of 128 rows is the largest (two blocks a multiprocessor).
         assert_eq!(MMQ_MANY.shared(GgmlType::Q8_0, 128), 3 * (32 * 336 + 128 * 144));
         assert_eq!(MMQ_FEW.shared(GgmlType::Q4_K, 64), 4 * (8 * 336 + 64 * 80));

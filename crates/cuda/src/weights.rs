@@ -35,8 +35,9 @@ pub(crate) fn format_name(ty: GgmlType) -> Option<&'static str> {
 
 /// The fields of a block format stored planar on the device, as (offset, bytes) within the block
 /// in plane order, for the formats whose blocks are not 16-byte aligned (the kernels' `sub32`,
-/// `Chunk` and `mmq` tiles of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q6_K read this layout: their
-/// `mmq` tiles copy each field with aligned asynchronous copies).
+/// `Chunk` and `mmq` tiles of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K and Q6_K read this layout: their
+/// `mmq` tiles copy each field with aligned asynchronous copies; Q2_K's 84-byte blocks, 4-byte
+/// aligned, keep ggml's layout and its tiles copy 4 bytes at a time).
 pub(crate) fn planar_fields(ty: GgmlType) -> Option<&'static [(usize, usize)]> {
     match ty {
         GgmlType::Q4_0 => Some(&[(2, 16), (0, 2)]),
@@ -44,6 +45,7 @@ pub(crate) fn planar_fields(ty: GgmlType) -> Option<&'static [(usize, usize)]> {
         GgmlType::Q5_1 => Some(&[(8, 16), (4, 4), (0, 4)]),
         GgmlType::Q8_0 => Some(&[(2, 32), (0, 2)]),
         GgmlType::Q5_0 => Some(&[(6, 16), (2, 4), (0, 2)]),
+        GgmlType::Q3_K => Some(&[(0, 32), (32, 64), (96, 12), (108, 2)]),
         GgmlType::Q6_K => Some(&[(0, 128), (128, 64), (192, 16), (208, 2)]),
         _ => None,
     }
@@ -182,7 +184,7 @@ mod tests {
 
     #[test]
     fn planar_layout_keeps_every_byte_and_aligns_fields() {
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q6_K] {
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q3_K, GgmlType::Q6_K] {
             let fields = planar_fields(ty).unwrap();
             let bytes = ty.type_size();
             assert_eq!(fields.iter().map(|f| f.1).sum::<usize>(), bytes, "{ty:?}");
