@@ -1329,6 +1329,11 @@ template <> struct Planes<F_Q5_0> {
     static __device__ __forceinline__ u32 off(int p) { return p == 0 ? 0 : p == 1 ? 16 : 20; }
     static __device__ __forceinline__ u32 per(int p) { return p == 0 ? 16 : p == 1 ? 4 : 2; }
 };
+template <> struct Planes<F_Q3_K> {
+    static const int N = 4;
+    static __device__ __forceinline__ u32 off(int p) { return p == 0 ? 0 : p == 1 ? 32 : p == 2 ? 96 : 108; }
+    static __device__ __forceinline__ u32 per(int p) { return p == 0 ? 32 : p == 1 ? 64 : p == 2 ? 12 : 2; }
+};
 template <> struct Planes<F_Q6_K> {
     static const int N = 4;
     static __device__ __forceinline__ u32 off(int p) { return p == 0 ? 0 : p == 1 ? 128 : p == 2 ? 192 : 208; }
@@ -2381,3 +2386,5 @@ KILN_RING(q8_0, F_Q8_0)
 KILN_RING(q5_0, F_Q5_0)
 KILN_RING(q4_0, F_Q4_0)
 KILN_RING(q5_k, F_Q5_K)
+KILN_RING(q2_k, F_Q2_K)
+KILN_RING(q3_k, F_Q3_K)

@@ -568,7 +568,7 @@ mod tests {
         // The quantized family: its own kernels, then one program per instance line, each with
         // every template but only its line's instances.
         let quant: Vec<&Program> = programs.iter().filter(|p| p.name.starts_with("quant")).collect();
-        assert_eq!(quant.len(), 1 + 13 + 6 + 10);
+        assert_eq!(quant.len(), 1 + 13 + 8 + 10);
         assert_eq!(quant[0].kernels, ["argmax_head_q8_0", "quantize_rows"]);
         let format = quant.iter().find(|p| p.name == "quant-format-q4_k").unwrap();
         assert!(format.kernels.contains(&"matvec4p_silu_q4_k".to_string()) && format.kernels.len() == 10);
@@ -583,8 +583,8 @@ mod tests {
         let quant = kernel_names(FAMILIES[0].1);
         assert!(quant.contains(&"matvec_q4_k".to_string()) && quant.contains(&"dequant_q8_0".to_string()));
         // Per format 4 matrix-vector kernels per glu activation, embed and dequant; quantize_rows
-        // and the greedy head; 3 ring kernels per activation of 6 formats; the mmq tiles.
-        assert_eq!(quant.len(), 13 * (4 * 2 + 2) + 2 + 6 * 3 * 2 + 10 * 4 * 2);
+        // and the greedy head; 3 ring kernels per activation of 8 formats; the mmq tiles.
+        assert_eq!(quant.len(), 13 * (4 * 2 + 2) + 2 + 8 * 3 * 2 + 10 * 4 * 2);
         assert!(quant.contains(&"matvecr2_q6_k".to_string()) && quant.contains(&"mmq8_q5_0".to_string()));
         assert!(quant.contains(&"matvec4p_silu_q5_0".to_string()) && quant.contains(&"matvecr4_silu_q8_0".to_string()));
         assert!(quant.contains(&"mmq128_q4_k".to_string()));

@@ -112,7 +112,8 @@ pub(crate) fn matvec4_shared_bytes(fmt: &str) -> u32 {
 }
 /// Formats with `matvecr8_<fmt>`, `matvecr4_<fmt>` and `matvecr2_<fmt>` kernels (`KILN_RING` in
 /// quant.cu).
-const RING_FORMATS: [GgmlType; 6] = [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q4_0, GgmlType::Q5_K];
+const RING_FORMATS: [GgmlType; 8] =
+    [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0, GgmlType::Q4_0, GgmlType::Q5_K, GgmlType::Q2_K, GgmlType::Q3_K];
 /// Weight bytes from which a one-row launch streams its weights through shared memory
 /// (`matvecr`; measured on an H200 at 12B shapes, bench/RESULTS.md "issue 4i": the greedy head
 /// 326 -> 205 µs, gate/up 25.9 -> 20.6 µs, o 6.1 -> 4.4 µs, v 4.9 -> 3.8 µs, q/k even).
@@ -3181,7 +3182,7 @@ mod tests {
         assert_eq!(r(Q6_K, 3840, &[262141], false), None);
         assert_eq!(r(Q6_K, 3840, &[15360, 15360], true), None);
         assert_eq!(r(Q4_K, 640, &[2048, 2048], true), None);
-        assert_eq!(r(Q3_K, 3840, &[262144], false), None);
+        assert_eq!(r(Q4_1, 3840, &[262144], false), None);
         assert_eq!(r(Q4_0, 3840, &[262144], false), g(8, 3, 528));
         assert_eq!(r(Q5_K, 3840, &[262144], false), g(8, 2, 528));
         // cuda.rs's streamed-launch models (hidden 2048, MLP 32768, vocabulary 65536).

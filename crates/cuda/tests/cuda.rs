@@ -199,7 +199,9 @@ streamed!(
     q8_0_streamed_launches_match_cpu => GgmlType::Q8_0,
     q5_0_streamed_launches_match_cpu => GgmlType::Q5_0,
     q4_0_streamed_launches_match_cpu => GgmlType::Q4_0,
-    q5_k_streamed_launches_match_cpu => GgmlType::Q5_K
+    q5_k_streamed_launches_match_cpu => GgmlType::Q5_K,
+    q2_k_streamed_launches_match_cpu => GgmlType::Q2_K,
+    q3_k_streamed_launches_match_cpu => GgmlType::Q3_K
 );
 
 /// A decode step over a long past splits each head's positions over several blocks (from 128
