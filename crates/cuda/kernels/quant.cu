@@ -1741,7 +1741,7 @@ __device__ __forceinline__ u32 ld32(const u8* p) { return *(const u32*)p; }
 // of sub-block i (0..3) of stage j (elements 4t..4t + 3 in b0, 16 later in b1, signed bytes) and
 // `scales` an output row's scale and offset (w = d * level - mn; per 16-element half: .x the first,
 // .y the second; HALVES: the halves have scales of their own, so the products are taken 16
-// elements at a time; SHARE_SCALES: see WarpScales). The 32-element formats and Q6_K are uploaded planar
+// elements at a time; SHARE_SCALES: see WarpScales). The 32-element formats, Q3_K and Q6_K are uploaded planar
 // (weights.rs).
 template <int T> struct Tile;
 template <> struct Tile<F_Q4_K> {
