@@ -730,10 +730,8 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> Result<Ve
     if small {
         let mut out: Vec<Op> = Vec::with_capacity(ops.len());
         for op in ops {
-            // (Biases are added only by the streamed kernels, which take no epilogue.)
             if let Some(Op::MatVecs { steps: group, biases, glu: None, epi: epi @ None, pro: None }) = out.last_mut() {
-                let biased = biases.iter().any(Option::is_some);
-                if let Some(e) = if biased { None } else { epilogue_for(plan, weights, group, &op)? } {
+                if let Some(e) = epilogue_for(plan, weights, group, biases, &op)? {
                     *epi = Some(e);
                     continue;
                 }
@@ -983,11 +981,20 @@ impl MatVecShape {
     }
 }
 
-/// The norm epilogue of the matrix-vector group `group` for the launch `next` after it (a norm
-/// or norm pair of the group's one product), if it applies.
-fn epilogue_for(plan: &Plan, weights: &dyn WeightShapes, group: &[usize], next: &Op) -> Result<Option<Epilogue>, RuntimeError> {
+/// The norm epilogue of the matrix-vector group `group` (with its `biases`) for the launch `next`
+/// after it (a norm or norm pair of the group's one product), if it applies.
+fn epilogue_for(
+    plan: &Plan,
+    weights: &dyn WeightShapes,
+    group: &[usize],
+    biases: &[Option<usize>],
+    next: &Op,
+) -> Result<Option<Epilogue>, RuntimeError> {
     let steps = &plan.steps;
     let &[m] = group else { return Ok(None) };
+    if biased(biases) {
+        return Ok(None);
+    }
     let Kernel::MatMul { out: prod, n, .. } = steps[m].kernel else { return Ok(None) };
     let same = |a: Slot, b: Slot| !overlaps(a, b) || a.offset == b.offset;
     let (e, first) = match *next {
@@ -1140,8 +1147,7 @@ fn prologue_for(
 ) -> Result<Option<Prologue>, RuntimeError> {
     let s = &plan.steps;
     let Op::MatVecs { steps: group, biases, epi: None, pro: None, .. } = m else { return Ok(None) };
-    // (Biases are added only by the streamed kernels, which take no prologue.)
-    if biases.iter().any(Option::is_some) {
+    if biased(biases) {
         return Ok(None);
     }
     let (e, first, last) = match *norm {
@@ -1195,6 +1201,12 @@ fn prologue_for(
     Ok(ok.then_some(Prologue { norm: e, write_y, x_private, res_in, h_out }))
 }
 
+/// Whether a matrix-vector group adds biases (`Op::MatVecs::biases`): then its launch streams its
+/// weights, which only the `matvecr` kernels do, and they take no norm prologue or epilogue.
+fn biased(biases: &[Option<usize>]) -> bool {
+    biases.iter().any(Option::is_some)
+}
+
 /// The `AddBias` step right after the matmul step `m` that its matrix-vector launch can add
 /// itself (`Op::MatVecs::biases`): one over the product's rows and width with a bias of that
 /// width, the product read by nothing after it (the launch stores only the sum).
@@ -1234,7 +1246,7 @@ fn fuse_at(plan: &Plan, i: usize, weights: &dyn WeightShapes, biases: bool) -> R
                     _ => break,
                 }
             }
-            if bias.iter().any(Option::is_some) {
+            if biased(&bias) {
                 let rows_of: Vec<usize> =
                     group.iter().map(|&m| if let Kernel::MatMul { n, .. } = steps[m].kernel { n } else { 0 }).collect();
                 if ring_geometry(ty, k, &rows_of, false, 1).is_none() {
@@ -2605,16 +2617,7 @@ mod tests {
 
     /// A Gemma 3 plan of `shape` and `bucket` and the weights it reads.
     fn plan_of(shape: &Gemma3Shape, bucket: Bucket, mix: FormatMix) -> (Plan, WeightStore) {
-        let dir = std::env::temp_dir().join(format!("kiln-cuda-lower-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        // One file per call: the tests run in parallel.
-        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let call = CALLS.fetch_add(1, Ordering::Relaxed);
-        let path = dir.join(format!("{mix:?}-{}-{}-{call}.gguf", shape.hidden, shape.kv_heads).replace(['(', ')'], ""));
-        gemma3(shape, mix, 7).write(&path).unwrap();
-        let file = Arc::new(kiln_gguf::GgufFile::open(&path).unwrap());
-        let arch = kiln_models::architecture_from_gguf(&file).unwrap();
-        let store = WeightStore::new(file).unwrap();
+        let (arch, store) = model_store(&gemma3(shape, mix, 7));
         let plan = kiln_runtime::compile(&arch.build_graph(bucket, OutputMode::NextToken).unwrap(), &store).unwrap();
         (plan, store)
     }
@@ -2622,31 +2625,37 @@ mod tests {
     /// Every model family kiln runs (the fixtures of `crates/models/tests/fixtures/families`).
     const FAMILIES: [&str; 7] = ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma4"];
 
+    /// A synthetic model written to a file of its own (the tests run in parallel) and loaded: its
+    /// architecture and weights.
+    fn model_store(m: &SynthModel) -> (Box<dyn kiln_models::Architecture>, WeightStore) {
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let call = CALLS.fetch_add(1, Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("kiln-cuda-lower-{}-{call}.gguf", std::process::id()));
+        m.write(&path).unwrap();
+        let file = kiln_gguf::GgufFile::open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        file_store(file)
+    }
+
+    /// An opened model file's architecture and weights.
+    fn file_store(file: kiln_gguf::GgufFile) -> (Box<dyn kiln_models::Architecture>, WeightStore) {
+        let file = Arc::new(file);
+        (kiln_models::architecture_from_gguf(&file).unwrap(), WeightStore::new(file).unwrap())
+    }
+
     /// The family fixture `family`, every matrix re-encoded in `ty` where given (the fixtures mix
     /// formats, so that no gate and up matrices share one and nothing fuses them), and its
     /// architecture.
     fn family_store(family: &str, ty: Option<GgmlType>) -> (Box<dyn kiln_models::Architecture>, WeightStore) {
-        let requantize = ty.map(|ty| move |m: &mut SynthModel| m.requantize_matrices(ty).unwrap());
-        edited_family_store(family, requantize.as_ref().map(|f| f as &dyn Fn(&mut SynthModel)))
-    }
-
-    /// The family fixture `family`, edited by `edit` where given, and its architecture.
-    fn edited_family_store(family: &str, edit: Option<&dyn Fn(&mut SynthModel)>) -> (Box<dyn kiln_models::Architecture>, WeightStore) {
         let fixture = std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tests/fixtures/families"))
             .join(format!("{family}.gguf"));
-        let mut file = kiln_gguf::GgufFile::open(&fixture).unwrap();
-        if let Some(edit) = edit {
+        let file = kiln_gguf::GgufFile::open(&fixture).unwrap();
+        if let Some(ty) = ty {
             let mut m = SynthModel::from_gguf(&file);
-            edit(&mut m);
-            static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-            let call = CALLS.fetch_add(1, Ordering::Relaxed);
-            let path = std::env::temp_dir().join(format!("kiln-cuda-family-{}-{family}-{call}.gguf", std::process::id()));
-            m.write(&path).unwrap();
-            file = kiln_gguf::GgufFile::open(&path).unwrap();
-            std::fs::remove_file(&path).unwrap();
+            m.requantize_matrices(ty).unwrap();
+            return model_store(&m);
         }
-        let file = Arc::new(file);
-        (kiln_models::architecture_from_gguf(&file).unwrap(), WeightStore::new(file).unwrap())
+        file_store(file)
     }
 
     /// The plan of `family` (see `family_store`) for `bucket` and `mode`, checked step by step
@@ -2940,15 +2949,13 @@ mod tests {
             tied: true,
         };
         for (v_ty, arch) in [(GgmlType::Q8_0, SM90), (GgmlType::Q4_0, SM90), (GgmlType::Q8_0, (8, 0))] {
-            let edit = |m: &mut SynthModel| {
-                *m = kiln_models::synth::llama(&shape, FormatMix::All(GgmlType::Q8_0), 3);
-                for t in m.tensors.iter_mut().filter(|t| t.name.ends_with("attn_v.weight")) {
-                    let mut v = vec![0f32; t.dims.iter().product::<u64>() as usize];
-                    kiln_quant::dequantize(t.ty, &t.data, &mut v).unwrap();
-                    (t.data, t.ty) = (kiln_quant::quantize(v_ty, &v).unwrap(), v_ty);
-                }
-            };
-            let (model, store) = edited_family_store("qwen2", Some(&edit));
+            let mut m = kiln_models::synth::llama(&shape, FormatMix::All(GgmlType::Q8_0), 3);
+            for t in m.tensors.iter_mut().filter(|t| t.name.ends_with("attn_v.weight")) {
+                let mut v = vec![0f32; t.dims.iter().product::<u64>() as usize];
+                kiln_quant::dequantize(t.ty, &t.data, &mut v).unwrap();
+                (t.data, t.ty) = (kiln_quant::quantize(v_ty, &v).unwrap(), v_ty);
+            }
+            let (model, store) = model_store(&m);
             let plan =
                 kiln_runtime::compile(&model.build_graph(Bucket::Decode { past: 16, seqs: 1 }, OutputMode::NextToken).unwrap(), &store)
                     .unwrap();
