@@ -210,6 +210,10 @@ template <> __device__ __forceinline__ void sub32<F_Q6_K>(const Mat& m, u64 r, i
 // Planar Q3_K: hmask [32 per block], qs [64], scales [12], d [2]. Element 128n + 32j + l (l < 32)
 // of a block: low bits (qs[32n + l] >> 2j) & 3, high bit hmask[l] >> (4n + j) (set: no -4); the
 // 6-bit scale of 16-element half i = 8n + 2j + h: q3k_scale.
+// Four Q3_K levels 0..7 as bytes: low bits (q >> 2j) & 3 of each byte, high bit (h >> hb) & 1 times 4.
+__device__ __forceinline__ u32 q3k_levels(u32 q, u32 h, int j, int hb) {
+    return ((q >> (2 * j)) & 0x03030303u) | (((h >> hb) & 0x01010101u) << 2);
+}
 __device__ __forceinline__ int q3k_scale(const u8* sc, int i) {
     const int low = i < 8 ? (sc[i] & 15) : (sc[i - 8] >> 4), high = (sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
     return (low | (high << 4)) - 32;
@@ -697,6 +701,13 @@ template <> struct Chunk<F_Q6_K> {
     }
 };
 
+// A Q2_K sub-block's two 16-element halves: scales (.x, .y) and minima from their scale bytes `sc`
+// (low nibble: scale, high: minimum) and the block's {d, dmin} word `dm`.
+__device__ __forceinline__ void q2k_scales(u32 sc, u32 dm, float2& d, float2& mn) {
+    const float dd = half_u16(dm & 0xffff), dmin = half_u16(dm >> 16);
+    d = make_float2(dd * (float)(sc & 15), dd * (float)((sc >> 8) & 15));
+    mn = make_float2(dmin * (float)((sc >> 4) & 15), dmin * (float)((sc >> 12) & 15));
+}
 // Q2_K (ggml's layout: 84-byte blocks, 4-byte aligned): chunk c is sub-block pair s = c % 8 of
 // super-block c / 8 (half n = s / 4, shift j = s % 4): element l < 32 is (qs[32n + l] >> 2j) & 3,
 // its 16-element half h with scale byte 8n + 2j + h (low nibble: scale, high: minimum).
@@ -718,26 +729,22 @@ template <> struct Chunk<F_Q2_K> {
         r.dm = *(const u32*)(b + 80);
         return r;
     }
-    // The chunk's levels (2 bits, as bytes), its halves' scales and minima (d and dmin applied).
+    // The chunk's levels (2 bits, as bytes), its halves' scales and minima (q2k_scales).
     struct Dec {
         u32 w[2][4];
-        float s0, s1, m0, m1;
+        float2 d, mn;
     };
     static __device__ __forceinline__ Dec decode(const Mat&, const Raw& r, int c) {
         const int sh = 2 * (c & 3);
-        const float d = half_u16(r.dm & 0xffff), dmin = half_u16(r.dm >> 16);
         Dec e;
 #pragma unroll
         for (int t = 0; t < 8; t++) e.w[t >> 2][t & 3] = (r.q[t] >> sh) & 0x03030303u;
-        e.s0 = d * (float)(r.sc & 15);
-        e.s1 = d * (float)((r.sc >> 8) & 15);
-        e.m0 = dmin * (float)((r.sc >> 4) & 15);
-        e.m1 = dmin * (float)((r.sc >> 12) & 15);
+        q2k_scales(r.sc, r.dm, e.d, e.mn);
         return e;
     }
     static __device__ __forceinline__ float dot(const Dec& e, const XGroup* x) {
-        return x[0].d * (e.s0 * (float)dotq16(e.w[0], x[0]) - e.m0 * (float)x[0].s) +
-               x[1].d * (e.s1 * (float)dotq16(e.w[1], x[1]) - e.m1 * (float)x[1].s);
+        return x[0].d * (e.d.x * (float)dotq16(e.w[0], x[0]) - e.mn.x * (float)x[0].s) +
+               x[1].d * (e.d.y * (float)dotq16(e.w[1], x[1]) - e.mn.y * (float)x[1].s);
     }
     static __device__ __forceinline__ float dot(const Mat& m, const Raw& r, int c, const XGroup* x) { return dot(decode(m, r, c), x); }
 };
@@ -766,12 +773,12 @@ template <> struct Chunk<F_Q3_K> {
         float s0, s1;
     };
     static __device__ __forceinline__ Dec decode(const Mat&, const Raw& r, int c) {
-        const int s = c & 7, n = s >> 2, j = s & 3, sh = 2 * j, hb = 4 * n + j;
+        const int s = c & 7, n = s >> 2, j = s & 3, hb = 4 * n + j;
         const u32 q[8] = {r.q0.x, r.q0.y, r.q0.z, r.q0.w, r.q1.x, r.q1.y, r.q1.z, r.q1.w};
         const u32 h[8] = {r.h0.x, r.h0.y, r.h0.z, r.h0.w, r.h1.x, r.h1.y, r.h1.z, r.h1.w};
         Dec e;
 #pragma unroll
-        for (int t = 0; t < 8; t++) e.w[t >> 2][t & 3] = ((q[t] >> sh) & 0x03030303u) | (((h[t] >> hb) & 0x01010101u) << 2);
+        for (int t = 0; t < 8; t++) e.w[t >> 2][t & 3] = q3k_levels(q[t], h[t], j, hb);
         const float d = half_u16(r.d);
         const int lo = n ? (int)(r.sc >> 4) : (int)r.sc, hs = 2 * (2 * n + (j >> 1));
         e.s0 = d * (float)(((lo & 15) | (((int)(r.hi >> hs) & 3) << 4)) - 32);
@@ -1744,6 +1751,13 @@ __device__ __forceinline__ u32 ld32(const u8* p) { return *(const u32*)p; }
 // elements at a time; SHARE_SCALES: see WarpScales). The 32-element formats, Q3_K and Q6_K are uploaded planar
 // (weights.rs).
 template <int T> struct Tile;
+// A planar K-quant's d for stage j of a row, from the aligned 4-byte word of its d plane that a
+// tile copied (`word`): the high half for odd blocks (block (row, j / 2) is row * blocks per row +
+// j / 2).
+template <int T> __device__ __forceinline__ float tile_d(const u8* word, const Mat& m, u64 row, int j) {
+    const u32 odd = ((u32)row & (u32)(m.rb / Fmt<T>::bytes) & 1u) ^ ((u32)(j >> 1) & 1u);
+    return half_u16((ld32(word) >> (16 * odd)) & 0xffff);
+}
 template <> struct Tile<F_Q4_K> {
     static const bool HALVES = false;
     static const bool SHARE_SCALES = true;
@@ -1816,10 +1830,7 @@ template <> struct Tile<F_Q6_K> {
     }
     static __device__ __forceinline__ void scales(const u8* r, int i, int j, const Mat& m, u64 row, float2& d, float2& mn) {
         const u32 sc = *(const u16*)(r + 96 + 2 * i);
-        // d is the high half of the word for odd blocks: block (row, j / 2) is row * (rb / 210) + j / 2.
-        const u32 odd = ((u32)row & (u32)(m.rb / Fmt<F_Q6_K>::bytes) & 1u) ^ ((u32)(j >> 1) & 1u);
-        const u32 dw = *(const u32*)(r + 104) >> (16 * odd);
-        const float dd = half_u16(dw & 0xffff);
+        const float dd = tile_d<F_Q6_K>(r + 104, m, row, j);
         d = make_float2(dd * (float)(i8)(sc & 0xff), dd * (float)(i8)(sc >> 8));
         mn = make_float2(32.f * d.x, 32.f * d.y);
     }
@@ -1949,10 +1960,7 @@ template <> struct Tile<F_Q2_K> {
         b1 = (ld32(r + 16 + 4 * t) >> (2 * i)) & 0x03030303u;
     }
     static __device__ __forceinline__ void scales(const u8* r, int i, int, const Mat&, u64, float2& d, float2& mn) {
-        const u32 sc = *(const u16*)(r + 32 + 2 * i), dm = ld32(r + 40);
-        const float dd = half_u16(dm & 0xffff), dmin = half_u16(dm >> 16);
-        d = make_float2(dd * (float)(sc & 15), dd * (float)((sc >> 8) & 15));
-        mn = make_float2(dmin * (float)((sc >> 4) & 15), dmin * (float)((sc >> 12) & 15));
+        q2k_scales(*(const u16*)(r + 32 + 2 * i), ld32(r + 40), d, mn);
     }
 };
 template <> struct Tile<F_Q3_K> {
@@ -1973,14 +1981,12 @@ template <> struct Tile<F_Q3_K> {
             cp_async4(dst + 76, m.w + ((108 * m.nblk + 2 * g) & ~(u64)3));
     }
     static __device__ __forceinline__ void frag(const u8* r, int i, int j, int t, u32& b0, u32& b1) {
-        const int sh = 2 * i, hb = 4 * (j & 1) + i;
-        b0 = ((ld32(r + 4 * t) >> sh) & 0x03030303u) | (((ld32(r + 32 + 4 * t) >> hb) & 0x01010101u) << 2);
-        b1 = ((ld32(r + 16 + 4 * t) >> sh) & 0x03030303u) | (((ld32(r + 48 + 4 * t) >> hb) & 0x01010101u) << 2);
+        const int hb = 4 * (j & 1) + i;
+        b0 = q3k_levels(ld32(r + 4 * t), ld32(r + 32 + 4 * t), i, hb);
+        b1 = q3k_levels(ld32(r + 16 + 4 * t), ld32(r + 48 + 4 * t), i, hb);
     }
     static __device__ __forceinline__ void scales(const u8* r, int i, int j, const Mat& m, u64 row, float2& d, float2& mn) {
-        // d is the high half of the word for odd blocks: block (row, j / 2) is row * (rb / 110) + j / 2.
-        const u32 odd = ((u32)row & (u32)(m.rb / Fmt<F_Q3_K>::bytes) & 1u) ^ ((u32)(j >> 1) & 1u);
-        const float dd = half_u16((ld32(r + 76) >> (16 * odd)) & 0xffff);
+        const float dd = tile_d<F_Q3_K>(r + 76, m, row, j);
         const int h = 8 * (j & 1) + 2 * i;
         d = make_float2(dd * (float)q3k_scale(r + 64, h), dd * (float)q3k_scale(r + 64, h + 1));
         mn = make_float2(4.f * d.x, 4.f * d.y);
