@@ -582,11 +582,9 @@ fn batched_steps_of_llama_and_qwen2_match_each_sequence_alone() {
     }
 }
 
-/// The Llama fixture's metadata (its tokenizer) with a layer of `hidden` wide rows, `heads`
+/// The `family` fixture's metadata (its tokenizer) with one layer of `hidden` wide rows, `heads`
 /// query heads of 128 (a quarter as many key heads), an MLP of `ffn`, every matrix in `ty` with
-/// random weights, and random Llama 3 RoPE divisors.
-/// A one-layer `family` model ("llama": with RoPE divisors; "qwen2": with q/k/v biases) of the
-/// given widths, every matrix in format `ty`.
+/// random weights; "llama" with random Llama 3 RoPE divisors, "qwen2" with random q/k/v biases.
 fn wide_family(family: &str, hidden: usize, heads: usize, ffn: usize, ty: GgmlType) -> SynthModel {
     let mut m = family_model(family);
     let (d, kv) = (128, heads / 4);
