@@ -12,8 +12,8 @@ use std::sync::{Arc, OnceLock};
 use families::{check_family, fixture_path, Bounds};
 use kiln_cpu::CpuBackend;
 use kiln_cuda::CudaBackend;
-use kiln_gguf::{GgufFile, MetaValue};
-use kiln_models::synth::{gemma3, random_blocks, FormatMix, Gemma3Shape, SynthModel, SynthRng, SynthTensor};
+use kiln_gguf::GgufFile;
+use kiln_models::synth::{gemma3, llama, FormatMix, Gemma3Shape, LlamaArch, LlamaShape, SynthModel};
 use kiln_models::{Model, OutputMode, Session, StepOutput};
 use kiln_quant::GgmlType;
 use kiln_runtime::{Backend, EngineConfig, KvType};
@@ -582,59 +582,25 @@ fn batched_steps_of_llama_and_qwen2_match_each_sequence_alone() {
     }
 }
 
-/// The `family` fixture's metadata (its tokenizer) with one layer of `hidden` wide rows, `heads`
-/// query heads of 128 (a quarter as many key heads), an MLP of `ffn`, every matrix in `ty` with
-/// random weights; "llama" with random Llama 3 RoPE divisors, "qwen2" with random q/k/v biases.
-fn wide_family(family: &str, hidden: usize, heads: usize, ffn: usize, ty: GgmlType) -> SynthModel {
-    let mut m = family_model(family);
-    let (d, kv) = (128, heads / 4);
-    for (k, v) in [
-        ("embedding_length", hidden),
-        ("block_count", 1),
-        ("feed_forward_length", ffn),
-        ("attention.head_count", heads),
-        ("attention.head_count_kv", kv),
-        ("attention.key_length", d),
-        ("attention.value_length", d),
-        ("rope.dimension_count", d),
-    ] {
-        m.set_meta(&format!("{family}.{k}"), MetaValue::U32(v as u32));
-    }
-    let vocab = 512;
-    let mut rng = SynthRng(5);
-    let mut t = |name: &str, dims: &[usize], a: f32| {
-        let (ty, data) = if dims.len() == 1 {
-            (GgmlType::F32, (0..dims[0]).flat_map(|_| (a * (0.5 + rng.unit())).to_le_bytes()).collect())
-        } else {
-            (ty, random_blocks(&mut rng, ty, dims[0], dims[1], a))
-        };
-        SynthTensor { name: name.into(), dims: dims.iter().map(|&x| x as u64).collect(), ty, data }
+/// A one-layer Llama 3 (with its RoPE divisors) or Qwen 2 (with q/k/v biases) of `hidden` wide
+/// rows, `heads` query heads of 128 (a quarter as many key heads) and an MLP of `ffn`, every matrix
+/// in `ty`, over a vocabulary of 512.
+fn wide_family(arch: LlamaArch, hidden: usize, heads: usize, ffn: usize, ty: GgmlType) -> SynthModel {
+    let shape = LlamaShape {
+        arch,
+        hidden,
+        layers: 1,
+        q_heads: heads,
+        kv_heads: heads / 4,
+        head_dim: 128,
+        ffn,
+        vocab: 512,
+        context: 512,
+        rope_base: 500_000.0,
+        rope_factor: if arch == LlamaArch::Llama { 8.0 } else { 1.0 },
+        tied: false,
     };
-    let mat = |k: usize| 1.0 / (k as f32).sqrt();
-    m.tensors = vec![t("token_embd.weight", &[hidden, vocab], 0.05)];
-    if family == "llama" {
-        // Divisors 2.25..6.75 (Llama 3 divides its low frequencies by up to 8).
-        m.tensors.push(t("rope_freqs.weight", &[d / 2], 4.5));
-    }
-    if family == "qwen2" {
-        for (name, n) in [("q", heads * d), ("k", kv * d), ("v", kv * d)] {
-            m.tensors.push(t(&format!("blk.0.attn_{name}.bias"), &[n], 0.2));
-        }
-    }
-    m.tensors.extend([
-        t("blk.0.attn_norm.weight", &[hidden], 1.0),
-        t("blk.0.attn_q.weight", &[hidden, heads * d], mat(hidden)),
-        t("blk.0.attn_k.weight", &[hidden, kv * d], mat(hidden)),
-        t("blk.0.attn_v.weight", &[hidden, kv * d], mat(hidden)),
-        t("blk.0.attn_output.weight", &[heads * d, hidden], mat(heads * d)),
-        t("blk.0.ffn_norm.weight", &[hidden], 1.0),
-        t("blk.0.ffn_gate.weight", &[hidden, ffn], mat(hidden)),
-        t("blk.0.ffn_up.weight", &[hidden, ffn], mat(hidden)),
-        t("blk.0.ffn_down.weight", &[ffn, hidden], mat(ffn)),
-        t("output_norm.weight", &[hidden], 1.0),
-        t("output.weight", &[hidden, vocab], mat(hidden)),
-    ]);
-    m
+    llama(&shape, FormatMix::All(ty), 5)
 }
 
 /// CPU and CUDA agree on a Llama, and a Qwen 2 with its q/k/v biases, whose one-row launches stream
@@ -646,28 +612,28 @@ fn wide_family(family: &str, hidden: usize, heads: usize, ffn: usize, ty: GgmlTy
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
 fn streamed_swiglu_launches_match_cpu() {
     let formats = [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0, GgmlType::Q5_0];
-    for (family, ty) in formats.iter().map(|&t| ("llama", t)).chain(formats.iter().map(|&t| ("qwen2", t))) {
+    for (family, ty) in formats.iter().map(|&t| (LlamaArch::Llama, t)).chain(formats.iter().map(|&t| (LlamaArch::Qwen2, t))) {
         // (Qwen 2 at 3072: its q/k/v read 4 MB and more in every format, so they stream and add
         // their biases.)
-        let (hidden, heads) = if family == "qwen2" { (3072, 24) } else { (2048, 16) };
+        let (hidden, heads) = if family == LlamaArch::Qwen2 { (3072, 24) } else { (2048, 16) };
         let m = wide_family(family, hidden, heads, 8192, ty);
         let (c, g) = (load_family(&m, cpu()), load_family(&m, cuda()));
         let p = prompt(20, 512);
         let (mut sc, mut sg) = (c.new_session().unwrap(), g.new_session().unwrap());
         let (want, got) = (logits(&mut sc, &p), logits(&mut sg, &p));
         let e = rel_l2(&got, &want);
-        assert!(e < 1e-3, "{family} {ty:?} prefill: relative L2 {e:.2e}");
+        assert!(e < 1e-3, "{family:?} {ty:?} prefill: relative L2 {e:.2e}");
         let mut tok = argmax(&want);
         for step in 0..6 {
             let (want, got) = (logits(&mut sc, &[tok]), logits(&mut sg, &[tok]));
             let e = rel_l2(&got, &want);
-            assert!(e < 1e-3, "{family} {ty:?} decode step {step}: relative L2 {e:.2e}");
+            assert!(e < 1e-3, "{family:?} {ty:?} decode step {step}: relative L2 {e:.2e}");
             tok = argmax(&want);
         }
         let (mut sc, mut sg) = (c.new_session().unwrap(), g.new_session().unwrap());
         let (mut tc, mut tg) = (next_token(&mut sc, &p), next_token(&mut sg, &p));
         for _ in 0..4 {
-            assert_eq!(tc, tg, "{family} {ty:?}");
+            assert_eq!(tc, tg, "{family:?} {ty:?}");
             tc = next_token(&mut sc, &[tc]);
             tg = next_token(&mut sg, &[tg]);
         }
