@@ -207,9 +207,6 @@ template <> __device__ __forceinline__ void sub32<F_Q6_K>(const Mat& m, u64 r, i
     }
 }
 
-// Planar Q3_K: hmask [32 per block], qs [64], scales [12], d [2]. Element 128n + 32j + l (l < 32)
-// of a block: low bits (qs[32n + l] >> 2j) & 3, high bit hmask[l] >> (4n + j) (set: no -4); the
-// 6-bit scale of 16-element half i = 8n + 2j + h: q3k_scale.
 // Four Q3_K levels 0..7 as bytes: low bits (q >> 2j) & 3 of each byte, high bit (h >> hb) & 1 times 4.
 __device__ __forceinline__ u32 q3k_levels(u32 q, u32 h, int j, int hb) {
     return ((q >> (2 * j)) & 0x03030303u) | (((h >> hb) & 0x01010101u) << 2);
@@ -218,6 +215,9 @@ __device__ __forceinline__ int q3k_scale(const u8* sc, int i) {
     const int low = i < 8 ? (sc[i] & 15) : (sc[i - 8] >> 4), high = (sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
     return (low | (high << 4)) - 32;
 }
+// Planar Q3_K: hmask [32 per block], qs [64], scales [12], d [2]. Element 128n + 32j + l (l < 32)
+// of a block: low bits (qs[32n + l] >> 2j) & 3, high bit hmask[l] >> (4n + j) (set: no -4); the
+// 6-bit scale of 16-element half i = 8n + 2j + h: q3k_scale.
 template <> __device__ __forceinline__ void sub32<F_Q3_K>(const Mat& m, u64 r, int s, float* v) {
     u64 g = block_of<F_Q3_K>(m, r, s >> 3);
     int sub = s & 7, n = sub >> 2, j = sub & 3;
@@ -230,8 +230,7 @@ template <> __device__ __forceinline__ void sub32<F_Q3_K>(const Mat& m, u64 r, i
         const float dl = d * (float)q3k_scale(sc, 8 * n + 2 * j + h);
 #pragma unroll
         for (int l = 0; l < 16; l++) {
-            const int lv = ((q[16 * h + l] >> (2 * j)) & 3) | (((hm[16 * h + l] >> (4 * n + j)) & 1) << 2);
-            v[16 * h + l] = dl * (float)(lv - 4);
+            v[16 * h + l] = dl * (float)((int)q3k_levels(q[16 * h + l], hm[16 * h + l], j, 4 * n + j) - 4);
         }
     }
 }
