@@ -24,7 +24,10 @@ extern "C" __global__ void set_inputs(const int* step, int rows, int* tokens, in
         }
     }
     if (i >= step[0]) return;
-    if (tokens) tokens[i] = step_token(step, rows, i);
+    // (A greedy step launched ahead takes the token the step before chose, copied on the device:
+    // -1 where that step's products were not finite. It then embeds token 0, and its result is
+    // never used: exec.rs `greedy_step`.)
+    if (tokens) tokens[i] = max(step_token(step, rows, i), 0);
     if (positions) positions[i] = step_row(step, i).pos;
 }
 

@@ -1448,6 +1448,55 @@ pub struct CudaExecutable {
     /// The partial results of a split attention: per (row, query head) and share, `head_dim` sums,
     /// their maximum and their sum of weights.
     attention_parts: DeviceBuffer,
+    /// Greedy decode steps run one ahead (`greedy_step`): the step launched ahead, if any, the
+    /// cache and position of the last greedy step, and where the steps' tokens land on the host.
+    ahead: Option<Ahead>,
+    last_greedy: Option<(u64, u64)>,
+    tokens_back: TokenSlots,
+}
+
+/// A greedy decode step launched before the host asked for it (`CudaExecutable::greedy_step`): it
+/// processes the token the step before it chose (copied on the device into its step buffer) at
+/// `pos` in cache `cache` (`CudaKvCache::id`), valid while the cache has run `steps` steps; its
+/// token lands in `slot`.
+struct Ahead {
+    cache: u64,
+    steps: u64,
+    pos: usize,
+    /// The token it processes, once the host has read it back.
+    token: Option<u32>,
+    slot: usize,
+}
+
+/// Two page-locked host words that the greedy steps' tokens are copied to (a step and the one
+/// launched ahead of it: a copy into pageable memory would wait for the whole stream), each with
+/// the event recorded after its copy.
+struct TokenSlots {
+    words: *mut i32,
+    events: [cudarc::driver::CudaEvent; 2],
+}
+
+// SAFETY: the words are only touched under the device lock, after their events.
+unsafe impl Send for TokenSlots {}
+
+impl TokenSlots {
+    fn new(device: &Device) -> Result<Self, RuntimeError> {
+        // SAFETY: two i32 words of page-locked memory, freed in Drop after the stream is idle.
+        let words = unsafe { cudarc::driver::result::malloc_host(8, 0) }.map_err(cuda_err)? as *mut i32;
+        let events = [device.ctx.new_event(None).map_err(cuda_err)?, device.ctx.new_event(None).map_err(cuda_err)?];
+        Ok(TokenSlots { words, events })
+    }
+}
+
+impl Drop for TokenSlots {
+    fn drop(&mut self) {
+        // (The executable synchronises the stream before its fields drop.)
+        for e in &self.events {
+            let _ = e.synchronize();
+        }
+        // SAFETY: allocated by malloc_host in `new`, freed once.
+        let _ = unsafe { cudarc::driver::result::free_host(self.words as *mut std::ffi::c_void) };
+    }
 }
 
 /// Byte offsets in `CudaExecutable::sync`.
@@ -1684,6 +1733,7 @@ impl CudaExecutable {
             }
             device.sync()?;
         }
+        let tokens_back = TokenSlots::new(&device)?;
         Ok(CudaExecutable {
             plan,
             weights,
@@ -1711,6 +1761,9 @@ impl CudaExecutable {
             attention_parts,
             sync_mmq,
             mmq_parts,
+            ahead: None,
+            last_greedy: None,
+            tokens_back,
         })
     }
 
@@ -2524,6 +2577,12 @@ impl CudaExecutable {
             }
             self.check_kv(kv)?;
         }
+        if n == 1 && kvs.len() == 1 && self.runs_ahead() {
+            return self.greedy_step(tokens[0], kvs[0]);
+        }
+        // (A step launched ahead for another call is left to finish: its cache row lies past the
+        // cache's length, and the next step at that position writes it again.)
+        self.ahead = None;
         let device = self.device.clone();
         let mut scratch = device.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
         device.ctx.bind_to_thread().map_err(cuda_err)?;
@@ -2568,8 +2627,99 @@ impl CudaExecutable {
         device.sync()?;
         for (kv, &r) in kvs.iter_mut().zip(rows) {
             kv.len += r;
+            kv.steps += 1;
         }
         Ok(outs)
+    }
+}
+
+impl CudaExecutable {
+    /// Whether one-row steps of this plan may run one ahead: a captured one-row decode plan whose
+    /// only output is the greedy token.
+    fn runs_ahead(&self) -> bool {
+        matches!(self.plan.bucket, Bucket::Decode { .. })
+            && self.plan.rows() == 1
+            && self.graphed(1)
+            && matches!(self.plan.outputs.as_slice(), [o] if o.dtype == DType::I32 && o.width == 1)
+    }
+
+    /// Launches the step for `token` at the cache's position p, or takes the one launched ahead
+    /// for it, and, when the call continues a run of greedy steps of this cache and the bucket and
+    /// the cache have room, launches the step for position p + 1 before reading this one's token
+    /// back: its token is this step's, copied on the device into its step buffer. So the device
+    /// does not idle while the host reads a token and asks for the next step (a greedy run's steps
+    /// follow each other on the device). Its cache row lies past the cache's length until the host
+    /// asks for that step (with any other token or in another bucket, the step runs again and
+    /// writes the row again: no step reads a row past the cache's length, and a sliding layer's
+    /// ring slot it overwrote held a position no later step sees).
+    fn greedy_step(&mut self, token: u32, kv: &mut CudaKvCache) -> Result<Vec<HostTensor>, RuntimeError> {
+        let device = self.device.clone();
+        let mut scratch = device.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
+        device.ctx.bind_to_thread().map_err(cuda_err)?;
+        let stream = device.stream.cu_stream();
+        let (cache, p) = (kv.id, kv.len);
+        let out = self.slot(self.plan.outputs[0].slot);
+        let run = Active { rows: 1, seqs: 1, context: kv.context, kv: kv.elem };
+        let launched = match self.ahead.take() {
+            Some(a) if a.cache == cache && a.steps == kv.steps && a.pos == p && a.token == Some(token) => a.slot,
+            _ => {
+                let step = self.layout.words(&[token], &[(&*kv, 1)]);
+                // SAFETY: the step buffer holds layout.bytes() bytes; pageable memory is staged
+                // before return.
+                unsafe { cudarc::driver::result::memcpy_htod_async(self.step.ptr(), &step, stream) }.map_err(cuda_err)?;
+                self.replay(run, &mut scratch)?;
+                // (Either word: a copy into it still queued from a step abandoned ahead lands
+                // before this one, and its event is recorded again after.)
+                self.token_back(out, 0)?;
+                0
+            }
+        };
+        let Bucket::Decode { past, .. } = self.plan.bucket else {
+            return Err(cuda_err("a greedy step of a plan that is not a decode plan"));
+        };
+        // (Only a run of greedy steps of one cache with nothing between them goes ahead: sessions
+        // that take turns would each waste a step.)
+        let continues = self.last_greedy == Some((cache, kv.steps));
+        if continues && p + 2 <= past && p + 2 <= kv.context {
+            let mut step = self.layout.words(&[0], &[(&*kv, 1)]);
+            // (Row 0's record begins with its position: word 4.)
+            step[4] = (p + 1) as u32;
+            let token_at = self.step.ptr() + 4 * (4 + 4 * self.layout.rows) as u64;
+            // SAFETY: as above; the token word lies in the step buffer, the output slot holds one
+            // i32 written by the step before (stream order).
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(self.step.ptr(), &step, stream).map_err(cuda_err)?;
+                cudarc::driver::result::memcpy_dtod_async(token_at, out, 4, stream).map_err(cuda_err)?;
+            }
+            self.replay(run, &mut scratch)?;
+            let slot = 1 - launched;
+            self.token_back(out, slot)?;
+            self.ahead = Some(Ahead { cache, steps: 0, pos: p + 1, token: None, slot });
+        }
+        self.tokens_back.events[launched].synchronize().map_err(cuda_err)?;
+        // SAFETY: the word's copy has completed (its event); nothing else writes it meanwhile.
+        let got = unsafe { *self.tokens_back.words.add(launched) };
+        kv.len += 1;
+        kv.steps += 1;
+        if let Some(a) = &mut self.ahead {
+            // (A token the step ahead cannot take, -1 for a non-finite product: it ran with token
+            // 0 (set_inputs) and is never used.)
+            a.token = u32::try_from(got).ok();
+            a.steps = kv.steps;
+        }
+        self.last_greedy = Some((cache, kv.steps));
+        Ok(vec![HostTensor { name: self.plan.outputs[0].name.clone(), shape: [1, 1], data: HostData::I32(vec![got]) }])
+    }
+
+    /// Copies the step's token at `out` to host word `slot` and records that word's event.
+    fn token_back(&self, out: u64, slot: usize) -> Result<(), RuntimeError> {
+        let stream = self.device.stream.cu_stream();
+        // SAFETY: the word is page-locked and not read before its event; `out` holds one i32.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(self.tokens_back.words.add(slot), 1);
+            cudarc::driver::result::memcpy_dtoh_async(dst, out, stream).map_err(cuda_err)?;
+        }
+        self.tokens_back.events[slot].record(&self.device.stream).map_err(cuda_err)
     }
 }
 

@@ -1,6 +1,7 @@
 //! Device-resident KV cache: per layer, sliding-window layers as rings of `window` rows.
 
 use std::any::Any;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use kiln_runtime::{KvCache, KvLayout, KvType, LayerKv, RuntimeError};
@@ -22,7 +23,15 @@ pub struct CudaKvCache {
     pub(crate) context: usize,
     /// What the keys and values are stored as.
     pub(crate) elem: KvType,
+    /// This cache among every cache of the process, and the steps run on it and clears of it so
+    /// far: a greedy step launched ahead is taken only if nothing ran on its cache since
+    /// (exec.rs `greedy_step`).
+    pub(crate) id: u64,
+    pub(crate) steps: u64,
 }
+
+/// The next cache's `id`.
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 
 impl CudaKvCache {
     /// A cache with room for `layout.context` positions (rings of `window` rows on sliding layers).
@@ -36,7 +45,8 @@ impl CudaKvCache {
                 v: DeviceBuffer::new(&device.ctx, rows * spec.v_width() * layout.elem.bytes())?,
             });
         }
-        Ok(CudaKvCache { device, layers, len: 0, context: layout.context, elem: layout.elem })
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        Ok(CudaKvCache { device, layers, len: 0, context: layout.context, elem: layout.elem, id, steps: 0 })
     }
 }
 
@@ -47,6 +57,7 @@ impl KvCache for CudaKvCache {
 
     fn clear(&mut self) {
         self.len = 0;
+        self.steps += 1;
     }
 
     fn bytes(&self) -> usize {

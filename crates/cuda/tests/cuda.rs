@@ -679,6 +679,52 @@ fn a_second_session_replays_correctly_and_reset_reuses_the_cache() {
     assert_eq!(again, want);
 }
 
+/// Greedy decode steps launched one ahead (exec.rs `greedy_step`) give the same tokens and logits
+/// as steps launched one at a time: a session run alone (its steps go ahead) against two sessions
+/// that take turns (theirs never do), on one model: a long greedy run; a reset and the same prompt
+/// again, whose run reaches the positions and tokens of the first run's step ahead (computed on a
+/// cache since cleared: it must not be taken, though here it would give the same token); another
+/// prompt; a logits step in the middle of each run (another executable runs on the cache, so the
+/// step ahead is dropped); runs long enough to cross decode buckets (64 and 128 positions) and a
+/// sliding layer's ring of 8 many times.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+fn greedy_steps_run_ahead_exactly() {
+    let m = gemma3(&small_shape(), FormatMix::Q4KM, 13);
+    let g = load(&m, cuda());
+    // A run of `steps` greedy steps after `p` in `s` (each step of `other` too, in turn, if given):
+    // its tokens, and the logits of the step at 40.
+    let run = |s: &mut Session<'_>, mut other: Option<&mut Session<'_>>, p: &[u32]| {
+        s.reset();
+        let mut tokens = vec![next_token(s, p)];
+        if let Some(o) = other.as_deref_mut() {
+            o.reset();
+            next_token(o, p);
+        }
+        let mut at40 = Vec::new();
+        for step in 0..100 {
+            let t = *tokens.last().unwrap();
+            if step == 40 {
+                at40 = logits(s, &[t]);
+                tokens.push(argmax(&at40));
+            } else {
+                tokens.push(next_token(s, &[t]));
+            }
+            if let Some(o) = other.as_deref_mut() {
+                next_token(o, &[t]);
+            }
+        }
+        (tokens, at40)
+    };
+    let (mut alone, mut turns, mut other) = (g.new_session().unwrap(), g.new_session().unwrap(), g.new_session().unwrap());
+    for (i, p) in [prompt(6, 1000), prompt(6, 1000), prompt(11, 977)].iter().enumerate() {
+        let (want, want40) = run(&mut turns, Some(&mut other), p);
+        let (got, got40) = run(&mut alone, None, p);
+        assert_eq!(got, want, "run {i}: tokens");
+        assert_eq!(got40, want40, "run {i}: the logits step");
+    }
+}
+
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
 fn bad_input_is_a_clear_error() {
