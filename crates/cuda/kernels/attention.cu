@@ -141,6 +141,11 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
         }
     }
     pdl_wait();
+    // The appending blocks load the new row's values now, beside the q/k loads below, not after
+    // the barrier: there the loop's loads would wait behind this load and the cache stores that
+    // take it (one more round trip to memory in the step's critical path).
+    const bool appends = append && share == 0 && h % (q_heads / kv_heads) == 0;
+    const float v_app = appends && (int)threadIdx.x < d ? v_new[(u64)i * kvw + g * d + threadIdx.x] : 0.f;
     if (rope) {
         if (rot) {
             const float* x = warp == 0 ? q + ((u64)i * q_heads + h) * d : k_new + (u64)i * kvw + g * d;
@@ -179,12 +184,11 @@ __device__ __forceinline__ void attention_impl(const float* q, const float* k_ne
         qv[t] = t < per ? qh[lane + 32 * t] : 0.f;
         acc[t] = 0.f;
     }
-    if (append && share == 0 && h % (q_heads / kv_heads) == 0) {
+    if (appends && (int)threadIdx.x < d) {
+        // (d <= ATT_MAX_DIM <= blockDim.x: one element a thread.)
         u64 slot = cache_slot(p, window);
-        for (int j = threadIdx.x; j < d; j += blockDim.x) {
-            KvElem<C>::put(k_cache + slot * kvw + g * d + j, kh_new[j]);
-            KvElem<C>::put(v_cache + slot * kvw + g * d + j, v_new[(u64)i * kvw + g * d + j]);
-        }
+        KvElem<C>::put(k_cache + slot * kvw + g * d + threadIdx.x, kh_new[threadIdx.x]);
+        KvElem<C>::put(v_cache + slot * kvw + g * d + threadIdx.x, v_app);
     }
     float m = -INFINITY, l = 0.f;
     // ATT_UNROLL positions per iteration: their key and value loads are in flight together.
