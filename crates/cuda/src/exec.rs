@@ -1345,6 +1345,11 @@ struct StepLayout {
 }
 
 impl StepLayout {
+    /// Byte offset of the token ids.
+    fn tokens_at(&self) -> usize {
+        (4 + 4 * self.rows) * 4
+    }
+
     /// Byte offset of the cache addresses.
     fn kv_at(&self) -> usize {
         ((4 + 5 * self.rows + self.seqs) * 4).next_multiple_of(8)
@@ -1360,29 +1365,29 @@ impl StepLayout {
         self.kv_at() + 16 * self.seqs * layer
     }
 
-    /// The buffer's words for `tokens` in consecutive runs of `segments[i].1` rows per sequence
-    /// (`segments[i].0`: its cache, whose length is the run's first position).
-    fn words(&self, tokens: &[u32], segments: &[(&CudaKvCache, usize)]) -> Vec<u32> {
+    /// The buffer's words for `tokens` in consecutive runs of rows, one per sequence: segment
+    /// `(cache, first, rows)` is `rows` rows at positions `first..` of `cache`.
+    fn words(&self, tokens: &[u32], segments: &[(&CudaKvCache, usize, usize)]) -> Vec<u32> {
         let mut w = Vec::with_capacity(self.bytes() / 4);
         w.extend([tokens.len() as u32, segments.len() as u32, self.rows as u32, 0]);
         let mut first = 0;
-        for (s, (kv, rows)) in segments.iter().enumerate() {
-            for r in 0..*rows {
-                w.extend([(kv.len + r) as u32, s as u32, first as u32, (first + rows) as u32]);
+        for (s, &(_, pos, rows)) in segments.iter().enumerate() {
+            for r in 0..rows {
+                w.extend([(pos + r) as u32, s as u32, first as u32, (first + rows) as u32]);
             }
             first += rows;
         }
-        w.resize(4 + 4 * self.rows, 0);
+        w.resize(self.tokens_at() / 4, 0);
         w.extend(tokens);
         w.resize(4 + 5 * self.rows, 0);
         let mut end = 0;
-        for (_, rows) in segments {
+        for (_, _, rows) in segments {
             end += rows;
             w.push(end as u32 - 1);
         }
         w.resize(self.kv_at() / 4, 0);
         let mut table = vec![0u64; 2 * self.layers * self.seqs];
-        for (s, (kv, _)) in segments.iter().enumerate() {
+        for (s, (kv, _, _)) in segments.iter().enumerate() {
             for (l, layer) in kv.layers.iter().take(self.layers).enumerate() {
                 table[2 * (l * self.seqs + s)] = layer.k.ptr();
                 table[2 * (l * self.seqs + s) + 1] = layer.v.ptr();
@@ -1457,13 +1462,14 @@ pub struct CudaExecutable {
 
 /// A greedy decode step launched before the host asked for it (`CudaExecutable::greedy_step`): it
 /// processes the token the step before it chose (copied on the device into its step buffer) at
-/// `pos` in cache `cache` (`CudaKvCache::id`), valid while the cache has run `steps` steps; its
-/// token lands in `slot`.
+/// the length of cache `cache` (`CudaKvCache::id`) while that cache has run `steps` steps (only
+/// steps and clears change a cache's length, and each counts as a step); its token lands in
+/// `slot`.
 struct Ahead {
     cache: u64,
     steps: u64,
-    pos: usize,
-    /// The token it processes, once the host has read it back.
+    /// The token it processes (None: the step before's products were not finite, so it ran with
+    /// token 0, set_inputs, and is never used).
     token: Option<u32>,
     slot: usize,
 }
@@ -2586,7 +2592,7 @@ impl CudaExecutable {
         let device = self.device.clone();
         let mut scratch = device.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
         device.ctx.bind_to_thread().map_err(cuda_err)?;
-        let segments: Vec<(&CudaKvCache, usize)> = kvs.iter().map(|kv| &**kv).zip(rows.iter().copied()).collect();
+        let segments: Vec<(&CudaKvCache, usize, usize)> = kvs.iter().zip(rows).map(|(kv, &r)| (&**kv, kv.len, r)).collect();
         let step = self.layout.words(tokens, &segments);
         // SAFETY: the step buffer holds layout.bytes() bytes, as many as the words (n <= the
         // plan's rows, sequences <= its sequences); pageable memory is staged before return.
@@ -2661,9 +2667,9 @@ impl CudaExecutable {
         let out = self.slot(self.plan.outputs[0].slot);
         let run = Active { rows: 1, seqs: 1, context: kv.context, kv: kv.elem };
         let launched = match self.ahead.take() {
-            Some(a) if a.cache == cache && a.steps == kv.steps && a.pos == p && a.token == Some(token) => a.slot,
+            Some(a) if a.cache == cache && a.steps == kv.steps && a.token == Some(token) => a.slot,
             _ => {
-                let step = self.layout.words(&[token], &[(&*kv, 1)]);
+                let step = self.layout.words(&[token], &[(&*kv, p, 1)]);
                 // SAFETY: the step buffer holds layout.bytes() bytes; pageable memory is staged
                 // before return.
                 unsafe { cudarc::driver::result::memcpy_htod_async(self.step.ptr(), &step, stream) }.map_err(cuda_err)?;
@@ -2680,11 +2686,10 @@ impl CudaExecutable {
         // (Only a run of greedy steps of one cache with nothing between them goes ahead: sessions
         // that take turns would each waste a step.)
         let continues = self.last_greedy == Some((cache, kv.steps));
-        if continues && p + 2 <= past && p + 2 <= kv.context {
-            let mut step = self.layout.words(&[0], &[(&*kv, 1)]);
-            // (Row 0's record begins with its position: word 4.)
-            step[4] = (p + 1) as u32;
-            let token_at = self.step.ptr() + 4 * (4 + 4 * self.layout.rows) as u64;
+        let ahead = continues && p + 2 <= past && p + 2 <= kv.context;
+        if ahead {
+            let step = self.layout.words(&[0], &[(&*kv, p + 1, 1)]);
+            let token_at = self.step.ptr() + self.layout.tokens_at() as u64;
             // SAFETY: as above; the token word lies in the step buffer, the output slot holds one
             // i32 written by the step before (stream order).
             unsafe {
@@ -2692,20 +2697,15 @@ impl CudaExecutable {
                 cudarc::driver::result::memcpy_dtod_async(token_at, out, 4, stream).map_err(cuda_err)?;
             }
             self.replay(run, &mut scratch)?;
-            let slot = 1 - launched;
-            self.token_back(out, slot)?;
-            self.ahead = Some(Ahead { cache, steps: 0, pos: p + 1, token: None, slot });
+            self.token_back(out, 1 - launched)?;
         }
         self.tokens_back.events[launched].synchronize().map_err(cuda_err)?;
         // SAFETY: the word's copy has completed (its event); nothing else writes it meanwhile.
         let got = unsafe { *self.tokens_back.words.add(launched) };
         kv.len += 1;
         kv.steps += 1;
-        if let Some(a) = &mut self.ahead {
-            // (A token the step ahead cannot take, -1 for a non-finite product: it ran with token
-            // 0 (set_inputs) and is never used.)
-            a.token = u32::try_from(got).ok();
-            a.steps = kv.steps;
+        if ahead {
+            self.ahead = Some(Ahead { cache, steps: kv.steps, token: u32::try_from(got).ok(), slot: 1 - launched });
         }
         self.last_greedy = Some((cache, kv.steps));
         Ok(vec![HostTensor { name: self.plan.outputs[0].name.clone(), shape: [1, 1], data: HostData::I32(vec![got]) }])
