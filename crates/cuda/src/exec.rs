@@ -1453,8 +1453,9 @@ pub struct CudaExecutable {
     /// The partial results of a split attention: per (row, query head) and share, `head_dim` sums,
     /// their maximum and their sum of weights.
     attention_parts: DeviceBuffer,
-    /// Greedy decode steps run one ahead (`greedy_step`): the step launched ahead, if any, the
-    /// cache and position of the last greedy step, and where the steps' tokens land on the host.
+    /// Greedy decode steps run one ahead (`greedy_step`): the step launched ahead, if any (by the
+    /// last greedy step), the cache of the last greedy step and its step count after it, and where
+    /// the steps' tokens land on the host.
     ahead: Option<Ahead>,
     last_greedy: Option<(u64, u64)>,
     tokens_back: TokenSlots,
@@ -1462,12 +1463,9 @@ pub struct CudaExecutable {
 
 /// A greedy decode step launched before the host asked for it (`CudaExecutable::greedy_step`): it
 /// processes the token the step before it chose (copied on the device into its step buffer) at
-/// the length of cache `cache` (`CudaKvCache::id`) while that cache has run `steps` steps (only
-/// steps and clears change a cache's length, and each counts as a step); its token lands in
-/// `slot`.
+/// the length its cache had after that step (`CudaExecutable::last_greedy`: only steps and clears
+/// change a cache's length, and each counts in `CudaKvCache::steps`); its token lands in `slot`.
 struct Ahead {
-    cache: u64,
-    steps: u64,
     /// The token it processes (None: the step before's products were not finite, so it ran with
     /// token 0, set_inputs, and is never used).
     token: Option<u32>,
@@ -2593,10 +2591,7 @@ impl CudaExecutable {
         let mut scratch = device.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
         device.ctx.bind_to_thread().map_err(cuda_err)?;
         let segments: Vec<(&CudaKvCache, usize, usize)> = kvs.iter().zip(rows).map(|(kv, &r)| (&**kv, kv.len, r)).collect();
-        let step = self.layout.words(tokens, &segments);
-        // SAFETY: the step buffer holds layout.bytes() bytes, as many as the words (n <= the
-        // plan's rows, sequences <= its sequences); pageable memory is staged before return.
-        unsafe { cudarc::driver::result::memcpy_htod_async(self.step.ptr(), &step, device.stream.cu_stream()) }.map_err(cuda_err)?;
+        self.upload_step(tokens, &segments)?;
         let run = Active { rows: n, seqs: kvs.len(), context, kv: elem };
         if !self.graphed(n) {
             self.enqueue(run, &mut scratch)?;
@@ -2640,6 +2635,14 @@ impl CudaExecutable {
 }
 
 impl CudaExecutable {
+    /// Writes the step buffer's words for `tokens` in `segments` (`StepLayout::words`), in stream order.
+    fn upload_step(&self, tokens: &[u32], segments: &[(&CudaKvCache, usize, usize)]) -> Result<(), RuntimeError> {
+        let step = self.layout.words(tokens, segments);
+        // SAFETY: the step buffer holds layout.bytes() bytes, as many as the words (the callers
+        // check rows and sequences against the plan's); pageable memory is staged before return.
+        unsafe { cudarc::driver::result::memcpy_htod_async(self.step.ptr(), &step, self.device.stream.cu_stream()) }.map_err(cuda_err)
+    }
+
     /// Whether one-row steps of this plan may run one ahead: a captured one-row decode plan whose
     /// only output is the greedy token.
     fn runs_ahead(&self) -> bool {
@@ -2666,13 +2669,13 @@ impl CudaExecutable {
         let (cache, p) = (kv.id, kv.len);
         let out = self.slot(self.plan.outputs[0].slot);
         let run = Active { rows: 1, seqs: 1, context: kv.context, kv: kv.elem };
+        // (Only a run of greedy steps of one cache with nothing between them goes ahead: sessions
+        // that take turns would each waste a step.)
+        let continues = self.last_greedy == Some((cache, kv.steps));
         let launched = match self.ahead.take() {
-            Some(a) if a.cache == cache && a.steps == kv.steps && a.token == Some(token) => a.slot,
+            Some(a) if continues && a.token == Some(token) => a.slot,
             _ => {
-                let step = self.layout.words(&[token], &[(&*kv, p, 1)]);
-                // SAFETY: the step buffer holds layout.bytes() bytes; pageable memory is staged
-                // before return.
-                unsafe { cudarc::driver::result::memcpy_htod_async(self.step.ptr(), &step, stream) }.map_err(cuda_err)?;
+                self.upload_step(&[token], &[(&*kv, p, 1)])?;
                 self.replay(run, &mut scratch)?;
                 // (Either word: a copy into it still queued from a step abandoned ahead lands
                 // before this one, and its event is recorded again after.)
@@ -2683,19 +2686,13 @@ impl CudaExecutable {
         let Bucket::Decode { past, .. } = self.plan.bucket else {
             return Err(cuda_err("a greedy step of a plan that is not a decode plan"));
         };
-        // (Only a run of greedy steps of one cache with nothing between them goes ahead: sessions
-        // that take turns would each waste a step.)
-        let continues = self.last_greedy == Some((cache, kv.steps));
         let ahead = continues && p + 2 <= past && p + 2 <= kv.context;
         if ahead {
-            let step = self.layout.words(&[0], &[(&*kv, p + 1, 1)]);
+            self.upload_step(&[0], &[(&*kv, p + 1, 1)])?;
             let token_at = self.step.ptr() + self.layout.tokens_at() as u64;
-            // SAFETY: as above; the token word lies in the step buffer, the output slot holds one
-            // i32 written by the step before (stream order).
-            unsafe {
-                cudarc::driver::result::memcpy_htod_async(self.step.ptr(), &step, stream).map_err(cuda_err)?;
-                cudarc::driver::result::memcpy_dtod_async(token_at, out, 4, stream).map_err(cuda_err)?;
-            }
+            // SAFETY: the token word lies in the step buffer, the output slot holds one i32
+            // written by the step before (stream order).
+            unsafe { cudarc::driver::result::memcpy_dtod_async(token_at, out, 4, stream) }.map_err(cuda_err)?;
             self.replay(run, &mut scratch)?;
             self.token_back(out, 1 - launched)?;
         }
@@ -2705,7 +2702,7 @@ impl CudaExecutable {
         kv.len += 1;
         kv.steps += 1;
         if ahead {
-            self.ahead = Some(Ahead { cache, steps: kv.steps, token: u32::try_from(got).ok(), slot: 1 - launched });
+            self.ahead = Some(Ahead { token: u32::try_from(got).ok(), slot: 1 - launched });
         }
         self.last_greedy = Some((cache, kv.steps));
         Ok(vec![HostTensor { name: self.plan.outputs[0].name.clone(), shape: [1, 1], data: HostData::I32(vec![got]) }])
