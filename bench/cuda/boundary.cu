@@ -7,6 +7,10 @@
 // would; the last table varies the bytes that reader keeps in flight. Build and run on the device
 // machine, from the checkout's root (or with bench/cuda/run.sh):
 //   nvcc -O3 -arch=sm_90 -std=c++17 -o /tmp/boundary bench/cuda/boundary.cu && /tmp/boundary
+// `/tmp/boundary domains` takes the dependency apart instead: steps that only write, that read the
+// row in one round trip or in a loop (the default steps' 7-8 loads a thread, one after another),
+// a chain that polls tagged rows instead of waiting for the kernel before (chain_ll), and the
+// load in the default or the remote memory synchronization domain (RESULTS.md "issue 4ap").
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -17,21 +21,79 @@ constexpr int WIDTH = 3840, THREADS = 128, STEPS = 512;
 
 // One step of the chain: block b (of any grid) reads the whole row `in` (as a matrix-vector
 // block reads its input) and writes its share of `out`.
-__device__ __forceinline__ void step_body(const float* in, float* out) {
+// (`read` 2: the thread's loads unrolled, issued together: one round trip.)
+__device__ __forceinline__ void step_body(const float* in, float* out, int read = 1) {
     float s = 0.f;
-    for (int i = threadIdx.x; i < WIDTH / 4; i += blockDim.x) {
+    if (read == 2) {
+        constexpr int PER = (WIDTH / 4 + THREADS - 1) / THREADS;
+        float4 v[PER];
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            int i = threadIdx.x + j * THREADS;
+            v[j] = i < WIDTH / 4 ? __ldcg((const float4*)in + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int j = 0; j < PER; j++) s += v[j].x + v[j].y + v[j].z + v[j].w;
+        read = 0;
+    }
+    for (int i = threadIdx.x; i < WIDTH / 4 * read; i += blockDim.x) {
         float4 v = __ldcg((const float4*)in + i);
         s += v.x + v.y + v.z + v.w;
     }
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < WIDTH; i += gridDim.x * blockDim.x) out[i] = s * 1e-9f + (float)i;
 }
 
-__global__ void chain_step(const float* in, float* out, int pdl) {
+// (`read` 0: the step writes its share without reading the row: only the dependency and the stores.)
+__global__ void chain_step(const float* in, float* out, int pdl, int read) {
     if (pdl) {
         asm volatile("griddepcontrol.wait;" ::: "memory");
         asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     }
-    step_body(in, out);
+    step_body(in, out, read);
+}
+
+// The same step with the row passed as in NCCL's low-latency protocol: 8-byte words {value, tag},
+// each written by one store, so a reader knows a word has arrived when it carries the step's tag.
+// The step waits for no kernel (no griddepcontrol.wait): its blocks poll their loads until every
+// word carries `tag`, then let the next step launch and write their share tagged `tag + 1`. One
+// round trip (repeated while the words are missing) instead of a kernel boundary and a load. The
+// tags: `epoch` (raised by ll_init before each run) times STEPS + 1, plus the step.
+__global__ void ll_init(uint2* row, u32* epoch) {
+    u32 tag = (epoch[0] + 1) * (STEPS + 1);
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < WIDTH; i += gridDim.x * blockDim.x) row[i] = make_uint2(0u, tag);
+    __syncthreads();
+    if (blockIdx.x == 0 && threadIdx.x == 0) epoch[0] += 1;
+}
+// A load the compiler must issue every time (a poll): `__ldcv` is not volatile asm, so a loop of
+// them may be hoisted and never see the word change.
+__device__ __forceinline__ uint4 ld_poll(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+__global__ void chain_ll(const uint4* in, uint2* out, const u32* epoch, int t) {
+    constexpr int PER = (WIDTH / 2 + THREADS - 1) / THREADS;
+    const u32 tag = __ldcg(epoch) * (STEPS + 1) + t;
+    uint4 v[PER];
+    bool done;
+    do {
+        done = true;
+#pragma unroll
+        for (int j = 0; j < PER; j++) {
+            int i = threadIdx.x + j * THREADS;
+            v[j] = i < WIDTH / 2 ? ld_poll(in + i) : make_uint4(0u, tag, 0u, tag);
+            done = done && v[j].y == tag && v[j].w == tag;
+        }
+    } while (!done);
+    // (Every thread of the block has its words before the next step may launch: that step
+    // overwrites the row this one read.)
+    __syncthreads();
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < PER; j++) s += __uint_as_float(v[j].x) + __uint_as_float(v[j].z);
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < WIDTH; i += gridDim.x * blockDim.x)
+        __stcg(out + i, make_uint2(__float_as_uint(s * 1e-9f + (float)i), tag + 1));
 }
 
 // STEPS steps in one launch: the blocks meet at a barrier (arrive, then wait for all) after each.
@@ -69,7 +131,8 @@ __global__ void __launch_bounds__(512, 1) reader(const uint4* src, size_t words,
     if (acc.x == 0x12345678u) sink[0] = acc;
 }
 
-int main() {
+int main(int argc, char** argv) {
+    setvbuf(stdout, nullptr, _IOLBF, 0);
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     const int sms = prop.multiProcessorCount;
@@ -89,14 +152,14 @@ int main() {
     CK(cudaStreamCreateWithFlags(&bg, cudaStreamNonBlocking));
 
     // A graph of STEPS dependent chain steps on `grid` blocks.
-    auto chain_graph = [&](int grid, int pdl) {
+    auto chain_graph = [&](int grid, int pdl, int read = 1) {
         cudaGraph_t g;
         cudaGraphExec_t ge;
         CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
         for (int t = 0; t < STEPS; t++) {
             PdlLaunch l(dim3(grid), dim3(THREADS), 0, s);
             l.cfg.numAttrs = pdl ? 1 : 0;
-            CK(cudaLaunchKernelEx(&l.cfg, chain_step, (const float*)(rows + (t & 1) * WIDTH), rows + ((t + 1) & 1) * WIDTH, pdl));
+            CK(cudaLaunchKernelEx(&l.cfg, chain_step, (const float*)(rows + (t & 1) * WIDTH), rows + ((t + 1) & 1) * WIDTH, pdl, read));
         }
         CK(cudaStreamEndCapture(s, &g));
         CK(cudaGraphInstantiate(&ge, g, 0));
@@ -104,13 +167,23 @@ int main() {
     };
     // The background load: `lblocks` reader blocks of 512 threads, `lunroll` loads each in flight,
     // sized to outlast the timed steps; load_gbs: what it reads alone.
-    int lblocks = sms / 2, lunroll = 8;
+    // `remote`: the reader runs in the remote memory synchronization domain, so that the chain's
+    // fences and kernel-boundary flushes (the default domain) need not wait for its traffic.
+    int lblocks = sms / 2, lunroll = 8, remote = 0;
     double load_gbs = 0.0;
     auto launch_reader = [&](int passes) {
         // The reader with `lunroll` (1, 2, 4, 8 or 16) loads in flight.
         void (*const readers[])(const uint4*, size_t, int, uint4*) = {reader<1>, reader<2>, reader<4>, reader<8>, reader<16>};
-        readers[__builtin_ctz(lunroll)]<<<lblocks, 512, 0, bg>>>(src, load_bytes / 16, passes, sink);
-        CK(cudaGetLastError());
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute at[1];
+        cfg.gridDim = dim3(lblocks);
+        cfg.blockDim = dim3(512);
+        cfg.stream = bg;
+        at[0].id = cudaLaunchAttributeMemSyncDomain;
+        at[0].val.memSyncDomain = remote ? cudaLaunchMemSyncDomainRemote : cudaLaunchMemSyncDomainDefault;
+        cfg.attrs = at;
+        cfg.numAttrs = 1;
+        CK(cudaLaunchKernelEx(&cfg, readers[__builtin_ctz(lunroll)], (const uint4*)src, load_bytes / 16, passes, sink));
     };
     // Microseconds per step of `run`, median of 7, with or without the background load.
     auto time = [&](auto run, bool load) {
@@ -126,6 +199,82 @@ int main() {
         CK(cudaDeviceSynchronize());
         return us;
     };
+    int domains = 0;
+    CK(cudaDeviceGetAttribute(&domains, cudaDevAttrMemSyncDomainCount, 0));
+    printf("memory synchronization domains: %d\n", domains);
+    if (argc > 1) {
+        // `boundary domains`: the same steps under the load in the default and in the remote
+        // domain (a pdl graph of one block per multiprocessor and the persistent kernel), then the
+        // bytes-in-flight table for both.
+        cudaGraphExec_t ge = chain_graph(sms, 1);
+        auto run = [&] { CK(cudaGraphLaunch(ge, s)); };
+        auto prun = [&] {
+            CK(cudaMemsetAsync(count, 0, sizeof(unsigned), s));
+            persistent<<<sms, THREADS, 0, s>>>(rows, count);
+        };
+        // The tagged chain (chain_ll): ll_init, then STEPS steps, the first launched plainly after it.
+        uint2* llrows;
+        u32* epoch;
+        CK(cudaMalloc(&llrows, 2 * WIDTH * sizeof(uint2)));
+        CK(cudaMalloc(&epoch, sizeof(u32)));
+        CK(cudaMemset(llrows, 0, 2 * WIDTH * sizeof(uint2)));
+        CK(cudaMemset(epoch, 0, sizeof(u32)));
+        for (int grid : {1, sms}) {
+            cudaGraph_t g;
+            cudaGraphExec_t gl;
+            CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+            ll_init<<<1, THREADS, 0, s>>>(llrows, epoch);
+            for (int t = 0; t < STEPS; t++) {
+                PdlLaunch l(dim3(grid), dim3(THREADS), 0, s);
+                l.cfg.numAttrs = t > 0 ? 1 : 0;
+                CK(cudaLaunchKernelEx(&l.cfg, chain_ll, (const uint4*)(llrows + (t & 1) * WIDTH), llrows + ((t + 1) & 1) * WIDTH,
+                                      (const u32*)epoch, t));
+            }
+            CK(cudaStreamEndCapture(s, &g));
+            CK(cudaGraphInstantiate(&gl, g, 0));
+            auto lrun = [&] { CK(cudaGraphLaunch(gl, s)); };
+            double a = time(lrun, false), b = time(lrun, true);
+            printf("graph pdl grid %d, tagged rows polled (no wait): idle %.2f  load %.2f\n", grid, a, b);
+            CK(cudaGraphExecDestroy(gl));
+        }
+        for (int read : {0, 2, 1}) {
+            for (int grid : {1, sms}) {
+                cudaGraphExec_t gw = chain_graph(grid, 1, read);
+                auto wrun = [&] { CK(cudaGraphLaunch(gw, s)); };
+                double a = time(wrun, false), b = time(wrun, true);
+                printf("graph pdl grid %d, steps that %s: idle %.2f  load %.2f\n", grid,
+                       read == 0 ? "only write" : read == 2 ? "read in one round trip" : "read in a loop", a, b);
+                CK(cudaGraphExecDestroy(gw));
+            }
+        }
+        for (int pass = 0; pass < 2; pass++) {
+            remote = 0;
+            double a = time(run, false), b = time(run, true);
+            remote = 1;
+            double c = time(run, true);
+            printf("graph pdl grid %d: idle %.2f  load same domain %.2f  load remote domain %.2f\n", sms, a, b, c);
+            remote = 0;
+            a = time(prun, false), b = time(prun, true);
+            remote = 1;
+            c = time(prun, true);
+            printf("persistent grid %d: idle %.2f  load same domain %.2f  load remote domain %.2f\n", sms, a, b, c);
+        }
+        cudaGraphExec_t g1 = chain_graph(sms, 1, 2);
+        auto run1 = [&] { CK(cudaGraphLaunch(g1, s)); };
+        printf("load in flight (MB)   load GB/s   us per step (loop read), same domain | load GB/s   remote domain | one-round-trip read\n");
+        for (auto [b, u] : std::vector<std::pair<int, int>>{{sms / 2, 4}, {sms / 2, 8}, {sms, 8}, {sms, 16}}) {
+            lblocks = b;
+            lunroll = u;
+            remote = 0;
+            double t0 = time(run, true), g0 = load_gbs;
+            remote = 1;
+            double t1 = time(run, true), g1 = load_gbs;
+            remote = 0;
+            double t2 = time(run1, true);
+            printf("%18.1f %11.0f %10.2f | %9.0f %10.2f | %10.2f\n", b * 512.0 * u * 16 / 1e6, g0, t0, g1, t1, t2);
+        }
+        return 0;
+    }
     printf("us per dependent step (%d steps, %d threads per block; load = a reader on %d SMs streaming 2 GB)\n", STEPS, THREADS, sms / 2);
     printf("%-34s %10s %10s\n", "", "idle", "load");
     for (int grid : {1, sms, 4 * sms}) {

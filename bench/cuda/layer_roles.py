@@ -1,0 +1,68 @@
+"""A Gemma 3 decode step's kernels by their role in a layer, from a kernel trace
+(bench/cuda/kernel_trace.cu), to compare builds that leave launches out (RESULTS.md "issue 4ap").
+
+usage: python3 layer_roles.py TRACE.csv [TRACE.csv ...]
+
+Reads the last complete step (from one `set_inputs` kernel to the next) as timeline.py does and
+names each kernel by its place in the 12B layer: np2 (the norm pair before q/k/v), qk (the q/k(/v)
+product, 528 blocks), v (a Q6_K v product, 256 blocks), attn, o (480 blocks), np1 (the norm pair
+after o), gu (gate/up, the 528-block product after o or np1), quant, down (264 blocks), head.
+Per role: launches, critical time each (its end minus the latest end before it), duration each,
+and its start minus the latest end before it (negative: launched early, waiting).
+"""
+import collections
+import sys
+
+ROLES = ["np2", "qk", "v", "attn", "o", "np1", "gu", "quant", "down", "head"]
+
+
+def last_step(path):
+    ks = []
+    for line in open(path):
+        p = line.rstrip("\n").split(",")
+        if len(p) >= 4:
+            ks.append((int(p[0]), int(p[1]), p[2].split("(")[0], int(p[3])))
+    ks.sort()
+    starts = [i for i, k in enumerate(ks) if k[2].startswith("set_inputs")]
+    if len(starts) < 2:
+        sys.exit("%s: fewer than two steps (set_inputs kernels) in the trace" % path)
+    return ks[starts[-2]:starts[-1]]
+
+
+def role(name, grid, prev):
+    if name.startswith("matvecr8") and grid == 528:
+        return "gu" if prev in ("o", "np1") else "head" if name.endswith("q6_k") else "qk"
+    if grid == 256:
+        return "v"
+    if name.startswith("attention"):
+        return "attn"
+    if grid == 480:
+        return "o"
+    if name == "rms_norm2":
+        return "np1" if prev == "o" else "np2"
+    if name.startswith("quantize"):
+        return "quant"
+    if grid == 264:
+        return "down"
+    return name
+
+
+for path in sys.argv[1:]:
+    step = last_step(path)
+    agg = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    prev, prev_end = None, step[0][1]
+    for s, e, n, g in step[1:]:
+        prev = role(n, g, prev)
+        a = agg[prev]
+        a[0] += 1
+        a[1] += max(0, e - prev_end)
+        a[2] += e - s
+        a[3] += s - prev_end
+        prev_end = max(prev_end, e)
+    total = (max(k[1] for k in step) - step[0][0]) / 1e3
+    print("== %s: %.1f us a step" % (path, total))
+    print("  %-6s %4s %10s %10s %11s" % ("role", "n", "crit each", "dur each", "start-prev"))
+    for r in ROLES + sorted(set(agg) - set(ROLES)):
+        if r in agg:
+            c, cr, du, g = agg[r]
+            print("  %-6s %4d %10.2f %10.2f %11.2f" % (r, c, cr / 1e3 / c, du / 1e3 / c, g / 1e3 / c))
