@@ -262,7 +262,7 @@ int main(int argc, char** argv) {
         cudaGraphExec_t g1 = chain_graph(sms, 1, 2);
         auto run1 = [&] { CK(cudaGraphLaunch(g1, s)); };
         printf("load in flight (MB)   load GB/s   us per step (loop read), same domain | load GB/s   remote domain | one-round-trip read\n");
-        for (auto [b, u] : std::vector<std::pair<int, int>>{{sms / 2, 4}, {sms / 2, 8}, {sms, 8}, {sms, 16}}) {
+        for (auto [b, u] : std::vector<std::pair<int, int>>{{sms / 2, 4}, {sms / 2, 8}, {sms * 5 / 8, 8}, {sms * 3 / 4, 8}, {sms * 7 / 8, 8}, {sms, 8}, {sms, 16}}) {
             lblocks = b;
             lunroll = u;
             remote = 0;
