@@ -3,30 +3,18 @@
 
 usage: python3 layer_roles.py TRACE.csv [TRACE.csv ...]
 
-Reads the last complete step (from one `set_inputs` kernel to the next) as timeline.py does and
+Reads the last complete step (from one `set_inputs` kernel to the next) with timeline.py and
 names each kernel by its place in the 12B layer: np2 (the norm pair before q/k/v), qk (the q/k(/v)
 product, 528 blocks), v (a Q6_K v product, 256 blocks), attn, o (480 blocks), np1 (the norm pair
 after o), gu (gate/up, the 528-block product after o or np1), quant, down (264 blocks), head.
 Per role: launches, critical time each (its end minus the latest end before it), duration each,
 and its start minus the latest end before it (negative: launched early, waiting).
 """
-import collections
 import sys
 
+from timeline import critical, read_trace
+
 ROLES = ["np2", "qk", "v", "attn", "o", "np1", "gu", "quant", "down", "head"]
-
-
-def last_step(path):
-    ks = []
-    for line in open(path):
-        p = line.rstrip("\n").split(",")
-        if len(p) >= 4:
-            ks.append((int(p[0]), int(p[1]), p[2].split("(")[0], int(p[3])))
-    ks.sort()
-    starts = [i for i, k in enumerate(ks) if k[2].startswith("set_inputs")]
-    if len(starts) < 2:
-        sys.exit("%s: fewer than two steps (set_inputs kernels) in the trace" % path)
-    return ks[starts[-2]:starts[-1]]
 
 
 def role(name, grid, prev):
@@ -48,17 +36,12 @@ def role(name, grid, prev):
 
 
 for path in sys.argv[1:]:
-    step = last_step(path)
-    agg = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
-    prev, prev_end = None, step[0][1]
-    for s, e, n, g in step[1:]:
-        prev = role(n, g, prev)
-        a = agg[prev]
-        a[0] += 1
-        a[1] += max(0, e - prev_end)
-        a[2] += e - s
-        a[3] += s - prev_end
-        prev_end = max(prev_end, e)
+    _, _, step = read_trace(path)
+    # (Each kernel's role depends on the one before it.)
+    roles = []
+    for _, _, n, g in step[1:]:
+        roles.append(role(n, g, roles[-1] if roles else None))
+    agg = critical(step, roles)
     total = (max(k[1] for k in step) - step[0][0]) / 1e3
     print("== %s: %.1f us a step" % (path, total))
     print("  %-6s %4s %10s %10s %11s" % ("role", "n", "crit each", "dur each", "start-prev"))
