@@ -19,12 +19,16 @@ typedef unsigned long long u64;
 
 constexpr int WIDTH = 3840, THREADS = 128, STEPS = 512;
 
+// How a chain step reads the row before it: not at all (the dependency and the stores only), in a
+// loop of 7-8 loads a thread each waiting for the one before (the steps of the default tables), or
+// with its loads issued together (one round trip).
+enum Read { WRITE_ONLY = 0, LOOP = 1, ONE_TRIP = 2 };
+
 // One step of the chain: block b (of any grid) reads the whole row `in` (as a matrix-vector
 // block reads its input) and writes its share of `out`.
-// (`read` 2: the thread's loads unrolled, issued together: one round trip.)
-__device__ __forceinline__ void step_body(const float* in, float* out, int read = 1) {
+__device__ __forceinline__ void step_body(const float* in, float* out, int read = LOOP) {
     float s = 0.f;
-    if (read == 2) {
+    if (read == ONE_TRIP) {
         constexpr int PER = (WIDTH / 4 + THREADS - 1) / THREADS;
         float4 v[PER];
 #pragma unroll
@@ -34,16 +38,15 @@ __device__ __forceinline__ void step_body(const float* in, float* out, int read 
         }
 #pragma unroll
         for (int j = 0; j < PER; j++) s += v[j].x + v[j].y + v[j].z + v[j].w;
-        read = 0;
-    }
-    for (int i = threadIdx.x; i < WIDTH / 4 * read; i += blockDim.x) {
-        float4 v = __ldcg((const float4*)in + i);
-        s += v.x + v.y + v.z + v.w;
+    } else if (read == LOOP) {
+        for (int i = threadIdx.x; i < WIDTH / 4; i += blockDim.x) {
+            float4 v = __ldcg((const float4*)in + i);
+            s += v.x + v.y + v.z + v.w;
+        }
     }
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < WIDTH; i += gridDim.x * blockDim.x) out[i] = s * 1e-9f + (float)i;
 }
 
-// (`read` 0: the step writes its share without reading the row: only the dependency and the stores.)
 __global__ void chain_step(const float* in, float* out, int pdl, int read) {
     if (pdl) {
         asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -152,7 +155,7 @@ int main(int argc, char** argv) {
     CK(cudaStreamCreateWithFlags(&bg, cudaStreamNonBlocking));
 
     // A graph of STEPS dependent chain steps on `grid` blocks.
-    auto chain_graph = [&](int grid, int pdl, int read = 1) {
+    auto chain_graph = [&](int grid, int pdl, int read = LOOP) {
         cudaGraph_t g;
         cudaGraphExec_t ge;
         CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
@@ -237,13 +240,13 @@ int main(int argc, char** argv) {
             printf("graph pdl grid %d, tagged rows polled (no wait): idle %.2f  load %.2f\n", grid, a, b);
             CK(cudaGraphExecDestroy(gl));
         }
-        for (int read : {0, 2, 1}) {
+        for (int read : {WRITE_ONLY, ONE_TRIP, LOOP}) {
             for (int grid : {1, sms}) {
                 cudaGraphExec_t gw = chain_graph(grid, 1, read);
                 auto wrun = [&] { CK(cudaGraphLaunch(gw, s)); };
                 double a = time(wrun, false), b = time(wrun, true);
                 printf("graph pdl grid %d, steps that %s: idle %.2f  load %.2f\n", grid,
-                       read == 0 ? "only write" : read == 2 ? "read in one round trip" : "read in a loop", a, b);
+                       read == WRITE_ONLY ? "only write" : read == ONE_TRIP ? "read in one round trip" : "read in a loop", a, b);
                 CK(cudaGraphExecDestroy(gw));
             }
         }
@@ -259,8 +262,8 @@ int main(int argc, char** argv) {
             c = time(prun, true);
             printf("persistent grid %d: idle %.2f  load same domain %.2f  load remote domain %.2f\n", sms, a, b, c);
         }
-        cudaGraphExec_t g1 = chain_graph(sms, 1, 2);
-        auto run1 = [&] { CK(cudaGraphLaunch(g1, s)); };
+        cudaGraphExec_t gone = chain_graph(sms, 1, ONE_TRIP);
+        auto run1 = [&] { CK(cudaGraphLaunch(gone, s)); };
         printf("load in flight (MB)   load GB/s   us per step (loop read), same domain | load GB/s   remote domain | one-round-trip read\n");
         for (auto [b, u] : std::vector<std::pair<int, int>>{{sms / 2, 4}, {sms / 2, 8}, {sms * 5 / 8, 8}, {sms * 3 / 4, 8}, {sms * 7 / 8, 8}, {sms, 8}, {sms, 16}}) {
             lblocks = b;
