@@ -1368,7 +1368,8 @@ template <> struct Planes<F_Q6_K> {
 // attention), whose loads queue behind the copies: 12B decode on an H200 332 tok/s with every
 // stage early, 338 with 2, 333 with 1, 309 with none (bench/RESULTS.md "issue 4k"); on an H100
 // 1 early tile made the norms cheaper and the products slower by as much (+0.3% a token), 1 in
-// every other block +4.1% ("issue 4ap").
+// every other block +4.1% ("issue 4ap"); spacing them 3 us apart, -2.5% on an H100 and +1.2% on an
+// H200 ("issue 4aq").
 #define MVR_EARLY 2
 
 // Asks the copy engine for blocks b0..b0+nb of a matrix of `nblk` blocks at w, into a tile of `tb`
