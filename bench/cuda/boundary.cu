@@ -16,6 +16,7 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 #include "bench_util.cuh"
+#include <cstring>
 
 constexpr int WIDTH = 3840, THREADS = 128, STEPS = 512;
 
@@ -26,7 +27,7 @@ enum Read { WRITE_ONLY = 0, LOOP = 1, ONE_TRIP = 2 };
 
 // One step of the chain: block b (of any grid) reads the whole row `in` (as a matrix-vector
 // block reads its input) and writes its share of `out`.
-__device__ __forceinline__ void step_body(const float* in, float* out, int read = LOOP) {
+__device__ __forceinline__ void step_body(const float* in, float* out, Read read = LOOP) {
     float s = 0.f;
     if (read == ONE_TRIP) {
         constexpr int PER = (WIDTH / 4 + THREADS - 1) / THREADS;
@@ -47,7 +48,7 @@ __device__ __forceinline__ void step_body(const float* in, float* out, int read 
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < WIDTH; i += gridDim.x * blockDim.x) out[i] = s * 1e-9f + (float)i;
 }
 
-__global__ void chain_step(const float* in, float* out, int pdl, int read) {
+__global__ void chain_step(const float* in, float* out, int pdl, Read read) {
     if (pdl) {
         asm volatile("griddepcontrol.wait;" ::: "memory");
         asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -136,6 +137,11 @@ __global__ void __launch_bounds__(512, 1) reader(const uint4* src, size_t words,
 
 int main(int argc, char** argv) {
     setvbuf(stdout, nullptr, _IOLBF, 0);
+    const bool domains_mode = argc == 2 && !strcmp(argv[1], "domains");
+    if (argc > 1 && !domains_mode) {
+        fprintf(stderr, "usage: boundary [domains]\n");
+        return 2;
+    }
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     const int sms = prop.multiProcessorCount;
@@ -155,7 +161,7 @@ int main(int argc, char** argv) {
     CK(cudaStreamCreateWithFlags(&bg, cudaStreamNonBlocking));
 
     // A graph of STEPS dependent chain steps on `grid` blocks.
-    auto chain_graph = [&](int grid, int pdl, int read = LOOP) {
+    auto chain_graph = [&](int grid, int pdl, Read read = LOOP) {
         cudaGraph_t g;
         cudaGraphExec_t ge;
         CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
@@ -202,10 +208,18 @@ int main(int argc, char** argv) {
         CK(cudaDeviceSynchronize());
         return us;
     };
+    // Microseconds per step of `run` under the load, the reader in the remote memory
+    // synchronization domain or the default one.
+    auto time_loaded = [&](auto run, bool in_remote) {
+        remote = in_remote;
+        double us = time(run, true);
+        remote = 0;
+        return us;
+    };
     int domains = 0;
     CK(cudaDeviceGetAttribute(&domains, cudaDevAttrMemSyncDomainCount, 0));
     printf("memory synchronization domains: %d\n", domains);
-    if (argc > 1) {
+    if (domains_mode) {
         // `boundary domains`: the same steps under the load in the default and in the remote
         // domain (a pdl graph of one block per multiprocessor and the persistent kernel), then the
         // bytes-in-flight table for both.
@@ -240,7 +254,7 @@ int main(int argc, char** argv) {
             printf("graph pdl grid %d, tagged rows polled (no wait): idle %.2f  load %.2f\n", grid, a, b);
             CK(cudaGraphExecDestroy(gl));
         }
-        for (int read : {WRITE_ONLY, ONE_TRIP, LOOP}) {
+        for (Read read : {WRITE_ONLY, ONE_TRIP, LOOP}) {
             for (int grid : {1, sms}) {
                 cudaGraphExec_t gw = chain_graph(grid, 1, read);
                 auto wrun = [&] { CK(cudaGraphLaunch(gw, s)); };
@@ -251,15 +265,10 @@ int main(int argc, char** argv) {
             }
         }
         for (int pass = 0; pass < 2; pass++) {
-            remote = 0;
-            double a = time(run, false), b = time(run, true);
-            remote = 1;
-            double c = time(run, true);
+            // (One after another: the order in which a call's arguments are evaluated is unspecified.)
+            double a = time(run, false), b = time_loaded(run, false), c = time_loaded(run, true);
             printf("graph pdl grid %d: idle %.2f  load same domain %.2f  load remote domain %.2f\n", sms, a, b, c);
-            remote = 0;
-            a = time(prun, false), b = time(prun, true);
-            remote = 1;
-            c = time(prun, true);
+            a = time(prun, false), b = time_loaded(prun, false), c = time_loaded(prun, true);
             printf("persistent grid %d: idle %.2f  load same domain %.2f  load remote domain %.2f\n", sms, a, b, c);
         }
         cudaGraphExec_t gone = chain_graph(sms, 1, ONE_TRIP);
@@ -268,12 +277,9 @@ int main(int argc, char** argv) {
         for (auto [b, u] : std::vector<std::pair<int, int>>{{sms / 2, 4}, {sms / 2, 8}, {sms * 5 / 8, 8}, {sms * 3 / 4, 8}, {sms * 7 / 8, 8}, {sms, 8}, {sms, 16}}) {
             lblocks = b;
             lunroll = u;
-            remote = 0;
-            double t0 = time(run, true), g0 = load_gbs;
-            remote = 1;
-            double t1 = time(run, true), g1 = load_gbs;
-            remote = 0;
-            double t2 = time(run1, true);
+            double t0 = time_loaded(run, false), g0 = load_gbs;
+            double t1 = time_loaded(run, true), g1 = load_gbs;
+            double t2 = time_loaded(run1, false);
             printf("%18.1f %11.0f %10.2f | %9.0f %10.2f | %10.2f\n", b * 512.0 * u * 16 / 1e6, g0, t0, g1, t1, t2);
         }
         return 0;

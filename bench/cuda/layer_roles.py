@@ -12,7 +12,7 @@ and its start minus the latest end before it (negative: launched early, waiting)
 """
 import sys
 
-from timeline import critical, read_trace
+from timeline import critical, read_trace, span_us
 
 ROLES = ["np2", "qk", "v", "attn", "o", "np1", "gu", "quant", "down", "head"]
 
@@ -42,8 +42,7 @@ for path in sys.argv[1:]:
     for _, _, n, g in step[1:]:
         roles.append(role(n, g, roles[-1] if roles else None))
     agg = critical(step, roles)
-    total = (max(k[1] for k in step) - step[0][0]) / 1e3
-    print("== %s: %.1f us a step" % (path, total))
+    print("== %s: %.1f us a step" % (path, span_us(step)))
     print("  %-6s %4s %10s %10s %11s" % ("role", "n", "crit each", "dur each", "start-prev"))
     for r in ROLES + sorted(set(agg) - set(ROLES)):
         if r in agg:

@@ -27,6 +27,11 @@ def read_trace(path):
     return ks, len(starts), ks[starts[-2]:starts[-1]]
 
 
+def span_us(step):
+    """Microseconds from the step's first start to its last end."""
+    return (max(k[1] for k in step) - step[0][0]) / 1e3
+
+
 def critical(step, keys):
     """Per key over the step's kernels after its first (`keys`: one for each of them, in order):
     [count, critical ns, duration ns, start minus the latest end before it ns], summed."""
@@ -45,7 +50,7 @@ def critical(step, keys):
 def main():
     ks, steps, step = read_trace(sys.argv[1])
     print("%d kernels, %d steps; the last complete step: %d kernels, %.1f us from its first start to its last end"
-          % (len(ks), steps, len(step), (max(k[1] for k in step) - step[0][0]) / 1e3))
+          % (len(ks), steps, len(step), span_us(step)))
     agg = critical(step, ["%s/%d" % (n, g) for _, _, n, g in step[1:]])
     print("%-28s %5s %10s %10s %10s %12s" % ("kernel/grid", "n", "crit us", "crit each", "dur each", "start-prev"))
     for n, (c, d, du, g) in sorted(agg.items(), key=lambda x: -x[1][1]):
