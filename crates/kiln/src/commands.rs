@@ -10,7 +10,7 @@ use kiln_cpu::CpuBackend;
 use kiln_gguf::GgufFile;
 use kiln_models::{generate, GenerateParams, Generation, Model, OutputMode, SamplingParams, Session, StepOutput, TextControl};
 use kiln_runtime::Backend;
-use kiln_tokenizer::{gemma_chat_prompt, ChatMessage, Tokenizer};
+use kiln_tokenizer::{ChatMessage, ChatTemplate, Conversation, Tokenizer, TurnPrompt};
 use serde_json::json;
 
 use crate::cli::{
@@ -154,8 +154,12 @@ fn report(model: &Model, result: &Generation, seed: u64) {
 
 fn run(a: RunArgs) -> Result<()> {
     let model = load(&a.model)?;
-    let text = if a.chat { gemma_chat_prompt(&[ChatMessage::new("user", a.prompt.as_str())], true) } else { a.prompt.clone() };
-    let prompt = model.tokenizer().encode(&text);
+    let tok = model.tokenizer();
+    let prompt = if a.chat {
+        ChatTemplate::from_gguf(model.file(), tok)?.encode(tok, &[ChatMessage::new("user", a.prompt.as_str())], true)?
+    } else {
+        tok.encode(&a.prompt)
+    };
     let params = a.sampling.params();
     let mut session = model.new_session()?;
     if let Some(result) = stream_to_stdout(&mut session, &prompt, &params)? {
@@ -170,7 +174,7 @@ fn chat(a: ChatArgs) -> Result<()> {
     let tok = model.tokenizer();
     let mut params = a.sampling.params();
     let mut session = model.new_session()?;
-    let mut system = a.system.clone();
+    let mut conversation = Conversation::new(ChatTemplate::from_gguf(model.file(), tok)?, a.system.clone());
     let stdin = std::io::stdin();
     let mut line = String::new();
     loop {
@@ -184,18 +188,21 @@ fn chat(a: ChatArgs) -> Result<()> {
         if user.is_empty() {
             continue;
         }
-        let mut turn = Vec::new();
-        if let Some(s) = system.take() {
-            turn.push(ChatMessage::new("system", s));
-        }
-        turn.push(ChatMessage::new("user", user));
-        // The KV cache keeps the conversation: each turn appends only its own tokens.
-        let first = session.position() == 0;
-        let mut text = if first { String::new() } else { "<end_of_turn>\n".to_string() };
-        text += &gemma_chat_prompt(&turn, true);
-        let prompt = tok.encode_with(&text, first);
+        // The KV cache keeps the conversation: a turn appends only what follows it.
+        let prompt = match conversation.user_turn(tok, user)? {
+            TurnPrompt::Continue(ids) => ids,
+            TurnPrompt::Whole(ids) => {
+                session.reset();
+                ids
+            }
+        };
+        let before = session.position();
         match stream_to_stdout(&mut session, &prompt, &params)? {
-            Some(result) => report(&model, &result, params.sampling.seed),
+            Some(result) => {
+                let fed = session.position() - before - prompt.len();
+                conversation.reply(tok, &result.text, &result.tokens[..fed]);
+                report(&model, &result, params.sampling.seed);
+            }
             None => return Ok(()),
         }
         params.sampling.seed = params.sampling.seed.wrapping_add(1);

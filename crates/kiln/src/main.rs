@@ -19,8 +19,37 @@ fn main() -> ExitCode {
     match commands::dispatch(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", chain_message(&e));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// `e` and its causes joined by ": ", each said once: the library errors already end their own
+/// message with their I/O cause, which `{:#}` would print a second time.
+fn chain_message(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain().map(|c| c.to_string()) {
+        if out.is_empty() {
+            out = cause;
+        } else if !out.ends_with(&cause) {
+            out.push_str(": ");
+            out.push_str(&cause);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::chain_message;
+
+    #[test]
+    fn a_cause_already_at_the_end_of_the_message_is_said_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let e = anyhow::Error::new(std::io::Error::other(format!("cannot open 'm.gguf': {io}"))).context("loading m.gguf");
+        assert_eq!(chain_message(&e), "loading m.gguf: cannot open 'm.gguf': no such file");
+        let e = anyhow::Error::new(io).context("loading m.gguf");
+        assert_eq!(chain_message(&e), "loading m.gguf: no such file");
     }
 }

@@ -73,12 +73,69 @@ fn chat_keeps_the_conversation_in_one_session() {
     let out = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
-    let prompts: Vec<usize> = err.lines().filter_map(|l| l.split("prompt: ").nth(1)?.split(' ').next()?.parse().ok()).collect();
+    let prompts = prompt_counts(&err);
     // Two turns (the empty line is skipped); the first starts the conversation with BOS and
     // the user turn (p6: 16 tokens), the second appends only its own tokens.
     assert_eq!(prompts.len(), 2, "{err}");
     assert_eq!(prompts[0], 16, "{err}");
     assert!(prompts[1] < 20, "{err}");
+}
+
+/// The prompt token counts of a `kiln run`/`kiln chat` run's report lines.
+fn prompt_counts(stderr: &str) -> Vec<usize> {
+    stderr.lines().filter_map(|l| l.split("prompt: ").nth(1)?.split(' ').next()?.parse().ok()).collect()
+}
+
+#[test]
+fn chat_renders_the_model_files_own_template() {
+    use kiln_gguf::{GgufFile, GgufWriter, MetaValue};
+    use kiln_tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
+    use std::io::Write;
+    // The llama fixture with a ChatML template (Qwen's, without its default system turn).
+    const CHATML: &str = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+    let src = GgufFile::open(&family_fixture("llama", "gguf")).unwrap();
+    let mut w = GgufWriter::new(3).unwrap();
+    for (k, v) in src.metadata() {
+        w.add_metadata(k.clone(), v.clone()).unwrap();
+    }
+    w.add_metadata("tokenizer.chat_template", MetaValue::String(CHATML.into())).unwrap();
+    for t in src.tensors() {
+        w.add_tensor(t.name.clone(), &t.dims, t.ty, src.tensor_data(t).to_vec()).unwrap();
+    }
+    let dir = std::env::temp_dir().join(format!("kiln-chatml-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("chatml.gguf");
+    w.write(&path).unwrap();
+    let file = GgufFile::open(&path).unwrap();
+    let tok = Tokenizer::from_gguf(&file).unwrap();
+    let template = ChatTemplate::from_gguf(&file, &tok).unwrap();
+    let user = |text: &str| ChatMessage::new("user", text);
+
+    // `run --chat`: one user turn, as the template renders it.
+    let out = kiln(&["run", "--model", path.to_str().unwrap(), "--chat", "--temperature", "0", "-n", "2", "hello there"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert_eq!(prompt_counts(&err), vec![template.encode(&tok, &[user("hello there")], true).unwrap().len()], "{err}");
+
+    // `chat`: the first turn whole, the second only what follows the cached reply.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["chat", "--model", path.to_str().unwrap(), "--temperature", "0", "-n", "3"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"hello there\nand again\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let counts = prompt_counts(&err);
+    assert_eq!(counts.len(), 2, "{err}");
+    assert_eq!(counts[0], template.encode(&tok, &[user("hello there")], true).unwrap().len(), "{err}");
+    let whole_second =
+        template.encode(&tok, &[user("hello there"), ChatMessage::new("assistant", "x"), user("and again")], true).unwrap().len();
+    assert!(counts[1] < whole_second, "the second turn re-sent the conversation: {err}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -118,6 +175,13 @@ fn malformed_file_is_a_clear_error() {
         assert!(err.starts_with("error:"), "{err}");
         assert!(!err.contains("panicked"), "{err}");
     }
+    // A missing file names the file and says the cause once.
+    let missing = dir.join("missing.gguf");
+    let out = kiln(&["run", "--model", missing.to_str().unwrap(), "hi"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("missing.gguf") && err.starts_with("error:"), "{err}");
+    assert_eq!(err.matches("os error").count(), 1, "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

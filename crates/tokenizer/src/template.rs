@@ -86,6 +86,64 @@ impl ChatTemplate {
     }
 }
 
+/// A conversation kept in one KV cache (`kiln chat`): each user turn gives only the tokens that
+/// follow what the cache already holds, rendered by the model's template.
+#[derive(Clone, Debug)]
+pub struct Conversation {
+    /// The model's chat template.
+    template: ChatTemplate,
+    /// The messages so far, replies as the user saw them.
+    messages: Vec<ChatMessage>,
+    /// The text the cache holds: the rendered prompts and the reply tokens fed back, in order.
+    held: String,
+}
+
+/// The prompt of one user turn of a [`Conversation`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TurnPrompt {
+    /// The whole conversation, BOS first: the first turn, or one whose history the template
+    /// renders otherwise than the cache holds it (a reply the template trims, one stopped at a
+    /// stop string). The caller empties the cache first.
+    Whole(Vec<u32>),
+    /// Only what follows the cache's text (no BOS; with a reply cut at `max_tokens`, its last
+    /// token, which was never fed back, first).
+    Continue(Vec<u32>),
+}
+
+impl Conversation {
+    /// A conversation rendered by `template`, opened by a `system` message if given.
+    pub fn new(template: ChatTemplate, system: Option<String>) -> Self {
+        let messages = system.map(|s| vec![ChatMessage::new("system", s)]).unwrap_or_default();
+        Conversation { template, messages, held: String::new() }
+    }
+
+    /// Adds the user's message and returns the turn's prompt, the assistant's turn opened. A
+    /// template that rejects the conversation leaves it as it was.
+    pub fn user_turn(&mut self, tok: &Tokenizer, text: &str) -> Result<TurnPrompt, TokenizerError> {
+        self.messages.push(ChatMessage::new("user", text));
+        let full = match self.template.render(&self.messages, true) {
+            Ok(full) => full,
+            Err(e) => {
+                self.messages.pop();
+                return Err(e);
+            }
+        };
+        let prompt = match full.strip_prefix(self.held.as_str()) {
+            Some(rest) if !self.held.is_empty() => TurnPrompt::Continue(tok.encode_with(rest, false)),
+            _ => TurnPrompt::Whole(self.template.encode(tok, &self.messages, true)?),
+        };
+        self.held = full;
+        Ok(prompt)
+    }
+
+    /// Records the assistant's reply: `shown` as the user saw it (the history the template
+    /// renders), `fed` the generated tokens the cache holds (all but an ending token never fed back).
+    pub fn reply(&mut self, tok: &Tokenizer, shown: &str, fed: &[u32]) {
+        self.messages.push(ChatMessage::new("assistant", shown));
+        self.held += &tok.decode(fed, false);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -175,6 +233,48 @@ mod tests {
             qwen.render(msgs, true).unwrap(),
             "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
         );
+    }
+
+    #[test]
+    fn a_conversation_continues_its_cache_until_the_history_renders_otherwise() {
+        let tok = crate::tokenizer::tests::tiny(false);
+        let enc = |t: &str| tok.encode_with(t, false);
+        for (template, bos) in [(None, ""), (Some(GEMMA3.to_string()), "<bos>")] {
+            let mut c = Conversation::new(ChatTemplate::new(template, "<bos>", "<eos>").unwrap(), Some("Be brief.".into()));
+            // First turn: the whole prompt, BOS once.
+            let first = "<start_of_turn>user\nBe brief.\n\nhello<end_of_turn>\n<start_of_turn>model\n";
+            let mut want = vec![2];
+            want.extend(enc(first));
+            assert_eq!(c.user_turn(&tok, "hello").unwrap(), TurnPrompt::Whole(want), "{bos}");
+            // The reply was fed back whole: the next turn is only what follows it.
+            let reply = enc("hello");
+            c.reply(&tok, "hello", &reply);
+            let next = "<end_of_turn>\n<start_of_turn>user\nhe<end_of_turn>\n<start_of_turn>model\n";
+            assert_eq!(c.user_turn(&tok, "he").unwrap(), TurnPrompt::Continue(enc(next)), "{bos}");
+            // A reply whose last token never reached the cache (cut at max_tokens): the next turn
+            // feeds it.
+            c.reply(&tok, "hello", &reply[..reply.len() - 1]);
+            let next = "hello<end_of_turn>\n<start_of_turn>user\nhe<end_of_turn>\n<start_of_turn>model\n";
+            assert_eq!(c.user_turn(&tok, "he").unwrap(), TurnPrompt::Continue(enc(next)), "{bos}");
+            // A reply the template renders otherwise (trimmed): the whole conversation again.
+            c.reply(&tok, "hello\n\n", &enc("hello\n\n"));
+            match c.user_turn(&tok, "hello").unwrap() {
+                TurnPrompt::Whole(ids) => {
+                    let turn = |u: &str, m: &str| format!("<start_of_turn>user\n{u}<end_of_turn>\n<start_of_turn>model\n{m}");
+                    let end = "<end_of_turn>\n";
+                    let text =
+                        format!("<bos>{first}hello{end}{}{end}{}{end}{}", turn("he", "hello"), turn("he", "hello"), turn("hello", ""));
+                    assert_eq!(tok.decode(&ids, false), text, "{bos}");
+                }
+                other => panic!("{bos}: {other:?}"),
+            }
+        }
+        // A template that rejects the conversation leaves it as it was.
+        let mut c = Conversation::new(ChatTemplate::new(Some(GEMMA3.to_string()), "<bos>", "<eos>").unwrap(), None);
+        c.user_turn(&tok, "hello").unwrap();
+        c.messages.push(ChatMessage::new("user", "out of turn"));
+        assert!(c.user_turn(&tok, "he").is_err());
+        assert_eq!(c.messages.len(), 2);
     }
 
     #[test]
