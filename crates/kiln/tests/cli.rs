@@ -58,22 +58,32 @@ fn seeded_sampling_is_reproducible() {
     assert!(!a.trim().is_empty());
 }
 
-#[test]
-fn chat_keeps_the_conversation_in_one_session() {
+/// The prompt token counts of a `kiln run`/`kiln chat` run's report lines.
+fn prompt_counts(stderr: &str) -> Vec<usize> {
+    stderr.lines().filter_map(|l| l.split("prompt: ").nth(1)?.split(' ').next()?.parse().ok()).collect()
+}
+
+/// Runs `kiln chat` greedily on `model` with `input` as stdin and at most `n` tokens a turn; returns
+/// each turn's prompt token count and stderr. Fails if the command does.
+fn chat(model: &std::path::Path, n: &str, input: &[u8]) -> (Vec<usize>, String) {
     use std::io::Write;
-    let m = model();
     let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(["chat", "--model", m.to_str().unwrap(), "--temperature", "0", "-n", "6"])
+        .args(["chat", "--model", model.to_str().unwrap(), "--temperature", "0", "-n", n])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    child.stdin.take().unwrap().write_all(b"What is 2+2?\n\nAnd 3+3?\n").unwrap();
+    child.stdin.take().unwrap().write_all(input).unwrap();
     let out = child.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "{err}");
-    let prompts = prompt_counts(&err);
+    (prompt_counts(&err), err)
+}
+
+#[test]
+fn chat_keeps_the_conversation_in_one_session() {
+    let (prompts, err) = chat(&model(), "6", b"What is 2+2?\n\nAnd 3+3?\n");
     // Two turns (the empty line is skipped); the first starts the conversation with BOS and
     // the user turn (p6: 16 tokens), the second appends only its own tokens.
     assert_eq!(prompts.len(), 2, "{err}");
@@ -81,16 +91,10 @@ fn chat_keeps_the_conversation_in_one_session() {
     assert!(prompts[1] < 20, "{err}");
 }
 
-/// The prompt token counts of a `kiln run`/`kiln chat` run's report lines.
-fn prompt_counts(stderr: &str) -> Vec<usize> {
-    stderr.lines().filter_map(|l| l.split("prompt: ").nth(1)?.split(' ').next()?.parse().ok()).collect()
-}
-
 #[test]
 fn chat_renders_the_model_files_own_template() {
     use kiln_gguf::{GgufFile, GgufWriter, MetaValue};
     use kiln_tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
-    use std::io::Write;
     // The llama fixture with a ChatML template (Qwen's, without its default system turn).
     const CHATML: &str = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
     let src = GgufFile::open(&family_fixture("llama", "gguf")).unwrap();
@@ -118,18 +122,7 @@ fn chat_renders_the_model_files_own_template() {
     assert_eq!(prompt_counts(&err), vec![template.encode(&tok, &[user("hello there")], true).unwrap().len()], "{err}");
 
     // `chat`: the first turn whole, the second only what follows the cached reply.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
-        .args(["chat", "--model", path.to_str().unwrap(), "--temperature", "0", "-n", "3"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(b"hello there\nand again\n").unwrap();
-    let out = child.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
-    let counts = prompt_counts(&err);
+    let (counts, err) = chat(&path, "3", b"hello there\nand again\n");
     assert_eq!(counts.len(), 2, "{err}");
     assert_eq!(counts[0], template.encode(&tok, &[user("hello there")], true).unwrap().len(), "{err}");
     let whole_second =
