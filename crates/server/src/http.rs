@@ -290,7 +290,9 @@ fn stream(app: Arc<AppState>, env: Envelope, rx: UnboundedReceiver<Event>, inclu
                 }
                 Some(Event::Done { finish, prompt_tokens, completion_tokens }) => {
                     let usage = Usage { prompt: prompt_tokens, completion: completion_tokens };
-                    st.queued.push_back(data(st.env.finish_chunk(finish, usage)));
+                    // With `include_usage` the usage goes in its own last chunk only (OpenAI: every
+                    // other chunk's usage is null; a client summing chunks would count it twice).
+                    st.queued.push_back(data(st.env.finish_chunk(finish, (!st.include_usage).then_some(usage))));
                     if st.include_usage {
                         st.queued.push_back(data(st.env.usage_chunk(usage)));
                     }

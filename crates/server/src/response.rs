@@ -73,14 +73,14 @@ impl Envelope {
         Value::Object(self.wrap(true, json!([choice])))
     }
 
-    /// The closing chunk: the finish reason, and the usage.
-    pub fn finish_chunk(&self, finish: FinishReason, usage: Usage) -> Value {
+    /// The closing chunk: the finish reason, and the usage (null when a usage-only chunk follows).
+    pub fn finish_chunk(&self, finish: FinishReason, usage: Option<Usage>) -> Value {
         let choice = match self.endpoint {
             Endpoint::Completions => json!({"index": 0, "text": "", "logprobs": null, "finish_reason": finish_reason(finish)}),
             Endpoint::Chat => json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish_reason(finish)}),
         };
         let mut m = self.wrap(true, json!([choice]));
-        m.insert("usage".into(), usage.to_json());
+        m.insert("usage".into(), usage.map_or(Value::Null, |u| u.to_json()));
         Value::Object(m)
     }
 
