@@ -94,39 +94,50 @@ fn chat_keeps_the_conversation_in_one_session() {
 #[test]
 fn chat_renders_the_model_files_own_template() {
     use kiln_gguf::{GgufFile, GgufWriter, MetaValue};
-    use kiln_tokenizer::{ChatMessage, ChatTemplate, Tokenizer};
-    // The llama fixture with a ChatML template (Qwen's, without its default system turn).
-    const CHATML: &str = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
-    let src = GgufFile::open(&family_fixture("llama", "gguf")).unwrap();
+    use kiln_tokenizer::Tokenizer;
+    let run_chat = |path: &std::path::Path| {
+        let out = kiln(&["run", "--model", path.to_str().unwrap(), "--chat", "--temperature", "0", "-n", "2", "hello there"]);
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        (prompt_counts(&err), err)
+    };
+    let count = |path: &std::path::Path, text: &str| Tokenizer::from_gguf(&GgufFile::open(path).unwrap()).unwrap().encode(text).len();
+
+    // Files without a template: a Gemma gets Gemma's turns, any other architecture ChatML.
+    let gemma = family_fixture("gemma3", "gguf");
+    let (counts, err) = run_chat(&gemma);
+    assert_eq!(counts, vec![count(&gemma, "<start_of_turn>user\nhello there<end_of_turn>\n<start_of_turn>model\n")], "{err}");
+    let llama = family_fixture("llama", "gguf");
+    let (counts, err) = run_chat(&llama);
+    assert_eq!(counts, vec![count(&llama, "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n")], "{err}");
+
+    // The llama fixture with a template of its own.
+    const OWN: &str =
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}";
+    let src = GgufFile::open(&llama).unwrap();
     let mut w = GgufWriter::new(3).unwrap();
     for (k, v) in src.metadata() {
         w.add_metadata(k.clone(), v.clone()).unwrap();
     }
-    w.add_metadata("tokenizer.chat_template", MetaValue::String(CHATML.into())).unwrap();
+    w.add_metadata("tokenizer.chat_template", MetaValue::String(OWN.into())).unwrap();
     for t in src.tensors() {
         w.add_tensor(t.name.clone(), &t.dims, t.ty, src.tensor_data(t).to_vec()).unwrap();
     }
-    let dir = std::env::temp_dir().join(format!("kiln-chatml-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("kiln-template-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("chatml.gguf");
+    let path = dir.join("own.gguf");
     w.write(&path).unwrap();
-    let file = GgufFile::open(&path).unwrap();
-    let tok = Tokenizer::from_gguf(&file).unwrap();
-    let template = ChatTemplate::from_gguf(&file, &tok).unwrap();
-    let user = |text: &str| ChatMessage::new("user", text);
 
     // `run --chat`: one user turn, as the template renders it.
-    let out = kiln(&["run", "--model", path.to_str().unwrap(), "--chat", "--temperature", "0", "-n", "2", "hello there"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
-    assert_eq!(prompt_counts(&err), vec![template.encode(&tok, &[user("hello there")], true).unwrap().len()], "{err}");
+    let first = "[user] hello there\n[assistant] ";
+    let (counts, err) = run_chat(&path);
+    assert_eq!(counts, vec![count(&path, first)], "{err}");
 
     // `chat`: the first turn whole, the second only what follows the cached reply.
     let (counts, err) = chat(&path, "3", b"hello there\nand again\n");
     assert_eq!(counts.len(), 2, "{err}");
-    assert_eq!(counts[0], template.encode(&tok, &[user("hello there")], true).unwrap().len(), "{err}");
-    let whole_second =
-        template.encode(&tok, &[user("hello there"), ChatMessage::new("assistant", "x"), user("and again")], true).unwrap().len();
+    assert_eq!(counts[0], count(&path, first), "{err}");
+    let whole_second = count(&path, "[user] hello there\n[assistant] x\n[user] and again\n[assistant] ");
     assert!(counts[1] < whole_second, "the second turn re-sent the conversation: {err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -1,5 +1,5 @@
 //! Chat templates: the model's own Jinja template (`tokenizer.chat_template`), rendered with
-//! minijinja, or the built-in Gemma turn format when the file has none.
+//! minijinja; a file without one gets the built-in Gemma turn format if it is a Gemma, else ChatML.
 
 use kiln_gguf::GgufFile;
 use minijinja::{context, Environment, Error, ErrorKind};
@@ -8,6 +8,10 @@ use crate::{gemma_chat_prompt, ChatMessage, Tokenizer, TokenizerError};
 
 /// The metadata key holding a model's Jinja chat template.
 pub const CHAT_TEMPLATE_KEY: &str = "tokenizer.chat_template";
+
+/// ChatML, the turn format of a file without a template that is not a Gemma (llama.cpp's default
+/// too).
+pub const CHATML: &str = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
 /// How a conversation becomes prompt tokens for one model.
 #[derive(Clone, Debug)]
@@ -39,19 +43,21 @@ impl ChatTemplate {
         Ok(ChatTemplate { source, bos: bos.to_string(), eos: eos.to_string() })
     }
 
-    /// The template of a model file (`tokenizer.chat_template`, else the built-in Gemma format).
+    /// The template of a model file: `tokenizer.chat_template`, else the built-in Gemma format for
+    /// a Gemma and ChatML for any other architecture.
     pub fn from_gguf(file: &GgufFile, tok: &Tokenizer) -> Result<Self, TokenizerError> {
         let source = match file.get(CHAT_TEMPLATE_KEY) {
             Some(_) => Some(
                 file.get_str(CHAT_TEMPLATE_KEY).map_err(|source| TokenizerError::Metadata { key: CHAT_TEMPLATE_KEY, source })?.to_string(),
             ),
-            None => None,
+            None if file.architecture().is_ok_and(|a| a.starts_with("gemma")) => None,
+            None => Some(CHATML.to_string()),
         };
         let text = |id: Option<u32>| id.and_then(|i| tok.piece(i)).unwrap_or("").to_string();
         Self::new(source, &text(tok.bos_id()), &text(tok.eos_id()))
     }
 
-    /// Whether this is the model's own Jinja template (else the built-in Gemma format).
+    /// Whether this renders a Jinja template (the file's, or ChatML), else the built-in Gemma format.
     pub fn is_jinja(&self) -> bool {
         self.source.is_some()
     }
