@@ -44,12 +44,31 @@ fn chain_message(e: &anyhow::Error) -> String {
 mod tests {
     use super::chain_message;
 
+    /// An error that, as the library errors do, ends its message with its cause and also gives
+    /// that cause as its source.
+    #[derive(Debug)]
+    struct OpenFailed(std::io::Error);
+
+    impl std::fmt::Display for OpenFailed {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "cannot open 'm.gguf': {}", self.0)
+        }
+    }
+
+    impl std::error::Error for OpenFailed {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
     #[test]
     fn a_cause_already_at_the_end_of_the_message_is_said_once() {
-        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
-        let e = anyhow::Error::new(std::io::Error::other(format!("cannot open 'm.gguf': {io}"))).context("loading m.gguf");
+        let io = || std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let e = anyhow::Error::new(OpenFailed(io())).context("loading m.gguf");
+        assert_eq!(format!("{e:#}"), "loading m.gguf: cannot open 'm.gguf': no such file: no such file");
         assert_eq!(chain_message(&e), "loading m.gguf: cannot open 'm.gguf': no such file");
-        let e = anyhow::Error::new(io).context("loading m.gguf");
+        // A cause the message does not end with is kept.
+        let e = anyhow::Error::new(io()).context("loading m.gguf");
         assert_eq!(chain_message(&e), "loading m.gguf: no such file");
     }
 }
