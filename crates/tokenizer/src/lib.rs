@@ -22,7 +22,7 @@ mod vocab;
 
 pub use chat::{gemma_chat_prompt, ChatMessage};
 pub use stream::StreamDecoder;
-pub use template::{ChatTemplate, Conversation, TurnPrompt, CHATML, CHAT_TEMPLATE_KEY};
+pub use template::{ChatTemplate, Conversation, TurnPrompt, CHAT_TEMPLATE_KEY};
 pub use tokenizer::Tokenizer;
 
 /// Errors from building a [`Tokenizer`].

@@ -11,7 +11,7 @@ pub const CHAT_TEMPLATE_KEY: &str = "tokenizer.chat_template";
 
 /// ChatML, the turn format of a file without a template that is not a Gemma (llama.cpp's default
 /// too).
-pub const CHATML: &str = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+const CHATML: &str = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
 /// How a conversation becomes prompt tokens for one model.
 #[derive(Clone, Debug)]
@@ -86,9 +86,13 @@ impl ChatTemplate {
     /// The prompt tokens for `messages`: rendered, then encoded. BOS is added unless the rendered
     /// text already starts with it (templates usually write `{{ bos_token }}` themselves).
     pub fn encode(&self, tok: &Tokenizer, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<Vec<u32>, TokenizerError> {
-        let text = self.render(messages, add_generation_prompt)?;
+        Ok(self.encode_rendered(tok, &self.render(messages, add_generation_prompt)?))
+    }
+
+    /// The prompt tokens of `text` this template rendered: BOS added unless the text starts with it.
+    fn encode_rendered(&self, tok: &Tokenizer, text: &str) -> Vec<u32> {
         let has_bos = !self.bos.is_empty() && text.starts_with(&self.bos);
-        Ok(tok.encode_with(&text, !has_bos))
+        tok.encode_with(text, !has_bos)
     }
 }
 
@@ -136,7 +140,7 @@ impl Conversation {
         };
         let prompt = match full.strip_prefix(self.held.as_str()) {
             Some(rest) if !self.held.is_empty() => TurnPrompt::Continue(tok.encode_with(rest, false)),
-            _ => TurnPrompt::Whole(self.template.encode(tok, &self.messages, true)?),
+            _ => TurnPrompt::Whole(self.template.encode_rendered(tok, &full)),
         };
         self.held = full;
         Ok(prompt)
