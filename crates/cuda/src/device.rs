@@ -30,6 +30,19 @@ pub(crate) fn cuda_err(what: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Backend { backend: "cuda".into(), msg: what.to_string() }
 }
 
+/// `bytes` in GiB for messages ("1.50 GiB").
+pub(crate) fn gib(bytes: usize) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+/// `e` (a backend error) with `what` said first: "what: e".
+pub(crate) fn while_doing(e: RuntimeError, what: impl std::fmt::Display) -> RuntimeError {
+    match e {
+        RuntimeError::Backend { backend, msg } => RuntimeError::Backend { backend, msg: format!("{what}: {msg}") },
+        other => other,
+    }
+}
+
 /// A plain device allocation, freed on drop.
 pub(crate) struct DeviceBuffer {
     ctx: Arc<CudaContext>,
@@ -42,7 +55,13 @@ impl DeviceBuffer {
     pub(crate) fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self, RuntimeError> {
         ctx.bind_to_thread().map_err(cuda_err)?;
         // SAFETY: a plain allocation on the bound context.
-        let ptr = unsafe { result::malloc_sync(bytes.max(1)) }.map_err(|e| cuda_err(format!("allocating {bytes} bytes: {e}")))?;
+        let ptr = unsafe { result::malloc_sync(bytes.max(1)) }.map_err(|e| {
+            let free = match result::mem_get_info() {
+                Ok((free, total)) => format!(", {} of the device's {} free", gib(free), gib(total)),
+                Err(_) => String::new(),
+            };
+            cuda_err(format!("allocating {} ({bytes} bytes{free}): {e}", gib(bytes)))
+        })?;
         Ok(DeviceBuffer { ctx: ctx.clone(), ptr, bytes })
     }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kiln_runtime::{KvCache, KvLayout, KvType, LayerKv, RuntimeError};
 
-use crate::device::{Device, DeviceBuffer};
+use crate::device::{gib, while_doing, Device, DeviceBuffer};
 
 /// One layer's keys and values on the device: `rows` rows of `k_width`/`v_width` elements.
 pub(crate) struct DeviceLayer {
@@ -36,13 +36,15 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 impl CudaKvCache {
     /// A cache with room for `layout.context` positions (rings of `window` rows on sliding layers).
     pub(crate) fn new(device: Arc<Device>, layout: &KvLayout) -> Result<Self, RuntimeError> {
+        let bytes = |spec: &LayerKv, width: usize| spec.stored_rows(layout.context) * width * layout.elem.bytes();
+        let total: usize = layout.layers.iter().map(|l| bytes(l, l.k_width()) + bytes(l, l.v_width())).sum();
+        let what = || format!("the KV cache of {} positions ({}, {} in all)", layout.context, layout.elem.name(), gib(total));
         let mut layers = Vec::with_capacity(layout.layers.len());
         for spec in &layout.layers {
-            let rows = spec.stored_rows(layout.context);
             layers.push(DeviceLayer {
                 spec: *spec,
-                k: DeviceBuffer::new(&device.ctx, rows * spec.k_width() * layout.elem.bytes())?,
-                v: DeviceBuffer::new(&device.ctx, rows * spec.v_width() * layout.elem.bytes())?,
+                k: DeviceBuffer::new(&device.ctx, bytes(spec, spec.k_width())).map_err(|e| while_doing(e, what()))?,
+                v: DeviceBuffer::new(&device.ctx, bytes(spec, spec.v_width())).map_err(|e| while_doing(e, what()))?,
             });
         }
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use kiln_quant::{dequantize, GgmlType};
 use kiln_runtime::{DeviceWeights, RuntimeError, WeightId, WeightStore};
 
-use crate::device::{cuda_err, Device, DeviceBuffer};
+use crate::device::{cuda_err, gib, while_doing, Device, DeviceBuffer};
 
 /// Largest tensor (in elements) also kept expanded to f32 (norm weights).
 const EXPAND_LIMIT: usize = 1 << 16;
@@ -100,6 +100,8 @@ impl CudaWeights {
         // Synchronous copies may not run while another thread captures a graph.
         let guard = device.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
         device.ctx.bind_to_thread().map_err(cuda_err)?;
+        let file_bytes: usize = (0..store.infos().len()).map(|i| store.bytes(WeightId(i)).len()).sum();
+        let uploading = |name: &str| format!("uploading the weights ({} in the file) at tensor '{name}'", gib(file_bytes));
         for (i, info) in store.infos().iter().enumerate() {
             let src = store.bytes(WeightId(i));
             let row_bytes = info.ty.row_bytes(info.row_len)?;
@@ -108,15 +110,16 @@ impl CudaWeights {
             let vector = if consistent && numel <= EXPAND_LIMIT {
                 let mut v = vec![0f32; numel];
                 dequantize(info.ty, src, &mut v)?;
-                Some(upload_bytes(&device, as_bytes(&v))?)
+                Some(upload_bytes(&device, as_bytes(&v)).map_err(|e| while_doing(e, uploading(&info.name)))?)
             } else {
                 None
             };
             let matrix = if consistent && !info.is_vector() && format_name(info.ty).is_some() && info.row_len.is_multiple_of(32) {
                 let buf = match planar_fields(info.ty) {
-                    Some(fields) => upload_bytes(&device, &to_planar(src, info.ty.type_size(), fields))?,
-                    None => upload_bytes(&device, src)?,
-                };
+                    Some(fields) => upload_bytes(&device, &to_planar(src, info.ty.type_size(), fields)),
+                    None => upload_bytes(&device, src),
+                }
+                .map_err(|e| while_doing(e, uploading(&info.name)))?;
                 let blocks = info.n_rows * (info.row_len / info.ty.block_size());
                 Some(DeviceMatrix { buf, ty: info.ty, k: info.row_len, n: info.n_rows, row_bytes, blocks })
             } else {

@@ -742,6 +742,20 @@ fn bad_input_is_a_clear_error() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+fn a_kv_cache_larger_than_the_device_is_a_clear_error() {
+    // 2^28 positions of the global layer's keys and values: 512 GiB, more than any card holds.
+    let context = 1 << 28;
+    let m = gemma3(&Gemma3Shape { context, ..small_shape() }, FormatMix::Q4KM, 3);
+    let g = load_with_context(&m, cuda(), context);
+    let e = g.new_session().err().expect("a 512 GiB cache cannot be allocated").to_string();
+    assert!(e.contains("KV cache of 268435456 positions") && e.contains("GiB") && e.contains("free"), "{e}");
+    // A cache that fits is still allocated afterwards.
+    let g = load(&m, cuda());
+    assert_eq!(g.new_session().unwrap().position(), 0);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
 fn read_bandwidth_is_measured() {
     let b = cuda().read_bandwidth(1 << 30, 5).unwrap();
     println!("device-memory read bandwidth: {:.0} GB/s", b / 1e9);

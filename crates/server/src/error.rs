@@ -15,6 +15,18 @@ pub enum ServerError {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// The KV caches of `parallel` sequences could not be allocated (at start).
+    #[error(
+        "allocating the KV caches of {parallel} concurrent sequences of {context} positions each (lower --parallel or --context, or use --kv-type f16): {source}"
+    )]
+    KvCaches {
+        /// Sequences served at once.
+        parallel: usize,
+        /// Positions each cache holds.
+        context: usize,
+        /// What failed.
+        source: kiln_models::ModelError,
+    },
     /// The scheduler thread or the runtime failed.
     #[error("server: {0}")]
     Internal(String),

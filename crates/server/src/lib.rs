@@ -1,7 +1,7 @@
 //! kiln's OpenAI-compatible HTTP server with continuous batching.
 //!
-//! [`Server::start`] binds the address, starts the scheduler thread (which owns the model's
-//! sequences and runs one batched decode step for all of them, admitting and prefilling newcomers
+//! [`Server::start`] binds the address, starts the scheduler thread (which allocates the KV caches
+//! of `parallel` sequences once, owns them, and runs one batched decode step for all of them, admitting and prefilling newcomers
 //! in chunks between steps) and serves `POST /v1/completions`, `POST /v1/chat/completions` (whole
 //! answers or server-sent events), `GET /v1/models`, `GET /health` and `GET /metrics`
 //! (Prometheus text).
@@ -94,13 +94,22 @@ impl Server {
             prefill_chunk: config.prefill_chunk.max(1),
             shutdown_grace: config.shutdown_grace,
         };
+        let (ready, ready_rx) = std::sync::mpsc::sync_channel(1);
         let scheduler = {
             let (model, metrics, stop) = (model.clone(), metrics.clone(), stop.clone());
             std::thread::Builder::new()
                 .name("kiln-scheduler".into())
-                .spawn(move || scheduler::run(&model, jobs_rx, sched_config, metrics, stop))
+                .spawn(move || scheduler::run(&model, jobs_rx, sched_config, metrics, stop, ready))
                 .map_err(&io)?
         };
+        // Every sequence's KV cache is allocated before the first request is taken.
+        match ready_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(source)) => {
+                return Err(ServerError::KvCaches { parallel: sched_config.parallel, context: model.context(), source });
+            }
+            Err(_) => return Err(ServerError::Internal("the scheduler thread ended before it started".into())),
+        }
         let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let state = Arc::new(http::AppState {
             model,

@@ -1,10 +1,11 @@
 //! The continuous-batching scheduler: one thread owns the model and, between steps, admits queued
 //! requests, runs one batched step that decodes a token for every running sequence and prefills
 //! chunks of newcomers' prompts, streams each new piece of text to its request, and drops
-//! sequences whose client went away (freeing their KV cache).
+//! sequences whose client went away. The KV caches of `parallel` sequences are allocated once, at
+//! start, and reused: a request never waits for, or fails on, an allocation.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -73,9 +74,15 @@ struct Seq<'m> {
     started: bool,
 }
 
-impl Seq<'_> {
+impl<'m> Seq<'m> {
     fn cancelled(&self) -> bool {
         self.job.events.is_closed()
+    }
+
+    /// The sequence's session, emptied for the next request.
+    fn into_session(mut self) -> Session<'m> {
+        self.session.reset();
+        self.session
     }
 }
 
@@ -85,14 +92,33 @@ enum Outcome {
     Ended,
 }
 
-/// Runs the scheduler loop until `stop` is set and every admitted request has ended.
-pub fn run(model: &Model, jobs: Receiver<Job>, config: SchedulerConfig, metrics: Arc<Metrics>, stop: Arc<AtomicBool>) {
+/// Allocates the sessions of `config.parallel` sequences, tells `ready` whether that worked, and
+/// then runs the scheduler loop until `stop` is set and every admitted request has ended.
+pub fn run(
+    model: &Model,
+    jobs: Receiver<Job>,
+    config: SchedulerConfig,
+    metrics: Arc<Metrics>,
+    stop: Arc<AtomicBool>,
+    ready: SyncSender<Result<(), ModelError>>,
+) {
+    let mut free: Vec<Session<'_>> = Vec::with_capacity(config.parallel);
+    for _ in 0..config.parallel.max(1) {
+        match model.new_session() {
+            Ok(s) => free.push(s),
+            Err(e) => {
+                let _ = ready.send(Err(e));
+                return;
+            }
+        }
+    }
+    let _ = ready.send(Ok(()));
     let mut seqs: Vec<Seq<'_>> = Vec::new();
     let mut open = true;
     let mut stopping_since: Option<Instant> = None;
     loop {
         // Admit newcomers while there are free slots (block when idle).
-        while open && seqs.len() < config.parallel.max(1) {
+        while open && !free.is_empty() {
             let job = if seqs.is_empty() {
                 match jobs.recv_timeout(Duration::from_millis(100)) {
                     Ok(j) => j,
@@ -113,13 +139,9 @@ pub fn run(model: &Model, jobs: Receiver<Job>, config: SchedulerConfig, metrics:
                 }
             };
             metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
-            match model.new_session() {
-                Ok(session) => {
-                    metrics.active.fetch_add(1, Ordering::Relaxed);
-                    seqs.push(Seq { job, session, prefilled: 0, next: None, started: false });
-                }
-                Err(e) => fail(&job.events, &metrics, &e),
-            }
+            metrics.active.fetch_add(1, Ordering::Relaxed);
+            let session = free.pop().expect("a free session");
+            seqs.push(Seq { job, session, prefilled: 0, next: None, started: false });
         }
         if stop.load(Ordering::Relaxed) {
             // Shutting down: requests still queued are answered, running ones may finish within
@@ -135,25 +157,21 @@ pub fn run(model: &Model, jobs: Receiver<Job>, config: SchedulerConfig, metrics:
                     let _ = s.job.events.send(Event::Failed(ApiError::shutting_down()));
                     metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                     metrics.active.fetch_sub(1, Ordering::Relaxed);
+                    free.push(s.into_session());
                 }
             }
         }
-        // Drop sequences whose client went away: their KV cache is freed with the session.
-        seqs.retain(|s| {
-            let gone = s.cancelled();
-            if gone {
-                metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                metrics.active.fetch_sub(1, Ordering::Relaxed);
-            }
-            !gone
-        });
+        // Drop sequences whose client went away: their session goes back to the free ones.
+        let gone: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].cancelled()).collect();
+        metrics.cancelled.fetch_add(gone.len() as u64, Ordering::Relaxed);
+        remove_ended(&mut seqs, gone, &mut free, &metrics);
         if seqs.is_empty() {
             if !open {
                 return;
             }
             continue;
         }
-        step(model, &mut seqs, config, &metrics);
+        step(model, &mut seqs, &mut free, config, &metrics);
     }
 }
 
@@ -177,7 +195,7 @@ enum Part {
 /// any sequence is decoding (so running streams wait at most that long between two tokens), or
 /// up to one step's rows when none is; a long prompt takes several steps. All of it runs as one
 /// batched step, so the weights are read once for decode and prefill rows alike.
-fn step(model: &Model, seqs: &mut Vec<Seq<'_>>, config: SchedulerConfig, metrics: &Metrics) {
+fn step<'m>(model: &'m Model, seqs: &mut Vec<Seq<'m>>, free: &mut Vec<Session<'m>>, config: SchedulerConfig, metrics: &Metrics) {
     let decoding = seqs.iter().filter(|s| s.next.is_some()).count();
     let limit = model.max_step_rows().saturating_sub(decoding);
     // (With more sequences decoding than a step holds rows, newcomers wait for room.)
@@ -245,7 +263,7 @@ fn step(model: &Model, seqs: &mut Vec<Seq<'_>>, config: SchedulerConfig, metrics
             for &(i, _) in &parts {
                 fail(&seqs[i].job.events, metrics, &e);
             }
-            return remove_ended(seqs, parts.iter().map(|&(i, _)| i).collect(), metrics);
+            return remove_ended(seqs, parts.iter().map(|&(i, _)| i).collect(), free, metrics);
         }
     };
     let mut ended = Vec::new();
@@ -260,14 +278,15 @@ fn step(model: &Model, seqs: &mut Vec<Seq<'_>>, config: SchedulerConfig, metrics
             ended.push(i);
         }
     }
-    remove_ended(seqs, ended, metrics);
+    remove_ended(seqs, ended, free, metrics);
 }
 
-/// Removes the sequences at `ended` (in increasing order), keeping the admission order.
-fn remove_ended(seqs: &mut Vec<Seq<'_>>, ended: Vec<usize>, metrics: &Metrics) {
+/// Removes the sequences at `ended` (in increasing order), keeping the admission order, and puts
+/// their sessions back with the free ones.
+fn remove_ended<'m>(seqs: &mut Vec<Seq<'m>>, ended: Vec<usize>, free: &mut Vec<Session<'m>>, metrics: &Metrics) {
     // From the back, so the indices stay valid.
     for i in ended.into_iter().rev() {
-        seqs.remove(i);
+        free.push(seqs.remove(i).into_session());
         metrics.active.fetch_sub(1, Ordering::Relaxed);
     }
 }

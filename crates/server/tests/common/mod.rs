@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use kiln_cpu::CpuBackend;
 use kiln_models::Model;
-use kiln_runtime::EngineConfig;
-use kiln_server::{Server, ServerConfig};
+use kiln_runtime::{Backend, EngineConfig};
+use kiln_server::{Server, ServerConfig, ServerError};
 use serde_json::Value;
 
 /// The model id the test servers use.
@@ -22,9 +22,14 @@ pub const CONTEXT: usize = 512;
 
 /// Starts a server for the default model with `parallel` slots and a queue of `queue`.
 pub fn start(parallel: usize, queue: usize) -> Server {
+    try_start(Arc::new(CpuBackend::new(2)), parallel, queue).expect("start the server")
+}
+
+/// Starts a server for the default model on `backend` with `parallel` slots and a queue of `queue`.
+pub fn try_start(backend: Arc<dyn Backend>, parallel: usize, queue: usize) -> Result<Server, ServerError> {
     let path = kiln_hub::ensure_default_model().expect("the default model");
     let config = EngineConfig { threads: 2, context: CONTEXT, plan_cache_capacity: 64, ..EngineConfig::default() };
-    let model = Model::load(&path, Arc::new(CpuBackend::new(2)), config).expect("load the default model");
+    let model = Model::load(&path, backend, config).expect("load the default model");
     let config = ServerConfig {
         port: 0,
         parallel,
@@ -34,7 +39,7 @@ pub fn start(parallel: usize, queue: usize) -> Server {
         max_body_bytes: 1 << 20,
         ..ServerConfig::default()
     };
-    Server::start(model, config).expect("start the server")
+    Server::start(model, config)
 }
 
 /// An HTTP response.
