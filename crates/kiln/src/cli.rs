@@ -163,6 +163,21 @@ pub struct SamplingArgs {
     /// Stop when the text contains this string (may be repeated).
     #[arg(long)]
     pub stop: Vec<String>,
+    /// Add BIAS to token ID's logit before sampling (may be repeated; -100 all but bans the
+    /// token; `kiln tokenize` gives ids).
+    #[arg(long, value_name = "ID=BIAS", value_parser = parse_logit_bias)]
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+/// One `--logit-bias` value: `ID=BIAS`.
+fn parse_logit_bias(s: &str) -> Result<(u32, f32), String> {
+    let (id, bias) = s.split_once('=').ok_or_else(|| format!("expected ID=BIAS (e.g. 1234=-100), got '{s}'"))?;
+    let id = id.trim().parse().map_err(|_| format!("the token id '{id}' is not a non-negative integer"))?;
+    let bias: f32 = bias.trim().parse().map_err(|_| format!("the bias '{bias}' is not a number"))?;
+    if !bias.is_finite() {
+        return Err(format!("the bias must be finite, got {bias}"));
+    }
+    Ok((id, bias))
 }
 
 /// `kiln run`.

@@ -112,6 +112,7 @@ impl SamplingArgs {
                 min_p: self.min_p,
                 repetition_penalty: self.repeat_penalty,
                 seed,
+                logit_bias: self.logit_bias.clone(),
                 ..SamplingParams::default()
             },
             stop: self.stop.clone(),

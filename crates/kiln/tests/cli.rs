@@ -59,6 +59,33 @@ fn seeded_sampling_is_reproducible() {
 }
 
 /// The prompt token counts of a `kiln run`/`kiln chat` run's report lines.
+#[test]
+fn logit_bias_bans_a_token_and_bad_biases_are_clear_errors() {
+    let m = model();
+    let m = m.to_str().unwrap();
+    let first = |extra: &[&str]| {
+        let mut args = vec!["run", "--model", m, "--temperature", "0", "-n", "1"];
+        args.extend_from_slice(extra);
+        args.push("The capital of France is");
+        kiln(&args)
+    };
+    // (The run ends its text with a newline.)
+    let greedy = stdout(&first(&[])).trim_end_matches('\n').to_string();
+    let ids: Vec<u32> = serde_json::from_str(stdout(&kiln(&["tokenize", "--model", m, &greedy])).trim()).unwrap();
+    // (`tokenize` puts BOS first.)
+    assert_eq!(ids.len(), 2, "{greedy:?} is one token: {ids:?}");
+    let ban = format!("{}=-100", ids[1]);
+    let other = stdout(&first(&["--logit-bias", &ban])).trim_end_matches('\n').to_string();
+    assert!(!other.is_empty() && other != greedy, "{other:?} against {greedy:?}");
+    for (bias, needle) in
+        [("12", "ID=BIAS"), ("x=1", "token id 'x'"), ("5=up", "bias 'up'"), ("5=inf", "finite"), ("999999999=1", "vocabulary")]
+    {
+        let o = first(&["--logit-bias", bias]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(needle), "--logit-bias {bias}: {err}");
+    }
+}
+
 fn prompt_counts(stderr: &str) -> Vec<usize> {
     stderr.lines().filter_map(|l| l.split("prompt: ").nth(1)?.split(' ').next()?.parse().ok()).collect()
 }

@@ -255,6 +255,7 @@ pub fn generate(
 ) -> Result<Generation, ModelError> {
     let mut gen = Generator::new(params.clone(), prompt, None)?;
     let model = session.model();
+    params.sampling.check_vocabulary(model.architecture().vocab_size())?;
     let (tok, context) = (model.tokenizer(), model.context());
     if session.position() + prompt.len() > context {
         return Err(ModelError::ContextOverflow { needed: session.position() + prompt.len(), context });

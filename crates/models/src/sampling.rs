@@ -1,4 +1,4 @@
-//! Sampling: penalties, temperature, top-k, top-p, min-p, and a seeded generator.
+//! Sampling: logit biases, penalties, temperature, top-k, top-p, min-p, and a seeded generator.
 
 use crate::ModelError;
 
@@ -21,6 +21,9 @@ pub struct SamplingParams {
     pub presence_penalty: f32,
     /// Seed of the random generator: the same seed gives the same text.
     pub seed: u64,
+    /// Added to these tokens' logits before anything else (OpenAI's `logit_bias`: -100 all but
+    /// bans a token, 100 all but forces it).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -34,6 +37,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             presence_penalty: 0.0,
             seed: 0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -57,12 +61,25 @@ impl SamplingParams {
         if !self.frequency_penalty.is_finite() || !self.presence_penalty.is_finite() {
             return bad("frequency_penalty and presence_penalty must be finite");
         }
+        if let Some((id, b)) = self.logit_bias.iter().find(|(_, b)| !b.is_finite()) {
+            return bad(&format!("the logit bias of token {id} must be a finite number, got {b}"));
+        }
         Ok(())
+    }
+
+    /// Checks that every token the parameters name is one of the model's `vocab` tokens.
+    pub fn check_vocabulary(&self, vocab: usize) -> Result<(), ModelError> {
+        match self.logit_bias.iter().find(|&&(id, _)| id as usize >= vocab) {
+            Some((id, _)) => {
+                Err(ModelError::InvalidParameter(format!("the logit bias names token {id}, outside the vocabulary of {vocab} tokens")))
+            }
+            None => Ok(()),
+        }
     }
 
     /// Whether the choice is a plain argmax of the raw logits (so it can run in the graph).
     pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0 && !self.has_penalties()
+        self.temperature == 0.0 && !self.has_penalties() && self.logit_bias.is_empty()
     }
 
     /// Whether any penalty is active.
@@ -132,9 +149,14 @@ impl Sampler {
         *self.counts.entry(id).or_insert(0) += 1;
     }
 
-    /// Picks the next token from `logits` (modified in place by the penalties).
+    /// Picks the next token from `logits` (modified in place by the logit biases and penalties).
     pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
         let p = &self.params;
+        for &(id, b) in &p.logit_bias {
+            if let Some(l) = logits.get_mut(id as usize) {
+                *l += b;
+            }
+        }
         if p.has_penalties() {
             for (&id, &count) in &self.counts {
                 let Some(l) = logits.get_mut(id as usize) else { continue };
@@ -250,10 +272,26 @@ mod tests {
     }
 
     #[test]
+    fn logit_bias_bans_and_boosts_tokens() {
+        let logits = [0.1f32, 3.0, 2.0];
+        let mut s = Sampler::new(SamplingParams { logit_bias: vec![(1, -100.0)], ..params(0.0) }).unwrap();
+        assert!(!s.params().is_greedy(), "a biased choice cannot be the graph's argmax");
+        assert_eq!(s.sample(&mut logits.clone()), 2);
+        let mut s = Sampler::new(SamplingParams { logit_bias: vec![(0, 100.0)], ..params(1.0) }).unwrap();
+        for _ in 0..20 {
+            assert_eq!(s.sample(&mut logits.clone()), 0);
+        }
+        let p = SamplingParams { logit_bias: vec![(2, 1.0), (3, 1.0)], ..params(0.0) };
+        assert!(p.check_vocabulary(4).is_ok());
+        assert!(p.check_vocabulary(3).unwrap_err().to_string().contains("token 3, outside the vocabulary of 3 tokens"));
+    }
+
+    #[test]
     fn rejects_bad_params() {
         assert!(Sampler::new(params(-1.0)).is_err());
         assert!(Sampler::new(SamplingParams { top_p: 0.0, ..params(1.0) }).is_err());
         assert!(Sampler::new(SamplingParams { min_p: 2.0, ..params(1.0) }).is_err());
         assert!(Sampler::new(SamplingParams { repetition_penalty: 0.0, ..params(1.0) }).is_err());
+        assert!(Sampler::new(SamplingParams { logit_bias: vec![(1, f32::NAN)], ..params(1.0) }).is_err());
     }
 }

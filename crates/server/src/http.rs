@@ -195,6 +195,10 @@ async fn submit(
     };
     let mut params = req.params.clone();
     params.max_tokens = max_tokens;
+    params
+        .sampling
+        .check_vocabulary(app.model.architecture().vocab_size())
+        .map_err(|e| ApiError::invalid(Some("logit_bias"), e.to_string()))?;
     let generator = Generator::new(params, &prompt, req.logprobs).map_err(|e| ApiError::invalid(None, e.to_string()))?;
     let (events, rx) = unbounded_channel();
     app.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);

@@ -207,6 +207,28 @@ fn bad_requests_get_4xx_errors_and_the_server_keeps_serving() {
         ("stop of the wrong type", "POST", "/v1/completions", br#"{"prompt": "hi", "stop": {"a": 1}}"#.to_vec(), 400),
         ("too many logprobs", "POST", "/v1/completions", br#"{"prompt": "hi", "logprobs": 50}"#.to_vec(), 400),
         ("token id outside the vocabulary", "POST", "/v1/completions", br#"{"prompt": [2, 999999999]}"#.to_vec(), 400),
+        (
+            "logit bias outside the vocabulary",
+            "POST",
+            "/v1/completions",
+            br#"{"prompt": "hi", "logit_bias": {"999999999": 1}}"#.to_vec(),
+            400,
+        ),
+        ("logit bias out of range", "POST", "/v1/completions", br#"{"prompt": "hi", "logit_bias": {"5": -300}}"#.to_vec(), 400),
+        (
+            "function calling",
+            "POST",
+            "/v1/chat/completions",
+            br#"{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}"#.to_vec(),
+            400,
+        ),
+        (
+            "structured output",
+            "POST",
+            "/v1/chat/completions",
+            br#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}"#.to_vec(),
+            400,
+        ),
         ("unknown model", "POST", "/v1/completions", br#"{"prompt": "hi", "model": "gpt-17"}"#.to_vec(), 404),
         ("unknown model card", "GET", "/v1/models/gpt-17", Vec::new(), 404),
         ("wrong method", "GET", "/v1/completions", Vec::new(), 405),
@@ -237,6 +259,34 @@ fn bad_requests_get_4xx_errors_and_the_server_keeps_serving() {
     }
     let rejected = metric(addr, "kiln_requests_rejected_total{reason=\"invalid\"}") - before;
     assert_eq!(rejected, counted);
+}
+
+#[test]
+fn logit_bias_bans_and_forces_tokens() {
+    let addr = shared();
+    let path = kiln_hub::ensure_default_model().expect("the default model");
+    let model = kiln_models::Model::load(&path, std::sync::Arc::new(kiln_cpu::CpuBackend::new(1)), Default::default()).unwrap();
+    let id_of = |text: &str| {
+        let ids = model.tokenizer().encode_with(text, false);
+        assert_eq!(ids.len(), 1, "{text:?} is one token");
+        ids[0]
+    };
+    let first = |bias: Value| {
+        let body = json!({"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0, "logit_bias": bias});
+        completion(addr, body)["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let greedy = first(json!({}));
+    let banned = first(json!({ id_of(&greedy).to_string(): -100 }));
+    assert_ne!(banned, greedy, "the greedy token banned");
+    assert!(!banned.is_empty());
+    assert_eq!(first(json!({ id_of(" London").to_string(): 100 })), " London", "a token forced");
+    // The same ban through the chat endpoint.
+    let body = json!({"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 1, "temperature": 0});
+    let chat = |b: &Value| post(addr, "/v1/chat/completions", b).json()["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let reply = chat(&body);
+    let mut banned_body = body.clone();
+    banned_body["logit_bias"] = json!({ id_of(&reply).to_string(): -100 });
+    assert_ne!(chat(&banned_body), reply);
 }
 
 #[test]
