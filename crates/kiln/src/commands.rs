@@ -189,8 +189,43 @@ fn chat(a: ChatArgs) -> Result<()> {
         if user.is_empty() {
             continue;
         }
-        // The KV cache keeps the conversation: a turn appends only what follows it.
-        let prompt = match conversation.user_turn(tok, user)? {
+        // The KV cache keeps the conversation: a turn appends only what follows it. A turn that
+        // would leave less than `reply_room` tokens of the context for the reply forgets the
+        // oldest exchanges first (the system message stays).
+        let before_turn = conversation.clone();
+        let mut turn = conversation.user_turn(tok, user)?;
+        let reply_room = params.max_tokens.clamp(1, (model.context() / 2).max(1));
+        let end = |t: &TurnPrompt| match t {
+            TurnPrompt::Continue(ids) => session.position() + ids.len(),
+            TurnPrompt::Whole(ids) => ids.len(),
+        };
+        let mut forgotten = 0;
+        while end(&turn) + reply_room > model.context() {
+            match conversation.forget_oldest_exchange(tok)? {
+                Some(t) => {
+                    turn = t;
+                    forgotten += 1;
+                }
+                None => break,
+            }
+        }
+        if end(&turn) >= model.context() {
+            // Not even alone: the conversation stays as it was.
+            conversation = before_turn;
+            eprintln!(
+                "error: this message takes {} tokens, which leave no room for a reply in the context of {}; send a shorter one or restart with a larger --context",
+                end(&turn),
+                model.context()
+            );
+            continue;
+        }
+        if forgotten > 0 {
+            eprintln!(
+                "(the conversation outgrew the context of {} tokens: its oldest {forgotten} exchange(s) are forgotten)",
+                model.context()
+            );
+        }
+        let prompt = match turn {
             TurnPrompt::Continue(ids) => ids,
             TurnPrompt::Whole(ids) => {
                 session.reset();

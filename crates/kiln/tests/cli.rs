@@ -90,12 +90,13 @@ fn prompt_counts(stderr: &str) -> Vec<usize> {
     stderr.lines().filter_map(|l| l.split("prompt: ").nth(1)?.split(' ').next()?.parse().ok()).collect()
 }
 
-/// Runs `kiln chat` greedily on `model` with `input` as stdin and at most `n` tokens a turn; returns
-/// each turn's prompt token count and stderr. Fails if the command does.
-fn chat(model: &std::path::Path, n: &str, input: &[u8]) -> (Vec<usize>, String) {
+/// Runs `kiln chat` greedily on `model` with `input` as stdin and at most `n` tokens a turn (and
+/// `extra` flags); returns each turn's prompt token count and stderr. Fails if the command does.
+fn chat_with(model: &std::path::Path, n: &str, extra: &[&str], input: &[u8]) -> (Vec<usize>, String) {
     use std::io::Write;
     let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
         .args(["chat", "--model", model.to_str().unwrap(), "--temperature", "0", "-n", n])
+        .args(extra)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -106,6 +107,26 @@ fn chat(model: &std::path::Path, n: &str, input: &[u8]) -> (Vec<usize>, String) 
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(out.status.success(), "{err}");
     (prompt_counts(&err), err)
+}
+
+/// `chat_with` without extra flags.
+fn chat(model: &std::path::Path, n: &str, input: &[u8]) -> (Vec<usize>, String) {
+    chat_with(model, n, &[], input)
+}
+
+#[test]
+fn chat_forgets_its_oldest_exchanges_when_the_context_fills() {
+    // A context of 96 tokens and replies of 30: the third turn no longer fits with the first
+    // two exchanges; a message longer than the context is refused, and the chat goes on.
+    let long = format!("{}\n", "word ".repeat(200));
+    let input = format!("Tell me a story about a dragon.\nAnd another one.\n{long}A third?\nok\n");
+    let (prompts, err) = chat_with(&model(), "30", &["-c", "96"], input.as_bytes());
+    assert_eq!(prompts.len(), 4, "{err}");
+    assert!(err.contains("no room for a reply in the context of 96"), "{err}");
+    assert!(err.contains("oldest 1 exchange(s) are forgotten"), "{err}");
+    // Every turn's prompt left room for its reply.
+    assert!(prompts.iter().all(|&p| p + 30 <= 96), "{prompts:?}");
+    assert!(!err.contains("ContextFull"), "{err}");
 }
 
 #[test]

@@ -152,6 +152,23 @@ impl Conversation {
         self.messages.push(ChatMessage::new("assistant", shown));
         self.held += &tok.decode(fed, false);
     }
+
+    /// For a turn whose prompt does not fit the context: forgets the oldest user message and
+    /// reply before the turn's own message (the system message stays) and returns the turn's
+    /// prompt again, the whole conversation (the caller empties the cache); `None` when nothing
+    /// is left to forget.
+    pub fn forget_oldest_exchange(&mut self, tok: &Tokenizer) -> Result<Option<TurnPrompt>, TokenizerError> {
+        let first = usize::from(self.messages.first().is_some_and(|m| m.role == "system"));
+        // (The turn's own message is the last; an exchange is a user message and its reply.)
+        if self.messages.len() < first + 3 {
+            return Ok(None);
+        }
+        self.messages.drain(first..first + 2);
+        let full = self.template.render(&self.messages, true)?;
+        let ids = self.template.encode_rendered(tok, &full);
+        self.held = full;
+        Ok(Some(TurnPrompt::Whole(ids)))
+    }
 }
 
 #[cfg(test)]
@@ -284,6 +301,30 @@ mod tests {
         c.user_turn(&tok, "hello").unwrap();
         c.messages.push(ChatMessage::new("user", "out of turn"));
         assert!(c.user_turn(&tok, "he").is_err());
+        assert_eq!(c.messages.len(), 2);
+    }
+
+    #[test]
+    fn a_conversation_forgets_its_oldest_exchanges_to_fit() {
+        let tok = crate::tokenizer::tests::tiny(false);
+        let mut c = Conversation::new(ChatTemplate::new(None, "<bos>", "<eos>").unwrap(), Some("Be brief.".into()));
+        c.user_turn(&tok, "hello").unwrap();
+        c.reply(&tok, "he", &tok.encode_with("he", false));
+        c.user_turn(&tok, "hell").unwrap();
+        c.reply(&tok, "lo", &tok.encode_with("lo", false));
+        c.user_turn(&tok, "oh").unwrap();
+        // The first exchange goes, the system message stays (in the first user turn, as Gemma's
+        // format puts it).
+        let Some(TurnPrompt::Whole(ids)) = c.forget_oldest_exchange(&tok).unwrap() else { panic!() };
+        let want = "<bos><start_of_turn>user\nBe brief.\n\nhell<end_of_turn>\n<start_of_turn>model\nlo<end_of_turn>\n<start_of_turn>user\noh<end_of_turn>\n<start_of_turn>model\n";
+        assert_eq!(tok.decode(&ids, false), want);
+        // The next reply continues the cache that prompt filled.
+        c.reply(&tok, "he", &tok.encode_with("he", false));
+        assert!(matches!(c.user_turn(&tok, "h").unwrap(), TurnPrompt::Continue(_)));
+        // Then the second, then nothing is left but the system message and the turn's own.
+        assert!(c.forget_oldest_exchange(&tok).unwrap().is_some());
+        assert!(c.forget_oldest_exchange(&tok).unwrap().is_some());
+        assert_eq!(c.forget_oldest_exchange(&tok).unwrap(), None);
         assert_eq!(c.messages.len(), 2);
     }
 
