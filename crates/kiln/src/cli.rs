@@ -167,6 +167,10 @@ pub struct SamplingArgs {
     /// token; `kiln tokenize` gives ids).
     #[arg(long, value_name = "ID=BIAS", value_parser = parse_logit_bias)]
     pub logit_bias: Vec<(u32, f32)>,
+    /// Generate one JSON object: each token must continue valid JSON, and generation ends when
+    /// the object closes.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// One `--logit-bias` value: `ID=BIAS`.

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use kiln_cpu::CpuBackend;
 use kiln_gguf::GgufFile;
-use kiln_models::{generate, GenerateParams, Generation, Model, OutputMode, SamplingParams, Session, StepOutput, TextControl};
+use kiln_models::{
+    generate, GenerateParams, Generation, Model, OutputFormat, OutputMode, SamplingParams, Session, StepOutput, TextControl,
+};
 use kiln_runtime::Backend;
 use kiln_tokenizer::{ChatMessage, ChatTemplate, Conversation, Tokenizer, TurnPrompt};
 use serde_json::json;
@@ -116,6 +118,7 @@ impl SamplingArgs {
                 ..SamplingParams::default()
             },
             stop: self.stop.clone(),
+            format: if self.json { OutputFormat::JsonObject } else { OutputFormat::Text },
         }
     }
 }

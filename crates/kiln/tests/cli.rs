@@ -86,6 +86,24 @@ fn logit_bias_bans_a_token_and_bad_biases_are_clear_errors() {
     }
 }
 
+#[test]
+fn json_flag_generates_one_json_object() {
+    let m = model();
+    let prompt = "Question: what is the capital of France? Answer in JSON with keys city and country.\nAnswer:";
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", "--model", m.to_str().unwrap(), "--temperature", "0", "-n", "60"];
+        args.extend_from_slice(extra);
+        args.push(prompt);
+        kiln(&args)
+    };
+    let out = run(&["--json"]);
+    let text = stdout(&out);
+    let v: Value = serde_json::from_str(text.trim_end_matches('\n')).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    assert!(v.is_object(), "{text:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("finish: Stop"));
+    assert!(serde_json::from_str::<Value>(stdout(&run(&[])).trim_end_matches('\n')).is_err(), "unconstrained, not JSON");
+}
+
 fn prompt_counts(stderr: &str) -> Vec<usize> {
     stderr.lines().filter_map(|l| l.split("prompt: ").nth(1)?.split(' ').next()?.parse().ok()).collect()
 }

@@ -5,6 +5,7 @@ use std::time::Instant;
 use kiln_ir::OutputMode;
 use kiln_tokenizer::{StreamDecoder, Tokenizer};
 
+use crate::json::{JsonObjectPrefix, OutputFormat};
 use crate::{ModelError, Sampler, SamplingParams, Session, StepOutput};
 
 /// What to generate.
@@ -16,6 +17,8 @@ pub struct GenerateParams {
     pub sampling: SamplingParams,
     /// Generation stops when the text contains any of these (the stop string is not returned).
     pub stop: Vec<String>,
+    /// What the text must be (any text, or one JSON object).
+    pub format: OutputFormat,
 }
 
 /// Why generation ended.
@@ -128,7 +131,12 @@ pub struct Generator {
     filter: StopFilter,
     tokens: Vec<u32>,
     finish: Option<FinishReason>,
+    /// The JSON read so far, when the text must be one JSON object.
+    json: Option<JsonObjectPrefix>,
 }
+
+/// Candidates a constrained step tries, most likely first, before it checks every token.
+const CONSTRAINED_TRIES: usize = 16;
 
 impl Generator {
     /// Starts generating after `prompt`, checking the parameters; `logprobs` asks for each chosen
@@ -140,13 +148,14 @@ impl Generator {
         }
         prompt.iter().for_each(|&t| sampler.observe(t));
         let filter = StopFilter { stops: params.stop.clone(), text: String::new(), emitted: 0 };
-        Ok(Generator { params, logprobs, sampler, decoder: StreamDecoder::new(true), filter, tokens: Vec::new(), finish: None })
+        let json = (params.format == OutputFormat::JsonObject).then(JsonObjectPrefix::new);
+        Ok(Generator { params, logprobs, sampler, decoder: StreamDecoder::new(true), filter, tokens: Vec::new(), finish: None, json })
     }
 
     /// The step output this sequence needs: the in-graph greedy token when nothing else is
     /// wanted, else the logits.
     pub fn mode(&self) -> OutputMode {
-        if self.params.sampling.is_greedy() && self.logprobs.is_none() {
+        if self.params.sampling.is_greedy() && self.logprobs.is_none() && self.json.is_none() {
             OutputMode::NextToken
         } else {
             OutputMode::Logits
@@ -184,7 +193,10 @@ impl Generator {
             StepOutput::Token(t) => (t, None),
             StepOutput::Logits(mut l) => {
                 let lp = self.logprobs.map(|n| logprobs_of(&l, n));
-                let t = self.sampler.sample(&mut l);
+                let t = match &self.json {
+                    Some(json) => constrained_choice(&mut self.sampler, tok, json, &mut l)?,
+                    None => self.sampler.sample(&mut l),
+                };
                 (t, lp.map(|f| f(t)))
             }
             _ => return Err(ModelError::InvalidParameter("generation needs a token or logits output".into())),
@@ -201,6 +213,14 @@ impl Generator {
         self.sampler.observe(token);
         let (text, stopped) = self.filter.push(&self.decoder.push(tok, token));
         adv.text = text;
+        if let Some(json) = &mut self.json {
+            let mut bytes = Vec::new();
+            tok.token_bytes(token, &mut bytes);
+            json.feed_all(&bytes);
+            if json.is_complete() {
+                return Ok(self.end(adv, FinishReason::Stop));
+            }
+        }
         if stopped {
             // Cut at a stop string: what was held back is part of the stop string, never released.
             self.finish = Some(FinishReason::Stop);
@@ -225,6 +245,37 @@ impl Generator {
         adv.finish = self.finish;
         adv
     }
+}
+
+/// The next token under the JSON constraint: the sampler's choice among the tokens that
+/// continue `json` (the most likely few are tried first; then every token is checked).
+fn constrained_choice(sampler: &mut Sampler, tok: &Tokenizer, json: &JsonObjectPrefix, logits: &mut [f32]) -> Result<u32, ModelError> {
+    let mut bytes = Vec::new();
+    let mut allowed = |id: u32| {
+        // (No end-of-generation token before the object closes: it ends generation itself.)
+        bytes.clear();
+        tok.token_bytes(id, &mut bytes);
+        !bytes.is_empty() && json.clone().feed_all(&bytes)
+    };
+    sampler.adjust(logits);
+    for _ in 0..CONSTRAINED_TRIES {
+        let t = sampler.choose(logits);
+        if allowed(t) {
+            return Ok(t);
+        }
+        logits[t as usize] = f32::NEG_INFINITY;
+    }
+    let mut any = false;
+    for (id, l) in logits.iter_mut().enumerate() {
+        if *l != f32::NEG_INFINITY && !allowed(id as u32) {
+            *l = f32::NEG_INFINITY;
+        }
+        any |= *l != f32::NEG_INFINITY;
+    }
+    if !any {
+        return Err(ModelError::InvalidParameter("no token of the vocabulary continues the JSON text".into()));
+    }
+    Ok(sampler.choose(logits))
 }
 
 /// Log-softmax of `logits`: a function from the chosen token to its log-probability and the

@@ -151,6 +151,12 @@ impl Sampler {
 
     /// Picks the next token from `logits` (modified in place by the logit biases and penalties).
     pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
+        self.adjust(logits);
+        self.choose(logits)
+    }
+
+    /// Applies the logit biases and the penalties to `logits` (once per step).
+    pub fn adjust(&self, logits: &mut [f32]) {
         let p = &self.params;
         for &(id, b) in &p.logit_bias {
             if let Some(l) = logits.get_mut(id as usize) {
@@ -166,6 +172,12 @@ impl Sampler {
                 *l -= count as f32 * p.frequency_penalty + p.presence_penalty;
             }
         }
+    }
+
+    /// Picks a token from logits already [`adjust`](Sampler::adjust)ed; tokens at -inf are never
+    /// picked while any other is finite.
+    pub fn choose(&mut self, logits: &[f32]) -> u32 {
+        let p = &self.params;
         if p.temperature == 0.0 {
             return argmax(logits);
         }
@@ -181,7 +193,8 @@ impl Sampler {
         let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 - max) as f64).exp()).collect();
         let total: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|q| *q /= total);
-        let mut keep = probs.len();
+        // (Tokens at -inf have probability 0 and come last.)
+        let mut keep = probs.iter().take_while(|&&q| q > 0.0).count().max(1);
         if p.top_p < 1.0 {
             let mut cum = 0.0;
             for (i, q) in probs.iter().enumerate() {

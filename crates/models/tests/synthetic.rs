@@ -13,8 +13,8 @@ use kiln_gguf::{MetaArray, MetaValue};
 use kiln_ir::{Bucket, BucketPolicy};
 use kiln_models::synth::{SynthModel as Parts, SynthRng as Rng, SynthTensor as Tensor};
 use kiln_models::{
-    config_from_gguf, generate, FinishReason, GenerateParams, Generation, Model, ModelError, OutputMode, Sampler, SamplingParams, Session,
-    StepOutput, TextControl,
+    config_from_gguf, generate, FinishReason, GenerateParams, Generation, JsonObjectPrefix, Model, ModelError, OutputFormat, OutputMode,
+    Sampler, SamplingParams, Session, StepOutput, TextControl,
 };
 use kiln_quant::GgmlType;
 use kiln_runtime::{
@@ -320,11 +320,16 @@ fn assert_differs(a: &[f32], b: &[f32], what: &str) {
 }
 
 fn greedy(max_tokens: usize) -> GenerateParams {
-    GenerateParams { max_tokens, sampling: SamplingParams::default(), stop: vec![] }
+    GenerateParams { max_tokens, sampling: SamplingParams::default(), stop: vec![], format: Default::default() }
 }
 
 fn sampled(max_tokens: usize, seed: u64) -> GenerateParams {
-    GenerateParams { max_tokens, sampling: SamplingParams { temperature: 1.0, seed, ..Default::default() }, stop: vec![] }
+    GenerateParams {
+        max_tokens,
+        sampling: SamplingParams { temperature: 1.0, seed, ..Default::default() },
+        stop: vec![],
+        format: Default::default(),
+    }
 }
 
 /// Runs `generate` in a fresh session, returning the result and the text streamed to the callback.
@@ -728,6 +733,28 @@ fn stop_strings_cut_the_text() {
     assert!(g.tokens.len() < full.tokens.len());
     assert_eq!(g.tokens[..], full.tokens[..g.tokens.len()]);
     assert!(model.tokenizer().decode(&g.tokens, true).contains(&stop));
+}
+
+#[test]
+fn json_object_format_keeps_a_random_model_to_json() {
+    // Random weights rarely put a token that continues JSON first: the constraint's full check
+    // of the vocabulary does most of the choosing.
+    let model = load(config());
+    let p = prompt(9, 17);
+    for seed in [3, 4] {
+        let params = GenerateParams { format: OutputFormat::JsonObject, ..sampled(48, seed) };
+        let (g, streamed) = run_generate(&model, &p, &params);
+        assert_eq!(streamed, g.text);
+        let mut json = JsonObjectPrefix::new();
+        assert!(g.text.starts_with('{') && json.feed_all(g.text.as_bytes()), "{:?} is no JSON prefix", g.text);
+        match g.finish {
+            FinishReason::Stop => assert!(json.is_complete() && serde_json::from_str::<serde_json::Value>(&g.text).unwrap().is_object()),
+            other => assert_eq!((other, json.is_complete()), (FinishReason::Length, false), "{:?}", g.text),
+        }
+        // Unconstrained, the same sampling is no JSON.
+        let (free, _) = run_generate(&model, &p, &sampled(48, seed));
+        assert!(!JsonObjectPrefix::new().feed_all(free.text.as_bytes()), "{:?}", free.text);
+    }
 }
 
 /// Generates (sampled, seed 7) with a model whose `<eos>` is `eos`; returns the result and the

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use kiln_models::{GenerateParams, SamplingParams};
+use kiln_models::{GenerateParams, OutputFormat, SamplingParams};
 use kiln_tokenizer::ChatMessage;
 use serde_json::{Map, Value};
 
@@ -138,17 +138,18 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
             return Err(ApiError::invalid(Some(name), format!("'{name}' (function calling) is not supported")));
         }
     }
-    match f.get("response_format") {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("text") => {}
+    let format = match f.get("response_format") {
+        None | Some(Value::Null) => OutputFormat::Text,
+        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("text") => OutputFormat::Text,
+        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("json_object") => OutputFormat::JsonObject,
         Some(v) => {
             let kind = v.get("type").map_or_else(|| v.to_string(), Value::to_string);
             return Err(ApiError::invalid(
                 Some("response_format"),
-                format!("'response_format' {kind} is not supported: only {{\"type\": \"text\"}} (no structured output)"),
+                format!("'response_format' {kind} is not supported: only \"text\" and \"json_object\" (no JSON schemas)"),
             ));
         }
-    }
+    };
     let max_tokens = match f.integer("max_completion_tokens", 1, i64::MAX)? {
         Some(m) => Some(m),
         None => f.integer("max_tokens", 1, i64::MAX)?,
@@ -204,7 +205,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
         model,
         prompt,
         max_tokens,
-        params: GenerateParams { max_tokens: 0, sampling, stop },
+        params: GenerateParams { max_tokens: 0, sampling, stop, format },
         stream,
         include_usage,
         logprobs,

@@ -226,7 +226,7 @@ fn bad_requests_get_4xx_errors_and_the_server_keeps_serving() {
             "structured output",
             "POST",
             "/v1/chat/completions",
-            br#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}"#.to_vec(),
+            br#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}"#.to_vec(),
             400,
         ),
         ("unknown model", "POST", "/v1/completions", br#"{"prompt": "hi", "model": "gpt-17"}"#.to_vec(), 404),
@@ -287,6 +287,41 @@ fn logit_bias_bans_and_forces_tokens() {
     let mut banned_body = body.clone();
     banned_body["logit_bias"] = json!({ id_of(&reply).to_string(): -100 });
     assert_ne!(chat(&banned_body), reply);
+}
+
+#[test]
+fn json_object_format_gives_one_json_object() {
+    let addr = shared();
+    let prompt = "Question: what is the capital of France? Answer in JSON with keys city and country.\nAnswer:";
+    let body = |format: Value| json!({"model": MODEL_ID, "prompt": prompt, "max_tokens": 60, "temperature": 0, "response_format": format});
+    let v = completion(addr, body(json!({"type": "json_object"})));
+    let text = v["choices"][0]["text"].as_str().unwrap();
+    let parsed: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?} is not JSON: {e}"));
+    assert!(parsed.is_object(), "{text:?}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "the object closing ends generation: {v}");
+    // Unconstrained, the same greedy request is not JSON.
+    let free = completion(addr, body(json!({"type": "text"})))["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(serde_json::from_str::<Value>(&free).is_err(), "{free:?}");
+    // Sampled and streamed through the chat endpoint: still one object.
+    let chat = json!({"messages": [{"role": "user", "content": "Describe a cat as JSON."}], "max_tokens": 80, "temperature": 1.0,
+        "seed": 11, "stream": true, "response_format": {"type": "json_object"}});
+    let r = post(addr, "/v1/chat/completions", &chat);
+    let mut streamed = String::new();
+    let mut finish = Value::Null;
+    for e in r.events().iter().filter(|e| *e != "[DONE]") {
+        let c: Value = serde_json::from_str(e).unwrap();
+        streamed += c["choices"][0]["delta"]["content"].as_str().unwrap_or("");
+        if !c["choices"][0]["finish_reason"].is_null() {
+            finish = c["choices"][0]["finish_reason"].clone();
+        }
+    }
+    // (Cut at max_tokens, the text is a prefix of an object: its first byte opens it.)
+    assert!(streamed.starts_with('{'), "{streamed:?}");
+    if finish == "stop" {
+        assert!(serde_json::from_str::<Value>(&streamed).unwrap().is_object(), "{streamed:?}");
+    } else {
+        assert_eq!(finish, "length", "{streamed:?}");
+    }
 }
 
 #[test]

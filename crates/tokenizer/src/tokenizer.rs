@@ -194,6 +194,12 @@ impl Tokenizer {
         }
     }
 
+    /// Appends the bytes token `id` adds to a text after its first token (control, unknown and
+    /// unused tokens add none).
+    pub fn token_bytes(&self, id: u32, out: &mut Vec<u8>) {
+        self.append_piece(id, true, &mut false, out);
+    }
+
     /// The text of token `id` as stored in the vocabulary (`▁` for spaces, `<0xXX>` for bytes).
     pub fn piece(&self, id: u32) -> Option<&str> {
         self.vocab.piece(id)
