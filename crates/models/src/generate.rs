@@ -255,7 +255,7 @@ fn constrained_choice(sampler: &mut Sampler, tok: &Tokenizer, json: &JsonObjectP
         // (No end-of-generation token before the object closes: it ends generation itself.)
         bytes.clear();
         tok.token_bytes(id, &mut bytes);
-        !bytes.is_empty() && json.clone().feed_all(&bytes)
+        !bytes.is_empty() && { *json }.feed_all(&bytes)
     };
     sampler.adjust(logits);
     for _ in 0..CONSTRAINED_TRIES {

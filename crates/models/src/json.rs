@@ -95,10 +95,13 @@ impl Num {
 
 /// The prefix of a JSON object read so far: [`feed`](JsonObjectPrefix::feed) says whether a byte
 /// keeps it a prefix of one JSON object.
-#[derive(Clone, Debug)]
+#[derive(Clone, Copy, Debug)]
 pub struct JsonObjectPrefix {
-    /// Open containers, innermost last: `true` for an object.
-    open: Vec<bool>,
+    /// Open containers: bit `i` set when the `i`-th from the outside is an object (a copy
+    /// costs nothing: the generator copies the state for every token it checks).
+    objects: u64,
+    /// How many containers are open.
+    depth: u8,
     want: Want,
     lex: Lex,
     /// Spaces and tabs in the current run of whitespace.
@@ -114,7 +117,8 @@ pub struct JsonObjectPrefix {
 impl Default for JsonObjectPrefix {
     fn default() -> Self {
         JsonObjectPrefix {
-            open: Vec::new(),
+            objects: 0,
+            depth: 0,
             want: Want::Top,
             lex: Lex::Structure,
             spaces: 0,
@@ -259,7 +263,7 @@ impl JsonObjectPrefix {
                 true
             }
             (Want::KeyOrClose | Want::MemberEnd, b'}') | (Want::ItemOrClose | Want::ItemEnd, b']') => {
-                self.open.pop();
+                self.depth -= 1;
                 self.value_done();
                 true
             }
@@ -287,20 +291,21 @@ impl JsonObjectPrefix {
 
     /// Opens an object or an array.
     fn open(&mut self, object: bool) -> bool {
-        if self.open.len() == MAX_DEPTH {
+        if self.depth as usize == MAX_DEPTH {
             return false;
         }
-        self.open.push(object);
+        self.objects = (self.objects & !(1 << self.depth)) | (u64::from(object) << self.depth);
+        self.depth += 1;
         self.want = if object { Want::KeyOrClose } else { Want::ItemOrClose };
         true
     }
 
     /// A value (or the container just closed) is complete.
     fn value_done(&mut self) {
-        self.want = match self.open.last() {
-            None => Want::Done,
-            Some(true) => Want::MemberEnd,
-            Some(false) => Want::ItemEnd,
+        self.want = match self.depth {
+            0 => Want::Done,
+            d if self.objects >> (d - 1) & 1 == 1 => Want::MemberEnd,
+            _ => Want::ItemEnd,
         };
     }
 }
