@@ -354,6 +354,9 @@ mod tests {
             br#"{"messages":[{"role":"user","content":"q"}],"logit_bias":{"17":-100,"4":2.5},"tools":[],"response_format":{"type":"text"}}"#,
         )
         .unwrap();
+        assert_eq!(b.params.format, OutputFormat::Text);
+        let j = parse(Endpoint::Chat, br#"{"messages":[{"role":"user","content":"q"}],"response_format":{"type":"json_object"}}"#).unwrap();
+        assert_eq!(j.params.format, OutputFormat::JsonObject);
         let mut bias = b.params.sampling.logit_bias;
         bias.sort_by_key(|&(id, _)| id);
         assert_eq!(bias, vec![(4, 2.5), (17, -100.0)]);
@@ -398,9 +401,9 @@ mod tests {
             (Chat, r#"{"messages":[{"role":"user","content":"x"}],"functions":[{}]}"#, Some("functions"), "not supported"),
             (
                 Chat,
-                r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}}"#,
+                r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema"}}"#,
                 Some("response_format"),
-                "\"json_object\" is not supported",
+                "\"json_schema\" is not supported",
             ),
             (Chat, r#"{"messages":[{"role":"user","content":"x"}],"response_format":"json"}"#, Some("response_format"), "not supported"),
         ];
