@@ -1,8 +1,8 @@
 //! kiln's OpenAI-compatible HTTP server with continuous batching.
 //!
 //! [`Server::start`] binds the address, starts the scheduler thread (which allocates the KV caches
-//! of `parallel` sequences once, owns them, and runs one batched decode step for all of them, admitting and prefilling newcomers
-//! in chunks between steps) and serves `POST /v1/completions`, `POST /v1/chat/completions` (whole
+//! of `parallel` sequences once, owns them, and runs one batched decode step for all of them,
+//! admitting and prefilling newcomers in chunks between steps) and serves `POST /v1/completions`, `POST /v1/chat/completions` (whole
 //! answers or server-sent events), `GET /v1/models`, `GET /health` and `GET /metrics`
 //! (Prometheus text).
 

@@ -140,15 +140,17 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<Request, ApiError> {
     }
     let format = match f.get("response_format") {
         None | Some(Value::Null) => OutputFormat::Text,
-        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("text") => OutputFormat::Text,
-        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("json_object") => OutputFormat::JsonObject,
-        Some(v) => {
-            let kind = v.get("type").map_or_else(|| v.to_string(), Value::to_string);
-            return Err(ApiError::invalid(
-                Some("response_format"),
-                format!("'response_format' {kind} is not supported: only \"text\" and \"json_object\" (no JSON schemas)"),
-            ));
-        }
+        Some(v) => match v.get("type").and_then(Value::as_str) {
+            Some("text") => OutputFormat::Text,
+            Some("json_object") => OutputFormat::JsonObject,
+            _ => {
+                let kind = v.get("type").map_or_else(|| v.to_string(), Value::to_string);
+                return Err(ApiError::invalid(
+                    Some("response_format"),
+                    format!("'response_format' {kind} is not supported: only \"text\" and \"json_object\" (no JSON schemas)"),
+                ));
+            }
+        },
     };
     let max_tokens = match f.integer("max_completion_tokens", 1, i64::MAX)? {
         Some(m) => Some(m),
