@@ -6,7 +6,7 @@ use kiln_ir::OutputMode;
 use kiln_tokenizer::{StreamDecoder, Tokenizer};
 
 use crate::json::{JsonObjectPrefix, OutputFormat};
-use crate::{ModelError, Sampler, SamplingParams, Session, StepOutput};
+use crate::{sampling, ModelError, Sampler, SamplingParams, Session, StepOutput};
 
 /// What to generate.
 #[derive(Clone, Debug, PartialEq)]
@@ -281,17 +281,8 @@ fn constrained_choice(sampler: &mut Sampler, tok: &Tokenizer, json: &JsonObjectP
 /// Log-softmax of `logits`: a function from the chosen token to its log-probability and the
 /// `n` most likely tokens.
 fn logprobs_of(logits: &[f32], n: usize) -> impl FnOnce(u32) -> TokenLogprob {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let lse = max + logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
-    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-    let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
-    let n = n.min(idx.len());
-    if n > 0 && n < idx.len() {
-        idx.select_nth_unstable_by(n - 1, by_logit);
-    }
-    idx.truncate(n);
-    idx.sort_unstable_by(by_logit);
-    let top: Vec<(u32, f32)> = idx.iter().map(|&i| (i, (logits[i as usize] as f64 - lse) as f32)).collect();
+    let lse = sampling::log_sum_exp(logits);
+    let top: Vec<(u32, f32)> = sampling::top_ids(logits, n).into_iter().map(|i| (i, (logits[i as usize] as f64 - lse) as f32)).collect();
     let all: Vec<f32> = logits.to_vec();
     move |t| TokenLogprob { logprob: all.get(t as usize).map_or(f32::NEG_INFINITY, |&l| (l as f64 - lse) as f32), top }
 }

@@ -1,5 +1,8 @@
 //! Sampling: logit biases, penalties, temperature, top-k, top-p, min-p, and a seeded generator.
 
+use std::cmp::{Ordering, Reverse};
+use std::collections::BinaryHeap;
+
 use crate::ModelError;
 
 /// How the next token is chosen from the logits.
@@ -125,18 +128,26 @@ impl Rng {
 }
 
 /// Chooses tokens from logits under [`SamplingParams`], keeping the counts penalties need.
+///
+/// A choice costs a few passes over the logits and a sort of a few tokens, never a sort of the
+/// vocabulary: the candidates are ordered (higher scaled logit first, then lower id) only as far
+/// as top-k, top-p and min-p need to decide which are kept, and the kept ones are drawn from in
+/// the order in which they were found (a fixed order: the same seed gives the same choices).
 #[derive(Clone, Debug)]
 pub struct Sampler {
     params: SamplingParams,
     rng: Rng,
     counts: std::collections::HashMap<u32, u32>,
+    /// Every token's weight e^(l/T - max) in the last whole-vocabulary choice (kept: no
+    /// allocation a token).
+    weights: Vec<f32>,
 }
 
 impl Sampler {
     /// A sampler with `params` (validated).
     pub fn new(params: SamplingParams) -> Result<Self, ModelError> {
         params.validate()?;
-        Ok(Sampler { rng: Rng::new(params.seed), params, counts: Default::default() })
+        Ok(Sampler { rng: Rng::new(params.seed), params, counts: Default::default(), weights: Vec::new() })
     }
 
     /// The parameters.
@@ -176,48 +187,281 @@ impl Sampler {
 
     /// Picks a token from logits already [`adjust`](Sampler::adjust)ed; tokens at -inf are never
     /// picked while any other is finite.
+    ///
+    /// The candidates are the `top_k` likeliest tokens (all when 0), their probabilities the
+    /// softmax of their logits over `temperature`; of those, most likely first, the kept ones are
+    /// the fewest whose probabilities reach `top_p` and are at least `min_p` times the largest.
     pub fn choose(&mut self, logits: &[f32]) -> u32 {
+        match self.keep(logits) {
+            Kept::One(id) => id,
+            Kept::All(total) => draw_weighted(&self.weights, total, self.rng.next_f64()),
+            Kept::Listed(cand) => self.draw_listed(&cand),
+        }
+    }
+
+    /// The tokens `choose` draws from.
+    fn keep(&mut self, logits: &[f32]) -> Kept {
         let p = &self.params;
         if p.temperature == 0.0 {
-            return argmax(logits);
+            return Kept::One(argmax(logits));
         }
-        // Candidates, most likely first (top-k narrows the sort when set).
-        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)).collect();
-        let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if p.top_k > 0 && p.top_k < cand.len() {
-            cand.select_nth_unstable_by(p.top_k - 1, by_logit);
-            cand.truncate(p.top_k);
+        let t = p.temperature;
+        // (Division by T > 0 keeps the order: the largest scaled logit is the largest over T.)
+        let top = logits.iter().fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
+        let max = top / t;
+        if !max.is_finite() {
+            // Every logit -inf (or NaN), or one +inf: no softmax; the first candidate.
+            return Kept::One(logits.iter().enumerate().map(|(i, &l)| order_key(l / t, i as u32)).max().map_or(0, key_id));
         }
-        cand.sort_unstable_by(by_logit);
-        let max = cand[0].1;
-        let mut probs: Vec<f64> = cand.iter().map(|c| ((c.1 - max) as f64).exp()).collect();
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|q| *q /= total);
-        // (Tokens at -inf have probability 0 and come last.)
-        let mut keep = probs.iter().take_while(|&&q| q > 0.0).count().max(1);
-        if p.top_p < 1.0 {
+        if p.top_k > 0 && p.top_k < logits.len() {
+            let cand: Vec<(u32, f32)> =
+                top_keys(logits, t, p.top_k).into_iter().map(key_id).map(|i| (i, exp_nonpositive(logits[i as usize] / t - max))).collect();
+            let total = cand.iter().map(|c| c.1 as f64).sum();
+            let keep = kept(&cand, total, p, true).expect("a whole candidate list decides");
+            return Kept::Listed(cand[..keep].to_vec());
+        }
+        let weights = &mut self.weights;
+        weights.clear();
+        weights.extend(logits.iter().map(|&l| exp_nonpositive(l / t - max)));
+        let total = sum(weights);
+        if p.top_p >= 1.0 && p.min_p <= 0.0 {
+            return Kept::All(total);
+        }
+        // The tokens by bucket of their scaled logit's distance below the largest: the weight
+        // and the least weight of each bucket.
+        // (On the raw logits: no division a token; the order is the scaled logits'.)
+        let per = BUCKETS as f32 / (BUCKET_RANGE * t);
+        let bucket = |l: f32| (((top - l) * per) as usize).min(BUCKETS - 1);
+        // Every token of the buckets before the first where the cut may fall is kept, in any
+        // order: there, top-p's sum may be reached (with a margin for the order of the sums) or a
+        // weight is under min-p. From that bucket on, the buckets are sorted one by one until
+        // the cut is found. (The nearest eighth of the buckets first: the cut of a peaked
+        // distribution lies there, and the tokens past it are passed over with one comparison.)
+        let target = p.top_p as f64 * total * (1.0 - 1e-9);
+        let (mut mass, mut least) = (vec![0f64; BUCKETS], vec![f32::INFINITY; BUCKETS]);
+        let mut first = None;
+        for limit in [BUCKETS / 8, BUCKETS] {
+            mass.fill(0.0);
+            least.fill(f32::INFINITY);
+            for (&l, &w) in logits.iter().zip(weights.iter()) {
+                let b = bucket(l);
+                if w > 0.0 && b < limit {
+                    mass[b] += w as f64;
+                    least[b] = least[b].min(w);
+                }
+            }
             let mut cum = 0.0;
-            for (i, q) in probs.iter().enumerate() {
-                cum += q;
-                if cum >= p.top_p as f64 {
-                    keep = i + 1;
-                    break;
+            first = (0..limit).find(|&b| {
+                cum += mass[b];
+                (p.top_p < 1.0 && cum >= target) || (p.min_p > 0.0 && least[b] < p.min_p)
+            });
+            if first.is_some() {
+                break;
+            }
+        }
+        let Some(first) = first else {
+            return Kept::All(total);
+        };
+        let positive = weights.iter().filter(|&&w| w > 0.0).count();
+        let mut cand: Vec<(u32, f32)> = Vec::new();
+        let mut sorted: Vec<u64> = Vec::new();
+        for (i, (&l, &w)) in logits.iter().zip(weights.iter()).enumerate() {
+            if w > 0.0 {
+                match bucket(l).cmp(&first) {
+                    Ordering::Less => cand.push((i as u32, w)),
+                    Ordering::Equal => sorted.push(order_key(l / t, i as u32)),
+                    Ordering::Greater => {}
                 }
             }
         }
-        if p.min_p > 0.0 {
-            let floor = probs[0] * p.min_p as f64;
-            keep = keep.min(probs.iter().take_while(|&&q| q >= floor).count().max(1));
-        }
-        let total: f64 = probs[..keep].iter().sum();
-        let mut r = self.rng.next_f64() * total;
-        for (c, q) in cand.iter().zip(&probs[..keep]) {
-            if r < *q {
-                return c.0;
+        let mut b = first;
+        loop {
+            sorted.sort_unstable_by(|a, b| b.cmp(a));
+            cand.extend(sorted.iter().map(|&k| (key_id(k), weights[key_id(k) as usize])));
+            if let Some(keep) = kept(&cand, total, p, cand.len() == positive) {
+                cand.truncate(keep);
+                return Kept::Listed(cand);
             }
-            r -= q;
+            b += 1;
+            sorted = logits
+                .iter()
+                .enumerate()
+                .filter(|&(i, &l)| weights[i] > 0.0 && bucket(l) == b)
+                .map(|(i, &l)| order_key(l / t, i as u32))
+                .collect();
         }
-        cand[keep - 1].0
+    }
+
+    /// Draws one of `cand` (id, weight) with probability proportional to its weight, walking
+    /// them in their order.
+    fn draw_listed(&mut self, cand: &[(u32, f32)]) -> u32 {
+        let total: f64 = cand.iter().map(|c| c.1 as f64).sum();
+        let mut r = self.rng.next_f64() * total;
+        for &(id, w) in cand {
+            if r < w as f64 {
+                return id;
+            }
+            r -= w as f64;
+        }
+        // (Rounding left r at the end: the last one with any weight.)
+        cand.iter().rev().find(|c| c.1 > 0.0).unwrap_or(&cand[0]).0
+    }
+}
+
+/// What a choice draws from.
+enum Kept {
+    /// This token, no draw.
+    One(u32),
+    /// Every token, by the sampler's `weights` (of this sum).
+    All(f64),
+    /// These (id, weight).
+    Listed(Vec<(u32, f32)>),
+}
+
+/// Buckets of a scaled logit's distance below the largest, over the distances whose weights are
+/// not 0 (e^-87): how a whole-vocabulary cut is found without sorting the vocabulary.
+const BUCKETS: usize = 4096;
+const BUCKET_RANGE: f32 = 88.0;
+
+/// Tokens summed at a time by `sum` and walked past at a time by `draw_weighted`.
+const RUN: usize = 1024;
+
+/// Σ w over a run of weights, in f64: eight interleaved sums (a fixed order that vectorizes).
+fn run_sum(w: &[f32]) -> f64 {
+    let mut acc = [0f64; 8];
+    let mut chunks = w.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += x as f64;
+        }
+    }
+    for (a, &x) in acc.iter_mut().zip(chunks.remainder()) {
+        *a += x as f64;
+    }
+    acc.iter().sum()
+}
+
+/// Σ w over all weights, run by run.
+fn sum(w: &[f32]) -> f64 {
+    w.chunks(RUN).map(run_sum).sum()
+}
+
+/// The token of weight w (of `total`) that `u` in [0, 1) picks, walking the tokens in id order:
+/// whole runs first, then one by one.
+fn draw_weighted(w: &[f32], total: f64, u: f64) -> u32 {
+    let mut r = u * total;
+    let mut start = 0;
+    for run in w.chunks(RUN) {
+        let s = run_sum(run);
+        if r < s {
+            break;
+        }
+        r -= s;
+        start += run.len();
+    }
+    for (i, &x) in w.iter().enumerate().skip(start) {
+        if r < x as f64 {
+            return i as u32;
+        }
+        r -= x as f64;
+    }
+    // (Rounding left r at the end: the last token with any weight.)
+    w.iter().rposition(|&x| x > 0.0).unwrap_or(0) as u32
+}
+
+/// How many of `cand` (id and weight, most likely first: tokens past a prefix kept whole may come
+/// in any order; `total`: the weights of all candidates) are kept under `p`'s top-p and min-p,
+/// or `None` if the list, not `complete` (more candidates follow), ends before that is decided.
+/// (The largest weight, e^0, is 1: min-p's floor is `min_p` itself.)
+fn kept(cand: &[(u32, f32)], total: f64, p: &SamplingParams, complete: bool) -> Option<usize> {
+    let target = p.top_p as f64 * total;
+    let mut cum = 0.0;
+    for (i, c) in cand.iter().enumerate() {
+        if c.1 <= 0.0 || (p.min_p > 0.0 && c.1 < p.min_p) {
+            return Some(i.max(1));
+        }
+        cum += c.1 as f64;
+        if p.top_p < 1.0 && cum >= target {
+            return Some(i + 1);
+        }
+    }
+    complete.then_some(cand.len().max(1))
+}
+
+/// ln Σ e^l over `logits` (whose largest must be finite for a meaningful sum).
+pub(crate) fn log_sum_exp(logits: &[f32]) -> f64 {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
+    let w: Vec<f32> = logits.iter().map(|&l| exp_nonpositive(l - max)).collect();
+    max as f64 + sum(&w).ln()
+}
+
+/// The ids of the `n` largest logits (at most all), largest first (the lower id first among
+/// equals).
+pub(crate) fn top_ids(logits: &[f32], n: usize) -> Vec<u32> {
+    top_keys(logits, 1.0, n.min(logits.len())).into_iter().map(key_id).collect()
+}
+
+/// The `k` largest candidate keys of `logits` over temperature `t`, largest first. (Tokens come
+/// in id order: one whose raw logit is below the least kept one's cannot displace it, and one
+/// equal to it loses on the id, so most are passed over with one comparison.)
+fn top_keys(logits: &[f32], t: f32, k: usize) -> Vec<u64> {
+    let mut heap = BinaryHeap::with_capacity(k + 1);
+    let mut least = f32::NEG_INFINITY;
+    for (i, &l) in logits.iter().enumerate() {
+        if heap.len() == k && l.partial_cmp(&least) != Some(Ordering::Greater) {
+            continue;
+        }
+        let key = order_key(l / t, i as u32);
+        if heap.len() < k {
+            heap.push(Reverse((key, l.to_bits())));
+        } else if heap.peek().is_some_and(|m| key > m.0 .0) {
+            heap.pop();
+            heap.push(Reverse((key, l.to_bits())));
+        } else {
+            continue;
+        }
+        if heap.len() == k {
+            least = heap.peek().map_or(f32::NEG_INFINITY, |m| f32::from_bits(m.0 .1));
+        }
+    }
+    let mut keys: Vec<u64> = heap.into_iter().map(|r| r.0 .0).collect();
+    keys.sort_unstable_by(|a, b| b.cmp(a));
+    keys
+}
+
+/// A candidate's place as one integer, larger first: its scaled logit `s` (ordered as
+/// `f32::total_cmp`), then the lower id.
+fn order_key(s: f32, id: u32) -> u64 {
+    let b = s.to_bits();
+    let ordered = if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 };
+    ((ordered as u64) << 32) | (u32::MAX - id) as u64
+}
+
+/// The id an [`order_key`] was made with.
+fn key_id(key: u64) -> u32 {
+    u32::MAX - key as u32
+}
+
+/// e^x for x <= 0 (relative error below 3e-7), 0 below -87 and for NaN: branch-free, so that
+/// loops over it vectorize. (x = n ln 2 + r with n an integer and |r| <= ln 2 / 2, ln 2 in two
+/// parts; e^r by Cephes' `expf` polynomial; 2^n built in the exponent field.)
+fn exp_nonpositive(x: f32) -> f32 {
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding and subtracting it rounds to an integer
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let m = (x * std::f32::consts::LOG2_E).max(-126.0) + ROUND;
+    let n = m - ROUND;
+    let r = (x.max(-88.0) - n * LN2_HI) - n * LN2_LO;
+    let poly = ((((1.987_569_2e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 0.166_666_65) * r + 0.5;
+    let er = poly * r * r + r + 1.0;
+    // (n sits in m's low mantissa bits: 2^n's exponent field without a float-to-integer
+    // conversion.)
+    let n = m.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
+    let scale = f32::from_bits(((n + 127) as u32) << 23);
+    if x >= -87.0 {
+        er * scale
+    } else {
+        0.0
     }
 }
 
@@ -297,6 +541,155 @@ mod tests {
         let p = SamplingParams { logit_bias: vec![(2, 1.0), (3, 1.0)], ..params(0.0) };
         assert!(p.check_vocabulary(4).is_ok());
         assert!(p.check_vocabulary(3).unwrap_err().to_string().contains("token 3, outside the vocabulary of 3 tokens"));
+    }
+
+    /// The kept set as the sampler once made it: every candidate sorted, the cut walked from
+    /// the top (ids in increasing order).
+    fn kept_by_sorting(logits: &[f32], p: &SamplingParams) -> Vec<u32> {
+        let t = p.temperature;
+        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l / t)).collect();
+        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if p.top_k > 0 {
+            cand.truncate(p.top_k);
+        }
+        let max = cand[0].1;
+        let w: Vec<f64> = cand.iter().map(|c| exp_nonpositive(c.1 - max) as f64).collect();
+        let total: f64 = w.iter().sum();
+        let mut keep = w.iter().take_while(|&&w| w > 0.0).count().max(1);
+        if p.top_p < 1.0 {
+            let mut cum = 0.0;
+            for (i, w) in w.iter().enumerate() {
+                cum += w;
+                if cum >= p.top_p as f64 * total {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        if p.min_p > 0.0 {
+            keep = keep.min(w.iter().take_while(|&&w| w >= p.min_p as f64).count().max(1));
+        }
+        let mut ids: Vec<u32> = cand[..keep].iter().map(|c| c.0).collect();
+        ids.sort();
+        ids
+    }
+
+    /// Logits of `n` tokens: uniform in [-spread, spread], a few tokens `lift` higher, some -inf
+    /// and some repeated values (ties).
+    fn test_logits(n: usize, spread: f32, lift: f32, seed: u64) -> Vec<f32> {
+        let mut rng = Rng::new(seed);
+        let mut l: Vec<f32> = (0..n).map(|_| (rng.next_f64() as f32 * 2.0 - 1.0) * spread).collect();
+        for _ in 0..n / 50 + 1 {
+            let i = (rng.next_u64() % n as u64) as usize;
+            l[i] += lift;
+        }
+        for _ in 0..n / 20 {
+            let i = (rng.next_u64() % n as u64) as usize;
+            l[i] = f32::NEG_INFINITY;
+        }
+        for _ in 0..n / 20 {
+            let (i, j) = ((rng.next_u64() % n as u64) as usize, (rng.next_u64() % n as u64) as usize);
+            l[i] = l[j];
+        }
+        l
+    }
+
+    #[test]
+    fn kept_tokens_are_those_of_a_full_sort() {
+        let mut cases = 0;
+        // (The last: one token 11 above a flat tail that holds most of the mass: the likeliest
+        // few do not decide top-p.)
+        let mut peak = test_logits(70_000, 1.0, 0.0, 9);
+        peak[17] = 11.0;
+        for (n, spread, lift) in
+            [(7, 2.0, 1.0), (300, 1.0, 0.5), (3000, 8.0, 6.0), (5000, 30.0, 20.0), (70_000, 4.0, 3.0), (70_000, 0.0, 0.0)]
+        {
+            let logits = if spread > 0.0 { test_logits(n, spread, lift, n as u64) } else { peak.clone() };
+            for temperature in [0.3, 1.0, 2.5] {
+                for top_k in [0, 1, 3, 40, n - 1, n + 5] {
+                    for (top_p, min_p) in [(1.0, 0.0), (0.95, 0.0), (0.5, 0.0), (0.01, 0.0), (1.0, 0.05), (1.0, 0.6), (0.9, 0.1)] {
+                        let p = SamplingParams { temperature, top_k, top_p, min_p, ..Default::default() };
+                        let mut s = Sampler::new(p.clone()).unwrap();
+                        let mut ids: Vec<u32> = match s.keep(&logits) {
+                            Kept::One(id) => vec![id],
+                            Kept::All(_) => (0..n as u32).filter(|&i| s.weights[i as usize] > 0.0).collect(),
+                            Kept::Listed(c) => c.iter().map(|c| c.0).collect(),
+                        };
+                        ids.sort();
+                        assert_eq!(ids, kept_by_sorting(&logits, &p), "n {n}, {p:?}");
+                        cases += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(cases, 6 * 3 * 6 * 7);
+    }
+
+    #[test]
+    fn draws_follow_the_probabilities() {
+        // 3000 tokens (runs of RUN walked past whole), the mass on a few spread over the runs:
+        // each drawn about as often as its probability says (within 5 standard deviations).
+        let mut logits = vec![f32::NEG_INFINITY; 3000];
+        let hot = [(5usize, 0.0f32), (1023, 1.0), (1024, 0.5), (2047, -1.0), (2999, 2.0)];
+        for &(i, l) in &hot {
+            logits[i] = l;
+        }
+        let total: f64 = hot.iter().map(|h| (h.1 as f64).exp()).sum();
+        for top_k in [0, 4] {
+            let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k, seed: 5, ..Default::default() }).unwrap();
+            let draws = 20_000;
+            let mut counts = std::collections::HashMap::new();
+            for _ in 0..draws {
+                *counts.entry(s.choose(&logits)).or_insert(0usize) += 1;
+            }
+            // top-k 4 drops the least likely (2047) and renormalizes the others.
+            let kept: Vec<(usize, f32)> = hot.iter().copied().filter(|&(i, _)| top_k == 0 || i != 2047).collect();
+            let total = if top_k == 0 { total } else { total - (-1f64).exp() };
+            assert_eq!(counts.len(), kept.len(), "{counts:?}");
+            for (i, l) in kept {
+                let q = (l as f64).exp() / total;
+                let want = q * draws as f64;
+                let sd = (draws as f64 * q * (1.0 - q)).sqrt();
+                let got = counts[&(i as u32)] as f64;
+                assert!((got - want).abs() < 5.0 * sd, "token {i}: {got} draws, {want:.0} expected (top_k {top_k})");
+            }
+        }
+    }
+
+    #[test]
+    fn degenerate_logits_pick_the_first_candidate() {
+        let mut s = Sampler::new(params(1.0)).unwrap();
+        assert_eq!(s.choose(&[f32::NEG_INFINITY; 4]), 0);
+        assert_eq!(s.choose(&[0.0, f32::INFINITY, 1.0, f32::INFINITY]), 1);
+        for _ in 0..20 {
+            assert_eq!(s.choose(&[f32::NEG_INFINITY, -3.0, f32::NEG_INFINITY]), 1, "the only finite logit");
+        }
+    }
+
+    #[test]
+    fn exp_matches_the_library() {
+        for i in 0..=1990 {
+            let x = -(i as f32) * 0.0437;
+            let (got, want) = (exp_nonpositive(x) as f64, (x as f64).exp());
+            assert!((got - want).abs() <= 3e-7 * want, "e^{x}: {got} against {want}");
+        }
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+        assert_eq!(exp_nonpositive(-88.0), 0.0);
+        assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_nonpositive(f32::NAN), 0.0);
+    }
+
+    #[test]
+    fn log_sum_exp_and_top_ids_match_plain_sums() {
+        let logits = test_logits(5000, 12.0, 9.0, 3);
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let want = max + logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+        assert!((log_sum_exp(&logits) - want).abs() < 1e-6, "{} against {want}", log_sum_exp(&logits));
+        let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+        order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+        for n in [0, 1, 7, 4999, 5000, 6000] {
+            assert_eq!(top_ids(&logits, n), order[..n.min(5000)], "n {n}");
+        }
     }
 
     #[test]
