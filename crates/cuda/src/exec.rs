@@ -1459,6 +1459,9 @@ pub struct CudaExecutable {
     ahead: Option<Ahead>,
     last_greedy: Option<(u64, u64)>,
     tokens_back: TokenSlots,
+    /// Page-locked host memory the step's outputs are copied into (grown to the largest step's):
+    /// a sampled step's logits arrive by one direct copy, not through the driver's staging.
+    readback: Option<cudarc::driver::PinnedHostSlice<u32>>,
 }
 
 /// A greedy decode step launched before the host asked for it (`CudaExecutable::greedy_step`): it
@@ -1768,6 +1771,7 @@ impl CudaExecutable {
             ahead: None,
             last_greedy: None,
             tokens_back,
+            readback: None,
         })
     }
 
@@ -2604,28 +2608,42 @@ impl CudaExecutable {
         } else {
             self.replay(run, &mut scratch)?;
         }
-        let mut outs = Vec::with_capacity(self.plan.outputs.len());
-        for o in &self.plan.outputs {
-            let rows = if o.rows == Rows::One { kvs.len() } else { n };
-            let len = rows * o.width;
-            let src = self.slot(o.slot);
-            let data = match o.dtype {
-                DType::F32 => {
-                    let mut v = vec![0f32; len];
-                    // SAFETY: the output slot holds at least `len` words.
-                    unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut v, src, device.stream.cu_stream()) }.map_err(cuda_err)?;
-                    HostData::F32(v)
-                }
-                DType::I32 => {
-                    let mut v = vec![0i32; len];
-                    // SAFETY: as above.
-                    unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut v, src, device.stream.cu_stream()) }.map_err(cuda_err)?;
-                    HostData::I32(v)
-                }
-            };
-            outs.push(HostTensor { name: o.name.clone(), shape: [rows, o.width], data });
+        // Every output's words (f32 or i32), one after another in the page-locked buffer (taken
+        // out for the copies, so that it and the slots can be borrowed apart).
+        let shapes: Vec<[usize; 2]> =
+            self.plan.outputs.iter().map(|o| [if o.rows == Rows::One { kvs.len() } else { n }, o.width]).collect();
+        let words: usize = shapes.iter().map(|s| s[0] * s[1]).sum();
+        let mut buf = match self.readback.take() {
+            Some(b) if b.len() >= words => b,
+            _ => {
+                // SAFETY: page-locked memory (not write-combined: the host reads it), written by
+                // the copies below before it is read.
+                unsafe { device.ctx.alloc_pinned_with_flags::<u32>(words, 0) }
+                    .map_err(|e| cuda_err(format!("allocating {} bytes of page-locked memory for the outputs: {e}", 4 * words)))?
+            }
+        };
+        let back = buf.as_mut_slice().map_err(cuda_err)?;
+        let mut at = 0;
+        for (o, s) in self.plan.outputs.iter().zip(&shapes) {
+            let len = s[0] * s[1];
+            // SAFETY: the output slot holds at least `len` words; the buffer is read after the sync.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut back[at..at + len], self.slot(o.slot), device.stream.cu_stream()) }
+                .map_err(cuda_err)?;
+            at += len;
         }
         device.sync()?;
+        let mut outs = Vec::with_capacity(self.plan.outputs.len());
+        let mut at = 0;
+        for (o, &shape) in self.plan.outputs.iter().zip(&shapes) {
+            let words = &back[at..at + shape[0] * shape[1]];
+            at += words.len();
+            let data = match o.dtype {
+                DType::F32 => HostData::F32(words.iter().map(|&w| f32::from_bits(w)).collect()),
+                DType::I32 => HostData::I32(words.iter().map(|&w| w as i32).collect()),
+            };
+            outs.push(HostTensor { name: o.name.clone(), shape, data });
+        }
+        self.readback = Some(buf);
         for (kv, &r) in kvs.iter_mut().zip(rows) {
             kv.len += r;
             kv.steps += 1;
