@@ -207,7 +207,7 @@ impl Sampler {
         }
         let t = p.temperature;
         // (Division by T > 0 keeps the order: the largest scaled logit is the largest over T.)
-        let top = logits.iter().fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
+        let top = max_logit(logits);
         let max = top / t;
         if !max.is_finite() {
             // Every logit -inf (or NaN), or one +inf: no softmax; the first candidate.
@@ -221,8 +221,7 @@ impl Sampler {
             return Kept::Listed(cand[..keep].to_vec());
         }
         let weights = &mut self.weights;
-        weights.clear();
-        weights.extend(logits.iter().map(|&l| exp_nonpositive(l / t - max)));
+        fill_weights(weights, logits, t, max);
         let total = sum(weights);
         if p.top_p >= 1.0 && p.min_p <= 0.0 {
             return Kept::All(total);
@@ -232,22 +231,29 @@ impl Sampler {
         // (On the raw logits: no division a token; the order is the scaled logits'.)
         let per = BUCKETS as f32 / (BUCKET_RANGE * t);
         let bucket = |l: f32| (((top - l) * per) as usize).min(BUCKETS - 1);
+        // No token of the buckets before `b` weighs less than this (a margin for rounding and the
+        // weights' error): most tokens are passed over by their weight alone.
+        let least_before =
+            |b: usize| if b >= BUCKETS { 0.0 } else { 0.99 * (-(b as f64) * (BUCKET_RANGE / BUCKETS as f32) as f64).exp() as f32 };
         // Every token of the buckets before the first where the cut may fall is kept, in any
         // order: there, top-p's sum may be reached (with a margin for the order of the sums) or a
         // weight is under min-p. From that bucket on, the buckets are sorted one by one until
         // the cut is found. (The nearest eighth of the buckets first: the cut of a peaked
-        // distribution lies there, and the tokens past it are passed over with one comparison.)
+        // distribution lies there.)
         let target = p.top_p as f64 * total * (1.0 - 1e-9);
         let (mut mass, mut least) = (vec![0f64; BUCKETS], vec![f32::INFINITY; BUCKETS]);
         let mut first = None;
         for limit in [BUCKETS / 8, BUCKETS] {
             mass.fill(0.0);
             least.fill(f32::INFINITY);
+            let floor = least_before(limit);
             for (&l, &w) in logits.iter().zip(weights.iter()) {
-                let b = bucket(l);
-                if w > 0.0 && b < limit {
-                    mass[b] += w as f64;
-                    least[b] = least[b].min(w);
+                if w > 0.0 && w >= floor {
+                    let b = bucket(l);
+                    if b < limit {
+                        mass[b] += w as f64;
+                        least[b] = least[b].min(w);
+                    }
                 }
             }
             let mut cum = 0.0;
@@ -265,8 +271,9 @@ impl Sampler {
         let positive = weights.iter().filter(|&&w| w > 0.0).count();
         let mut cand: Vec<(u32, f32)> = Vec::new();
         let mut sorted: Vec<u64> = Vec::new();
+        let floor = least_before(first + 1);
         for (i, (&l, &w)) in logits.iter().zip(weights.iter()).enumerate() {
-            if w > 0.0 {
+            if w > 0.0 && w >= floor {
                 match bucket(l).cmp(&first) {
                     Ordering::Less => cand.push((i as u32, w)),
                     Ordering::Equal => sorted.push(order_key(l / t, i as u32)),
@@ -278,15 +285,17 @@ impl Sampler {
         loop {
             sorted.sort_unstable_by(|a, b| b.cmp(a));
             cand.extend(sorted.iter().map(|&k| (key_id(k), weights[key_id(k) as usize])));
-            if let Some(keep) = kept(&cand, total, p, cand.len() == positive) {
+            // (The last bucket holds every token left.)
+            if let Some(keep) = kept(&cand, total, p, cand.len() == positive || b == BUCKETS - 1) {
                 cand.truncate(keep);
                 return Kept::Listed(cand);
             }
             b += 1;
+            let floor = least_before(b + 1);
             sorted = logits
                 .iter()
                 .enumerate()
-                .filter(|&(i, &l)| weights[i] > 0.0 && bucket(l) == b)
+                .filter(|&(i, &l)| weights[i] > 0.0 && weights[i] >= floor && bucket(l) == b)
                 .map(|(i, &l)| order_key(l / t, i as u32))
                 .collect();
         }
@@ -322,6 +331,18 @@ enum Kept {
 /// not 0 (e^-87): how a whole-vocabulary cut is found without sorting the vocabulary.
 const BUCKETS: usize = 4096;
 const BUCKET_RANGE: f32 = 88.0;
+
+/// The largest logit, NaN aside (-inf if none): eight interleaved maxima (a loop that vectorizes).
+fn max_logit(logits: &[f32]) -> f32 {
+    let mut m = [f32::NEG_INFINITY; 8];
+    let mut chunks = logits.chunks_exact(8);
+    for c in &mut chunks {
+        for (m, &l) in m.iter_mut().zip(c) {
+            *m = m.max(l);
+        }
+    }
+    chunks.remainder().iter().chain(&m).fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+}
 
 /// Tokens summed at a time by `sum` and walked past at a time by `draw_weighted`.
 const RUN: usize = 1024;
@@ -390,7 +411,7 @@ fn kept(cand: &[(u32, f32)], total: f64, p: &SamplingParams, complete: bool) -> 
 
 /// ln Σ e^l over `logits` (whose largest must be finite for a meaningful sum).
 pub(crate) fn log_sum_exp(logits: &[f32]) -> f64 {
-    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| if l > m { l } else { m });
+    let max = max_logit(logits);
     let w: Vec<f32> = logits.iter().map(|&l| exp_nonpositive(l - max)).collect();
     max as f64 + sum(&w).ln()
 }
@@ -442,9 +463,38 @@ fn key_id(key: u64) -> u32 {
     u32::MAX - key as u32
 }
 
+/// Sets `w` to e^(l/t - max) for every logit `l` (with AVX2 where the CPU has it: the same
+/// values, twice the lanes).
+fn fill_weights(w: &mut Vec<f32>, logits: &[f32], t: f32, max: f32) {
+    w.clear();
+    w.resize(logits.len(), 0.0);
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { fill_weights_avx2(w, logits, t, max) };
+    }
+    fill_weights_in(w, logits, t, max)
+}
+
+/// [`fill_weights`]'s loop compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn fill_weights_avx2(w: &mut [f32], logits: &[f32], t: f32, max: f32) {
+    fill_weights_in(w, logits, t, max)
+}
+
+/// [`fill_weights`]'s loop.
+#[inline(always)]
+fn fill_weights_in(w: &mut [f32], logits: &[f32], t: f32, max: f32) {
+    for (o, &l) in w.iter_mut().zip(logits) {
+        *o = exp_nonpositive(l / t - max);
+    }
+}
+
 /// e^x for x <= 0 (relative error below 3e-7), 0 below -87 and for NaN: branch-free, so that
 /// loops over it vectorize. (x = n ln 2 + r with n an integer and |r| <= ln 2 / 2, ln 2 in two
 /// parts; e^r by Cephes' `expf` polynomial; 2^n built in the exponent field.)
+#[inline(always)]
 fn exp_nonpositive(x: f32) -> f32 {
     const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding and subtracting it rounds to an integer
     const LN2_HI: f32 = 0.693_359_4;
@@ -663,6 +713,17 @@ mod tests {
         assert_eq!(s.choose(&[0.0, f32::INFINITY, 1.0, f32::INFINITY]), 1);
         for _ in 0..20 {
             assert_eq!(s.choose(&[f32::NEG_INFINITY, -3.0, f32::NEG_INFINITY]), 1, "the only finite logit");
+        }
+    }
+
+    #[test]
+    fn weights_are_the_same_on_every_path() {
+        // (AVX2 where this CPU has it, against the plain function token by token: bit for bit.)
+        let logits = test_logits(1001, 20.0, 5.0, 8);
+        let mut w = Vec::new();
+        fill_weights(&mut w, &logits, 0.7, 30.0);
+        for (&l, &x) in logits.iter().zip(&w) {
+            assert_eq!(x.to_bits(), exp_nonpositive(l / 0.7 - 30.0).to_bits(), "logit {l}");
         }
     }
 
