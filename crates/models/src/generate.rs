@@ -193,8 +193,12 @@ impl Generator {
             StepOutput::Token(t) => (t, None),
             StepOutput::Logits(mut l) => {
                 let lp = self.logprobs.map(|n| logprobs_of(&l, n));
-                let t = match &self.json {
-                    Some(json) => constrained_choice(&mut self.sampler, tok, json, &mut l)?,
+                let t = match &mut self.json {
+                    Some(json) => {
+                        let (t, next) = constrained_choice(&mut self.sampler, tok, json, &mut l)?;
+                        *json = next;
+                        t
+                    }
                     None => self.sampler.sample(&mut l),
                 };
                 (t, lp.map(|f| f(t)))
@@ -213,13 +217,8 @@ impl Generator {
         self.sampler.observe(token);
         let (text, stopped) = self.filter.push(&self.decoder.push(tok, token));
         adv.text = text;
-        if let Some(json) = &mut self.json {
-            let mut bytes = Vec::new();
-            tok.token_bytes(token, &mut bytes);
-            json.feed_all(&bytes);
-            if json.is_complete() {
-                return Ok(self.end(adv, FinishReason::Stop));
-            }
+        if self.json.is_some_and(|json| json.is_complete()) {
+            return Ok(self.end(adv, FinishReason::Stop));
         }
         if stopped {
             // Cut at a stop string: what was held back is part of the stop string, never released.
@@ -247,27 +246,35 @@ impl Generator {
     }
 }
 
-/// The next token under the JSON constraint: the sampler's choice among the tokens that
-/// continue `json` (the most likely few are tried first; then every token is checked).
-fn constrained_choice(sampler: &mut Sampler, tok: &Tokenizer, json: &JsonObjectPrefix, logits: &mut [f32]) -> Result<u32, ModelError> {
+/// The next token under the JSON constraint and the JSON read with it: the sampler's choice
+/// among the tokens that continue `json` (the most likely few are tried first; then every token
+/// is checked).
+fn constrained_choice(
+    sampler: &mut Sampler,
+    tok: &Tokenizer,
+    json: &JsonObjectPrefix,
+    logits: &mut [f32],
+) -> Result<(u32, JsonObjectPrefix), ModelError> {
     let mut bytes = Vec::new();
-    let mut allowed = |id: u32| {
+    // The JSON read with token `id`, if it continues it.
+    let mut continued = |id: u32| {
         // (No end-of-generation token before the object closes: it ends generation itself.)
         bytes.clear();
         tok.token_bytes(id, &mut bytes);
-        !bytes.is_empty() && { *json }.feed_all(&bytes)
+        let mut next = *json;
+        (!bytes.is_empty() && next.feed_all(&bytes)).then_some(next)
     };
     sampler.adjust(logits);
     for _ in 0..CONSTRAINED_TRIES {
         let t = sampler.choose(logits);
-        if allowed(t) {
-            return Ok(t);
+        if let Some(next) = continued(t) {
+            return Ok((t, next));
         }
         logits[t as usize] = f32::NEG_INFINITY;
     }
     let mut any = false;
     for (id, l) in logits.iter_mut().enumerate() {
-        if *l != f32::NEG_INFINITY && !allowed(id as u32) {
+        if *l != f32::NEG_INFINITY && continued(id as u32).is_none() {
             *l = f32::NEG_INFINITY;
         }
         any |= *l != f32::NEG_INFINITY;
@@ -275,7 +282,10 @@ fn constrained_choice(sampler: &mut Sampler, tok: &Tokenizer, json: &JsonObjectP
     if !any {
         return Err(ModelError::InvalidParameter("no token of the vocabulary continues the JSON text".into()));
     }
-    Ok(sampler.choose(logits))
+    let t = sampler.choose(logits);
+    // (Every token left continues the JSON, and the sampler picks none at -inf while one is not.)
+    let next = continued(t).ok_or_else(|| ModelError::InvalidParameter(format!("token {t} does not continue the JSON text")))?;
+    Ok((t, next))
 }
 
 /// Log-softmax of `logits`: a function from the chosen token to its log-probability and the

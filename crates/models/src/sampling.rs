@@ -412,7 +412,8 @@ fn kept(cand: &[(u32, f32)], total: f64, p: &SamplingParams, complete: bool) -> 
 /// ln Σ e^l over `logits` (whose largest must be finite for a meaningful sum).
 pub(crate) fn log_sum_exp(logits: &[f32]) -> f64 {
     let max = max_logit(logits);
-    let w: Vec<f32> = logits.iter().map(|&l| exp_nonpositive(l - max)).collect();
+    let mut w = Vec::new();
+    fill_weights(&mut w, logits, 1.0, max);
     max as f64 + sum(&w).ln()
 }
 

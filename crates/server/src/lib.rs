@@ -2,9 +2,9 @@
 //!
 //! [`Server::start`] binds the address, starts the scheduler thread (which allocates the KV caches
 //! of `parallel` sequences once, owns them, and runs one batched decode step for all of them,
-//! admitting and prefilling newcomers in chunks between steps) and serves `POST /v1/completions`, `POST /v1/chat/completions` (whole
-//! answers or server-sent events), `GET /v1/models`, `GET /health` and `GET /metrics`
-//! (Prometheus text).
+//! admitting and prefilling newcomers in chunks between steps) and serves `POST /v1/completions`,
+//! `POST /v1/chat/completions` (whole answers or server-sent events), `GET /v1/models`,
+//! `GET /health` and `GET /metrics` (Prometheus text).
 
 mod error;
 mod http;
