@@ -35,11 +35,9 @@ PROMPTS = [
 ]
 
 
-def stream_one(host, port, i, tokens, results):
+def stream_one(host, port, i, tokens, sampling, results):
     """One streaming completion; appends a result dict (or an error) to `results`."""
-    body = json.dumps(
-        {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens, "temperature": 0, "stream": True}
-    )
+    body = json.dumps({"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens, "stream": True, **sampling})
     t0 = time.perf_counter()
     ttft = None
     usage = None
@@ -77,10 +75,12 @@ def stream_one(host, port, i, tokens, results):
     results.append({"ttft": ttft, "tokens": usage["completion_tokens"], "secs": time.perf_counter() - t0})
 
 
-def run_wave(host, port, clients, tokens):
-    """`clients` concurrent streams; returns (results, wall seconds)."""
+def run_wave(host, port, clients, tokens, sampling):
+    """`clients` concurrent streams (`sampling`: the requests' sampling fields); returns (results, wall seconds)."""
     results = []
-    threads = [threading.Thread(target=stream_one, args=(host, port, i, tokens, results)) for i in range(clients)]
+    threads = [
+        threading.Thread(target=stream_one, args=(host, port, i, tokens, sampling, results)) for i in range(clients)
+    ]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -109,8 +109,13 @@ def main():
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3, help="alternating 1-stream / 8-stream rounds")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="each request's temperature (0: greedy; above 0 the server's other sampling defaults)")
+    ap.add_argument("--top-k", type=int, default=0, help="each request's top_k (0: not sent)")
+    ap.add_argument("--device", help="--device for kiln serve (e.g. cuda)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
+    sampling = {"temperature": args.temperature, **({"top_k": args.top_k} if args.top_k else {})}
 
     server = None
     if args.url:
@@ -122,6 +127,8 @@ def main():
                "--queue", str(2 * args.clients), "--threads", str(args.threads)]
         if args.model:
             cmd += ["--model", args.model]
+        if args.device:
+            cmd += ["--device", args.device]
         server = subprocess.Popen(cmd)
     try:
         for _ in range(600):
@@ -135,13 +142,13 @@ def main():
         else:
             sys.exit("the server did not come up")
         # Warm-up: compiles the plans the waves use.
-        run_wave(host, port, 1, 8)
-        run_wave(host, port, 8, 8)
+        run_wave(host, port, 1, 8, sampling)
+        run_wave(host, port, 8, 8, sampling)
 
         rates = {1: [], 8: []}
         for r in range(args.rounds):
             for n in (1, 8):
-                res, wall = run_wave(host, port, n, args.tokens)
+                res, wall = run_wave(host, port, n, args.tokens, sampling)
                 errors = [x["error"] for x in res if "error" in x]
                 if errors:
                     sys.exit(f"{n}-stream wave failed: {errors[:3]}")
@@ -149,7 +156,7 @@ def main():
                 print(f"round {r + 1}: {n} stream(s): {rates[n][-1]:.1f} tok/s aggregate", flush=True)
         one, eight = statistics.median(rates[1]), statistics.median(rates[8])
 
-        res, wall = run_wave(host, port, args.clients, args.tokens)
+        res, wall = run_wave(host, port, args.clients, args.tokens, sampling)
         ok = [x for x in res if "error" not in x]
         errors = [x["error"] for x in res if "error" in x]
         ttfts = [x["ttft"] for x in ok if x["ttft"] is not None]
@@ -162,6 +169,7 @@ def main():
             "lost": args.clients - len(ok),
             "errors": errors[:5],
             "tokens_per_request": args.tokens,
+            "sampling": sampling,
             "generated_tokens": sum(x["tokens"] for x in ok),
             "aggregate_tok_s": round(sum(x["tokens"] for x in ok) / wall, 2),
             "ttft_p50_s": round(percentile(ttfts, 50), 3) if ttfts else None,

@@ -240,6 +240,28 @@ impl CpuExecutable {
                     kernels::matmul_argmax(pool, isa, x, rows, &m, out);
                 }
             }
+            Kernel::MatMulTopK { x, w: wid, out, k, n, count, cap } => {
+                let m = w.matrix(wid)?;
+                let (x, out) = (a.f32(x, rows * k), a.f32_mut(out, rows * 2 * count));
+                let screen = if self.fast(&m) { w.screening_copy(wid, pool)? } else { None };
+                if let Some(screen) = screen {
+                    // The screened head's best (more than `count`: see TOP_K_CANDIDATES).
+                    let keep = fast::TOP_K_CANDIDATES.max(count);
+                    let best = fast::screened_best(pool, isa, x, rows, &m, screen, keep);
+                    for (o, b) in out.chunks_exact_mut(2 * count).zip(&best) {
+                        kernels::write_top(o, b.as_deref(), count, cap);
+                    }
+                    w.note_rows_read(wid, rows * keep);
+                } else {
+                    let mut products = vec![0f32; rows * n];
+                    if self.fast(&m) {
+                        fast::matmul(pool, isa, x, rows, &m, &mut products);
+                    } else {
+                        kernels::matmul(pool, isa, x, rows, &m, &mut products);
+                    }
+                    kernels::top_k_rows(&products, n, count, cap, out);
+                }
+            }
             Kernel::Rope { x, out, heads, head_dim, theta, .. } => {
                 let len = rows * heads * head_dim;
                 let table = rope_tables
@@ -362,6 +384,9 @@ impl CpuExecutable {
                     end += seg.rows;
                     o.copy_from_slice(&x[(end - 1) * width..end * width]);
                 }
+            }
+            Kernel::TopK { x, out, width, count, cap } => {
+                kernels::top_k_rows(a.f32(x, rows * width), width, count, cap, a.f32_mut(out, rows * 2 * count));
             }
             Kernel::Argmax { x, out, width } => {
                 let x = a.f32(x, rows * width);

@@ -27,6 +27,7 @@ use crate::weights::PackedMatrix;
 
 pub use act::QuantizedRows;
 pub use screen::make_copy as make_screening_copy;
+pub use screen::TOP_K_CANDIDATES;
 
 /// Activation rows multiplied with each decoded weight block at once (prefill decodes each weight
 /// row once per group; batched decode of up to this many sequences streams the weights once).
@@ -227,6 +228,29 @@ pub fn wants_screening_copy(w: &PackedMatrix<'_>) -> bool {
     supports(w.ty) && w.n >= screen::MIN_ROWS && w.k.is_multiple_of(32)
 }
 
+/// Each of `rows` activation rows' best `keep` products `q16(x[r, :]) · w[j, :]` as `(value, j)`,
+/// best first (the lower index first among equals), found through w's screening copy `screen`
+/// (see `screen::best`: in practice the products' best); `None` for a row with a non-finite value.
+/// `w` must be a fast format.
+pub fn screened_best(
+    pool: &ThreadPool,
+    isa: Isa,
+    x: &[f32],
+    rows: usize,
+    w: &PackedMatrix<'_>,
+    screen: &[u8],
+    keep: usize,
+) -> Vec<Option<Vec<(f32, usize)>>> {
+    let k = w.k;
+    let fam = family(w.ty).expect("a fast format");
+    let mut best = Vec::with_capacity(rows);
+    for xs in x[..rows * k].chunks(screen::MAX_ACT_ROWS * k) {
+        let acts = QuantizedRows::new(pool, isa, xs, xs.len() / k, k, fam);
+        best.extend(screen::best(pool, isa, xs, &acts, w, screen, keep));
+    }
+    best
+}
+
 /// `out[r] = argmax_j q16(x[r, :]) · w[j, :]` (lowest index among equal maxima), without storing
 /// the products; `-1` when any product is not finite. `w` must be a fast format. With `screen`
 /// (the bytes of w's screening copy, from [`make_screening_copy`]), only the copy's best candidates
@@ -243,9 +267,8 @@ pub fn matmul_argmax(
     let (k, n) = (w.k, w.n);
     let fam = family(w.ty).expect("a fast format");
     if let Some(screen) = screen {
-        for (xs, out) in x[..rows * k].chunks(screen::MAX_ACT_ROWS * k).zip(out.chunks_mut(screen::MAX_ACT_ROWS)) {
-            let acts = QuantizedRows::new(pool, isa, xs, xs.len() / k, k, fam);
-            screen::argmax(pool, isa, xs, &acts, w, screen, out);
+        for (o, best) in out.iter_mut().zip(screened_best(pool, isa, x, rows, w, screen, screen::CANDIDATES)) {
+            *o = best.map_or(-1, |b| b[0].1 as i32);
         }
         return rows * screen::CANDIDATES;
     }

@@ -129,6 +129,65 @@ pub fn embed(table: &PackedMatrix<'_>, ids: &[i32], scale: f32, out: &mut [f32])
     }
 }
 
+/// The `count` largest values of `row` as `(value, index)`, largest first (the lower index first
+/// among equals); `None` if a value is not finite. (A heap of the best so far: once it is full,
+/// most values are passed over by one comparison with its least.)
+pub fn top_of_row(row: &[f32], count: usize) -> Option<Vec<(f32, usize)>> {
+    if !row.chunks(4096).all(|c| c.iter().fold(true, |ok, v| ok & (v.abs() <= f32::MAX))) {
+        return None;
+    }
+    // A value and its index as one integer, larger first: the value's order, then the lower index.
+    let key = |v: f32, j: usize| {
+        let b = v.to_bits();
+        let ordered = if b & 0x8000_0000 != 0 { !b } else { b | 0x8000_0000 };
+        (u64::from(ordered) << 32) | u64::from(u32::MAX - j as u32)
+    };
+    let mut heap = std::collections::BinaryHeap::with_capacity(count + 1);
+    let mut least = f32::NEG_INFINITY;
+    for (j, &v) in row.iter().enumerate() {
+        // (An equal value comes later than the kept one: its index is higher, it loses.)
+        if heap.len() == count && v <= least {
+            continue;
+        }
+        heap.push(std::cmp::Reverse((key(v, j), v.to_bits(), j)));
+        if heap.len() > count {
+            heap.pop();
+        }
+        if heap.len() == count {
+            least = heap.peek().map_or(f32::NEG_INFINITY, |m| f32::from_bits(m.0 .1));
+        }
+    }
+    let mut best: Vec<(u64, f32, usize)> = heap.into_iter().map(|m| (m.0 .0, f32::from_bits(m.0 .1), m.0 .2)).collect();
+    best.sort_unstable_by_key(|b| std::cmp::Reverse(b.0));
+    Some(best.into_iter().map(|(_, v, j)| (v, j)).collect())
+}
+
+/// Writes one row of a top-k output ([`Kernel::TopK`](kiln_runtime::Kernel)): `count` values
+/// (soft-capped by `cap`) then their indices, from `best` (`(value, index)` best first, at least
+/// `count` of them); NaN values (so the step reports a non-finite output) when `best` is `None`.
+pub fn write_top(out: &mut [f32], best: Option<&[(f32, usize)]>, count: usize, cap: Option<f32>) {
+    let (values, ids) = out[..2 * count].split_at_mut(count);
+    match best {
+        Some(best) => {
+            for ((v, id), &(b, j)) in values.iter_mut().zip(ids.iter_mut()).zip(best) {
+                *v = cap.map_or(b, |c| soft_cap(b, c));
+                *id = j as f32;
+            }
+        }
+        None => {
+            values.fill(f32::NAN);
+            ids.fill(0.0);
+        }
+    }
+}
+
+/// Each row's top `count` of `x` [rows, width] into `out` [rows, 2 count] (see [`write_top`]).
+pub fn top_k_rows(x: &[f32], width: usize, count: usize, cap: Option<f32>, out: &mut [f32]) {
+    for (row, o) in x.chunks_exact(width).zip(out.chunks_exact_mut(2 * count)) {
+        write_top(o, top_of_row(row, count).as_deref(), count, cap);
+    }
+}
+
 /// RMS norm over groups of `width` elements: `out = x / rms(x) * w (+ residual)`.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, residual: Option<&[f32]>, out: &mut [f32]) {
     let width = w.len();

@@ -66,6 +66,10 @@ impl Backend for CpuBackend {
     fn batches_from(&self) -> usize {
         2
     }
+
+    fn takes_candidates(&self, _vocab: usize) -> bool {
+        true
+    }
 }
 
 /// Recovers the CPU weights behind a `dyn DeviceWeights`.

@@ -346,3 +346,194 @@ extern "C" __global__ void read_bandwidth(const uint4* src, u64 words, uint4* si
     }
     if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) sink[0] = acc;
 }
+
+// Row-wise top-k (kiln_ir::Op::TopK; exec.rs `top_k`) in two launches: `top_k_part` takes each
+// slice of TOPK_SLICE values of a row to its `count` (at most TOPK_MAX) largest, `top_k_final`
+// takes a row's slices' survivors to its `count` largest and writes them, largest first, then
+// their indices as floats. The order is a 64-bit key, a value's ordered bits then the complement
+// of its index (the lower index first among equal values), so every key is distinct and the
+// `count` largest are one set. They are found by radix selection (8 bits a pass from the top:
+// a histogram of the keys that match the digits chosen so far, then the digit where the count
+// is reached), over keys staged in shared memory.
+#define TOPK_THREADS 256
+#define TOPK_MAX 64
+#define TOPK_SLICE 4096
+
+__device__ __forceinline__ u64 top_key(float v, u32 j) {
+    const u32 b = __float_as_uint(v);
+    return ((u64)((b & 0x80000000u) ? ~b : (b | 0x80000000u)) << 32) | (0xffffffffu - j);
+}
+
+// The `count` largest of the `n` keys at k (shared memory), written in no order to top (shared);
+// every thread of the block (TOPK_THREADS) calls it. hist: 256 counters per warp; sel: 3 words of
+// scratch. (A warp counts into its own histogram: most values share a few exponents, and lanes
+// adding to one counter wait on each other only within their warp; counting with one atomic per
+// group of equal digits, `__match_any_sync`, the two launches took 73 µs for a row of 262,144
+// on an H100.)
+__device__ void top_keys_select(const u64* k, int n, int count, u64* top, u32* hist, u32* sel) {
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    u64 prefix = 0, mask = 0;
+    u32 want = (u32)min(count, n);
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (int i = t; i < 256 * (TOPK_THREADS / 32); i += TOPK_THREADS) hist[i] = 0;
+        __syncthreads();
+        for (int i = t; i < n; i += TOPK_THREADS) {
+            if ((k[i] & mask) == prefix) atomicAdd(&hist[256 * warp + ((u32)(k[i] >> shift) & 0xffu)], 1u);
+        }
+        __syncthreads();
+        // Thread b sums digit b's counts into the first warp's histogram.
+        u32 c = 0;
+        for (int w = 0; w < TOPK_THREADS / 32; w++) c += hist[256 * w + t];
+        hist[t] = c;
+        __syncthreads();
+        if (t < 32) {
+            // Lane l holds digits 255 - 8l down to 248 - 8l; counts from the top.
+            u32 mine = 0;
+            for (int d = 0; d < 8; d++) mine += hist[255 - 8 * lane - d];
+            u32 incl = mine;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const u32 up = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += up;
+            }
+            const u32 first = __ballot_sync(0xffffffffu, incl >= want);
+            if (lane == __ffs(first) - 1) {
+                u32 above = incl - mine;
+                for (int d = 0; d < 8; d++) {
+                    const u32 digit = 255 - 8 * lane - d, c = hist[digit];
+                    if (above + c >= want) {
+                        sel[0] = digit;
+                        sel[1] = above;
+                        break;
+                    }
+                    above += c;
+                }
+            }
+        }
+        __syncthreads();
+        const u32 digit = sel[0];
+        want -= sel[1];
+        prefix |= (u64)digit << shift;
+        mask |= (u64)0xff << shift;
+        // Every key left with these digits is wanted: the selection is made.
+        const bool done = hist[digit] == want;
+        __syncthreads();
+        if (done) break;
+    }
+    // The keys above the chosen digits, then as many with them as are still wanted (several only
+    // where keys repeat: the padding of short slices).
+    if (t == 0) sel[2] = 0;
+    __syncthreads();
+    for (int i = t; i < n; i += blockDim.x) {
+        if ((k[i] & mask) > prefix) top[atomicAdd(&sel[2], 1u)] = k[i];
+    }
+    __syncthreads();
+    const u32 all = (u32)min(count, n);
+    for (int i = t; i < n; i += blockDim.x) {
+        if ((k[i] & mask) == prefix) {
+            const u32 slot = atomicAdd(&sel[2], 1u);
+            if (slot < all) top[slot] = k[i];
+        }
+    }
+    __syncthreads();
+}
+
+// Moves the keys at or above `floor` (of the `n` at k, shared memory) to the front of k, in no
+// order, and returns how many they are; every thread of the block (TOPK_THREADS) calls it. With a
+// floor that `count` of them reach, the `count` largest are among those moved: the selection then
+// counts a few keys, not the slice. sel: 3 words of scratch.
+__device__ int top_keys_prune(u64* k, int n, u64 floor, u32* sel) {
+    u64 mine[TOPK_SLICE / TOPK_THREADS];
+#pragma unroll
+    for (int q = 0; q < TOPK_SLICE / TOPK_THREADS; q++) {
+        const int i = threadIdx.x + q * TOPK_THREADS;
+        mine[q] = i < n ? k[i] : 0;
+    }
+    if (threadIdx.x == 0) sel[2] = 0;
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < TOPK_SLICE / TOPK_THREADS; q++) {
+        if (threadIdx.x + q * TOPK_THREADS < n && mine[q] >= floor) k[atomicAdd(&sel[2], 1u)] = mine[q];
+    }
+    __syncthreads();
+    return (int)sel[2];
+}
+
+// Grid (slices, rows): the slice's `count` largest keys to part[(row * slices + slice) * count..]
+// (fewer in a short last slice: the rest 0, below every value's key), and whether it holds a
+// non-finite value to bad[row * slices + slice].
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) top_k_part(const float* x, u64* part, int* bad, int width, int count) {
+    __shared__ u64 keys[TOPK_SLICE];
+    __shared__ u64 top[TOPK_MAX], tmax[TOPK_THREADS], floor;
+    __shared__ u32 hist[256 * (TOPK_THREADS / 32)], sel[3];
+    __shared__ int sbad;
+    pdl_wait();
+    const int s = blockIdx.x, r = blockIdx.y, j0 = s * TOPK_SLICE, n = min(TOPK_SLICE, width - j0);
+    const float* row = x + (u64)r * width;
+    if (threadIdx.x == 0) sbad = 0;
+    __syncthreads();
+    int b = 0;
+    u64 most = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = row[j0 + i];
+        b |= !(fabsf(v) <= 3.402823466e38f);
+        keys[i] = top_key(v, j0 + i);
+        most = max(most, keys[i]);
+    }
+    if (b) sbad = 1;
+    // The threads' largest keys: the `count` largest of them are `count` keys at or above the
+    // least of those, so the slice's `count` largest are too.
+    tmax[threadIdx.x] = most;
+    if (threadIdx.x == 0) floor = ~0ull;
+    top_keys_select(tmax, TOPK_THREADS, count, top, hist, sel);
+    if (threadIdx.x < min(count, TOPK_THREADS)) atomicMin(&floor, top[threadIdx.x]);
+    __syncthreads();
+    const int kept = top_keys_prune(keys, n, floor, sel);
+    top_keys_select(keys, kept, count, top, hist, sel);
+    u64* o = part + ((u64)r * gridDim.x + s) * count;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) o[i] = i < min(count, n) ? top[i] : 0;
+    if (threadIdx.x == 0) bad[r * gridDim.x + s] = sbad;
+}
+
+// Grid (rows): a row's `count` largest of its slices' survivors, largest first: out[r] = the
+// values (cap > 0: soft-capped), then the indices as floats; every value NaN where a slice held
+// a non-finite value.
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) top_k_final(const float* x, const u64* part, const int* bad, float* out, int width,
+                                                                       int slices, int count, float cap) {
+    __shared__ u64 keys[TOPK_SLICE];
+    __shared__ u64 top[TOPK_MAX], floor;
+    __shared__ u32 hist[256 * (TOPK_THREADS / 32)], sel[3];
+    __shared__ int sbad;
+    pdl_wait();
+    const int r = blockIdx.x, n = slices * count;
+    if (threadIdx.x == 0) {
+        sbad = 0;
+        floor = 0;
+    }
+    __syncthreads();
+    int b = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) keys[i] = part[(u64)r * n + i];
+    for (int i = threadIdx.x; i < slices; i += blockDim.x) b |= bad[r * slices + i];
+    if (b) sbad = 1;
+    __syncthreads();
+    // Each slice's least kept key: `count` keys (its own) reach the largest of those.
+    for (int sl = threadIdx.x; sl < slices; sl += blockDim.x) {
+        u64 least = ~0ull;
+        for (int i = 0; i < count; i++) least = min(least, keys[sl * count + i]);
+        atomicMax(&floor, least);
+    }
+    __syncthreads();
+    const int kept = top_keys_prune(keys, n, floor, sel);
+    top_keys_select(keys, kept, count, top, hist, sel);
+    float* o = out + (u64)r * 2 * count;
+    const int t = threadIdx.x;
+    if (t < count) {
+        const u64 key = top[t];
+        int rank = 0;
+        for (int i = 0; i < count; i++) rank += top[i] > key;
+        const u32 j = 0xffffffffu - (u32)key;
+        const float v = x[(u64)r * width + j];
+        o[rank] = sbad ? __int_as_float(0x7fc00000) : cap > 0.f ? soft_cap(v, cap) : v;
+        o[count + rank] = (float)j;
+    }
+}

@@ -37,6 +37,22 @@ const ARGMAX_SLOTS: usize = 256;
 const HEAD_MAX_K: usize = 1024;
 /// Warps of a greedy head block (`HEAD_WARPS` in quant.cu).
 const HEAD_WARPS: usize = 8;
+/// Threads of a top-k block, most values it keeps a row and values in a slice of its first
+/// launch (`TOPK_THREADS`, `TOPK_MAX`, `TOPK_SLICE` in ops.cu).
+const TOPK_THREADS: u32 = 256;
+const TOPK_MAX: usize = 64;
+const TOPK_SLICE: usize = 4096;
+
+/// Whether the top-k kernels take `count` values of rows of `width` (the second launch stages
+/// every slice's `count` keys in one block).
+pub(crate) fn top_k_takes(width: usize, count: usize) -> bool {
+    count > 0 && count <= TOPK_MAX && width.div_ceil(TOPK_SLICE) * count <= TOPK_SLICE
+}
+
+/// Words of a top-k's partial results a row: its slices' `count` keys (two words each) and flags.
+fn top_k_part_words(width: usize, count: usize) -> usize {
+    width.div_ceil(TOPK_SLICE) * (2 * count + 1)
+}
 
 /// Threads of an attention block (`ATT_WARPS` warps in attention.cu).
 const ATTENTION_THREADS: u32 = 512;
@@ -482,6 +498,14 @@ fn check_kernel(kernel: &Kernel, weights: &dyn WeightShapes) -> Result<(), Runti
                 )));
             }
         }
+        Kernel::MatMulTopK { n: width, count, .. } | Kernel::TopK { width, count, .. } => {
+            if !top_k_takes(width, count) {
+                return Err(cuda_err(format!(
+                    "a top-{count} step over rows of {width} (at most {TOPK_MAX} values of rows of {})",
+                    TOPK_SLICE * TOPK_SLICE / count.max(1)
+                )));
+            }
+        }
         Kernel::Embed { .. }
         | Kernel::Scale { .. }
         | Kernel::MatMul { .. }
@@ -551,6 +575,8 @@ struct Prologue {
 /// before, and two mirrors of the residual stream, written alternately.
 const PRIVATE_ROWS: usize = 3;
 
+/// Rows from which a one-row product is a vocabulary-sized head (see `prologue_for`).
+const HEAD_ROWS: usize = 32768;
 /// Widest row a matrix-vector launch normalises in every block (`Op::MatVecs::pro`): each block
 /// re-reads the row and its residual, which at wider (12B) shapes costs more than the epilogue's
 /// tail.
@@ -702,7 +728,7 @@ fn lower(plan: &Plan, weights: &dyn WeightShapes, arch: (i32, i32)) -> Result<Ve
             };
             let producer = out.len().checked_sub(2).map(|i| &out[i]);
             let pro = match out.last() {
-                Some(norm) => prologue_for(plan, weights, producer, norm, &op, &mirror)?,
+                Some(norm) => prologue_for(plan, weights, producer, norm, &op, &mirror, arch.0 >= 9)?,
                 None => None,
             };
             let writes = op_writes(plan, &op);
@@ -1136,7 +1162,9 @@ fn read_later(plan: &Plan, slot: Slot, from: usize, except: &[usize]) -> bool {
 /// blocks read: an input whose words the launch's products reuse is read from a private row
 /// instead (the products of `producer`, the launch before the norm, written there; the residual
 /// from the mirror `mirror` says holds it). The norm's output is stored as f32 only if a later
-/// step reads it.
+/// step reads it. With `stream_heads` (sm_90 and later), a vocabulary-sized product takes none:
+/// without it the launch streams its weights (the 270M's logits head, 178 MB: 68 µs in
+/// `matvecr8_q8_0` against 142 µs in `matvec4p_q8_0` after its norm on an H100).
 fn prologue_for(
     plan: &Plan,
     weights: &dyn WeightShapes,
@@ -1144,10 +1172,11 @@ fn prologue_for(
     norm: &Op,
     m: &Op,
     mirror: &[Option<Slot>; 2],
+    stream_heads: bool,
 ) -> Result<Option<Prologue>, RuntimeError> {
     let s = &plan.steps;
     let Op::MatVecs { steps: group, biases, epi: None, pro: None, .. } = m else { return Ok(None) };
-    if biased(biases) {
+    if biased(biases) || (stream_heads && matches!(s[group[0]].kernel, Kernel::MatMul { n, .. } if n >= HEAD_ROWS)) {
         return Ok(None);
     }
     let (e, first, last) = match *norm {
@@ -1408,7 +1437,8 @@ pub struct CudaExecutable {
     /// step (one copy).
     step: DeviceBuffer,
     layout: StepLayout,
-    /// Full products of greedy heads and the argmax partials (per executable: graphs bake them in).
+    /// Full products of greedy and top-k heads, the argmax partials, then the top-k partials (per
+    /// executable: graphs bake them in).
     head: DeviceBuffer,
     head_values: usize,
     /// Vocabulary of the embedding (token ids are checked against it).
@@ -1636,7 +1666,7 @@ impl CudaExecutable {
         let device = weights.device.clone();
         // Sequences one run of the plan takes (a one-sequence bucket: 1).
         let seqs = plan.bucket.seqs().max(1);
-        let mut head_values = 0;
+        let (mut head_values, mut top_k_words) = (0, 0);
         let mut vocab = usize::MAX;
         // The distinct RoPE frequency divisors of the plan's steps, uploaded once, and where each lies.
         let mut factors: Vec<f32> = Vec::new();
@@ -1652,6 +1682,14 @@ impl CudaExecutable {
                     let n = weights.matrix(*w)?.n;
                     head_values = head_values.max(rows_of(step.rows, plan.rows(), seqs) * n);
                 }
+                Kernel::MatMulTopK { w, count, .. } => {
+                    let (n, rows) = (weights.matrix(*w)?.n, rows_of(step.rows, plan.rows(), seqs));
+                    head_values = head_values.max(rows * n);
+                    top_k_words = top_k_words.max(rows * top_k_part_words(n, *count));
+                }
+                Kernel::TopK { width, count, .. } => {
+                    top_k_words = top_k_words.max(rows_of(step.rows, plan.rows(), seqs) * top_k_part_words(*width, *count));
+                }
                 Kernel::RopeScaled { spec, .. } => {
                     if let Some(f) = spec.freq_factors.as_ref().filter(|f| !rope_factors.iter().any(|(g, _)| g == *f)) {
                         rope_factors.push((f.clone(), 4 * factors.len() as u64));
@@ -1666,7 +1704,7 @@ impl CudaExecutable {
         let layout = StepLayout { rows: plan.rows(), seqs, layers };
         let step = DeviceBuffer::new(&device.ctx, layout.bytes())?;
         let argmax_rows = plan.rows();
-        let head = DeviceBuffer::new(&device.ctx, (head_values + 2 * ARGMAX_BLOCKS * argmax_rows) * 4)?;
+        let head = DeviceBuffer::new(&device.ctx, (head_values + 2 * ARGMAX_BLOCKS * argmax_rows + top_k_words) * 4)?;
         let launches = lower(&plan, &*weights, device.arch)?;
         tracing::debug!("{} steps in {} launches", plan.steps.len(), launches.len());
         let max_k = max_matmul_k(&plan);
@@ -2175,6 +2213,36 @@ impl CudaExecutable {
         d.launch("argmax_final", (rows as u32, 1), 32, &[Arg::U64(pval), Arg::U64(pidx), Arg::U64(out), Arg::I32(blocks as i32)])
     }
 
+    /// `out[r]` = the `count` largest values of `x[r]` (soft-capped by `cap`) and their indices,
+    /// over `rows` rows of `width` (`top_k_part`, `top_k_final`: ops.cu).
+    fn top_k(&self, x: u64, out: u64, rows: usize, width: usize, count: usize, cap: Option<f32>) -> Result<(), RuntimeError> {
+        let d = &*self.device;
+        let slices = width.div_ceil(TOPK_SLICE);
+        let part = self.head.ptr() + 4 * (self.head_values + 2 * ARGMAX_BLOCKS * self.plan.rows()) as u64;
+        let bad = part + 8 * (rows * slices * count) as u64;
+        d.launch(
+            "top_k_part",
+            (slices as u32, rows as u32),
+            TOPK_THREADS,
+            &[Arg::U64(x), Arg::U64(part), Arg::U64(bad), Arg::I32(width as i32), Arg::I32(count as i32)],
+        )?;
+        d.launch(
+            "top_k_final",
+            (rows as u32, 1),
+            TOPK_THREADS,
+            &[
+                Arg::U64(x),
+                Arg::U64(part),
+                Arg::U64(bad),
+                Arg::U64(out),
+                Arg::I32(width as i32),
+                Arg::I32(slices as i32),
+                Arg::I32(count as i32),
+                Arg::F32(cap.unwrap_or(0.0)),
+            ],
+        )
+    }
+
     /// The element-wise step `e` over `rows` rows.
     fn elementwise(&self, e: Elementwise, rows: usize) -> Result<(), RuntimeError> {
         let b = match (e.b, e.bias) {
@@ -2368,6 +2436,11 @@ impl CudaExecutable {
                 ],
             )?,
             Kernel::Argmax { x, out, width } => self.argmax(self.slot(x), self.slot(out), rows, width)?,
+            Kernel::MatMulTopK { x, w: wid, out, n, count, cap, .. } => {
+                self.matmul(self.slot(x), wid, self.head.ptr(), rows, scratch, None)?;
+                self.top_k(self.head.ptr(), self.slot(out), rows, n, count, cap)?;
+            }
+            Kernel::TopK { x, out, width, count, cap } => self.top_k(self.slot(x), self.slot(out), rows, width, count, cap)?,
         }
         Ok(())
     }

@@ -95,6 +95,11 @@ impl Backend for CudaBackend {
     fn batches_from(&self) -> usize {
         4
     }
+
+    /// Up to 262,144 tokens: a row's slices' survivors must fit one block's shared memory.
+    fn takes_candidates(&self, vocab: usize) -> bool {
+        exec::top_k_takes(vocab, kiln_ir::CANDIDATES)
+    }
 }
 
 #[cfg(test)]

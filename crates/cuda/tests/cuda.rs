@@ -377,6 +377,64 @@ fn batched_decode_over_long_pasts_matches_each_sequence_alone() {
     }
 }
 
+/// The top-k head's candidates (`OutputMode::Candidates`: the products' 64 largest, found on the
+/// device) are the logits' 64 largest with their values, over a vocabulary of 3 slices (the last
+/// shorter than 64) and a soft-capped one (the Gemma 2 fixture's 512 tokens): a prompt, decode steps with
+/// graphs and with host launches, and batched steps of 5 sequences. (A one-row logits step
+/// computes the final norm inside its head's launch, a top-k step before it: the values agree
+/// within rounding, so a token may trade places only with one as large within that.)
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+fn candidates_are_the_likeliest_logits() {
+    let check = |got: &[(u32, f32)], l: &[f32], what: &str| {
+        let scale = l.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let tol = 1e-5 * scale;
+        let mut sorted = l.to_vec();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let k = kiln_ir::CANDIDATES.min(l.len());
+        assert_eq!(got.len(), k, "{what}");
+        assert!(got.windows(2).all(|w| w[0].1 > w[1].1 || (w[0].1 == w[1].1 && w[0].0 < w[1].0)), "{what}: not in order");
+        for &(id, v) in got {
+            assert!((v - l[id as usize]).abs() <= tol, "{what}: token {id} {v} against its logit {}", l[id as usize]);
+            assert!(k == l.len() || l[id as usize] >= sorted[k] - 2.0 * tol, "{what}: token {id} is not among the likeliest");
+        }
+        let least = got[k - 1].1;
+        let missing = (0..l.len()).filter(|&i| l[i] > least + 2.0 * tol && !got.iter().any(|c| c.0 as usize == i)).count();
+        assert_eq!(missing, 0, "{what}: a likelier token is missing");
+    };
+    let candidates = |s: &mut Session<'_>, tokens: &[u32]| match s.forward(tokens, OutputMode::Candidates).unwrap() {
+        StepOutput::Candidates(c) => c,
+        other => panic!("expected candidates, got {other:?}"),
+    };
+    // (8,250 tokens: two slices of 4096 and one of 58, fewer than the 64 kept. The Gemma 2 fixture
+    // soft-caps its logits: the kept values are capped after the choice.)
+    let shape = Gemma3Shape { vocab: 8_250, ..small_shape() };
+    for (m, vocab) in [(gemma3(&shape, FormatMix::Q4KM, 29), 8_250), (family_model("gemma2"), 512)] {
+        for backend in [cuda(), cuda_host_launches()] {
+            let g = load(&m, backend);
+            let (mut a, mut b) = (g.new_session().unwrap(), g.new_session().unwrap());
+            let mut feed = prompt(21, vocab);
+            for step in 0..12 {
+                let (l, got) = (logits(&mut a, &feed), candidates(&mut b, &feed));
+                check(&got, &l, &format!("vocabulary {vocab}, step {step}"));
+                feed = vec![got[step % 5].0];
+            }
+            let mut seqs: Vec<(Session<'_>, Session<'_>)> = (0..5).map(|_| (g.new_session().unwrap(), g.new_session().unwrap())).collect();
+            let mut tokens: Vec<u32> = (0..5).map(|i| 7 + 31 * i as u32).collect();
+            for step in 0..4 {
+                let (mut la, mut lb): (Vec<&mut Session<'_>>, Vec<&mut Session<'_>>) = seqs.iter_mut().map(|(x, y)| (x, y)).unzip();
+                let want = g.decode_batch(&mut la, &tokens, OutputMode::Logits).unwrap();
+                let got = g.decode_batch(&mut lb, &tokens, OutputMode::Candidates).unwrap();
+                for (i, (w, c)) in want.into_iter().zip(got).enumerate() {
+                    let (StepOutput::Logits(w), StepOutput::Candidates(c)) = (w.unwrap(), c.unwrap()) else { panic!("batched outputs") };
+                    check(&c, &w, &format!("vocabulary {vocab}, batched step {step}, sequence {i}"));
+                    tokens[i] = c[(step + i) % 3].0;
+                }
+            }
+        }
+    }
+}
+
 /// `steps` batched decode steps of `gpu_seqs` from `tokens`, each sequence's logits within relative
 /// L2 1e-3 of its CPU twin decoding alone; greedy tokens fed back. Returns the last step's tokens.
 fn batched_decode_steps(

@@ -30,7 +30,17 @@ pub enum OutputMode {
     NextToken,
     /// Final-norm hidden state of each sequence's last active row (`hidden`: [sequences, hidden]).
     Hidden,
+    /// The [`CANDIDATES`] largest logits of each sequence's last active row and their token ids
+    /// (`candidates`: [sequences, 2 x CANDIDATES], see [`Op::TopK`]) — for sampling among the
+    /// likeliest tokens only (top-k up to `CANDIDATES`), without the whole vocabulary's logits.
+    Candidates,
 }
+
+/// Logits an [`OutputMode::Candidates`] step keeps per sequence.
+pub const CANDIDATES: usize = 64;
+
+/// Most columns an [`Op::TopK`] may choose from: its ids must be exact in an f32.
+pub const TOP_K_MAX_WIDTH: usize = 1 << 24;
 
 impl OutputMode {
     /// The name of the graph output this mode produces.
@@ -39,6 +49,7 @@ impl OutputMode {
             OutputMode::Logits | OutputMode::AllLogits => "logits",
             OutputMode::NextToken => "next_token",
             OutputMode::Hidden => "hidden",
+            OutputMode::Candidates => "candidates",
         }
     }
 }
@@ -212,6 +223,19 @@ pub enum Op {
         /// Input.
         x: NodeId,
     },
+    /// The `k` largest values of each row of `x` [rows, n] (n at most [`TOP_K_MAX_WIDTH`]), then
+    /// their column indices: [rows, 2k] f32, columns 0..k the values largest first (the lower
+    /// index first among equals), columns k..2k their indices (exact integers). With `cap`, the
+    /// kept values are soft-capped (`cap * tanh(v / cap)`: monotonic, so the choice is the raw
+    /// values').
+    TopK {
+        /// Input.
+        x: NodeId,
+        /// Values kept per row (at most n).
+        k: usize,
+        /// Soft cap applied to the kept values.
+        cap: Option<f32>,
+    },
 }
 
 impl Op {
@@ -233,7 +257,8 @@ impl Op {
             | Op::SoftCap { x, .. }
             | Op::Reshape { x }
             | Op::LastRow { x }
-            | Op::Argmax { x } => vec![x],
+            | Op::Argmax { x }
+            | Op::TopK { x, .. } => vec![x],
         }
     }
 }
@@ -530,6 +555,14 @@ impl GraphBuilder {
         self.push(Op::Argmax { x }, vec![xs[0]], DType::I32)
     }
 
+    /// Row-wise top `k` of `x` [rows, n], soft-capped by `cap` (see [`Op::TopK`]).
+    pub fn top_k(&mut self, x: NodeId, k: usize, cap: Option<f32>) -> NodeId {
+        let xs = self.node(x).shape.clone();
+        let ok = xs.len() == 2 && k >= 1 && k <= xs[1] && xs[1] <= TOP_K_MAX_WIDTH && cap.is_none_or(|c| c > 0.0);
+        self.check("top_k", ok, || format!("needs [rows, n] with 1 <= k <= n <= 2^24 and a positive cap, got {xs:?}, k {k}, cap {cap:?}"));
+        self.push(Op::TopK { x, k, cap }, vec![xs.first().copied().unwrap_or(0), 2 * k], DType::F32)
+    }
+
     /// Marks `id` as the graph output `name`.
     pub fn output(&mut self, name: &str, id: NodeId) {
         self.outputs.push((name.to_string(), id));
@@ -577,6 +610,26 @@ mod tests {
         let err = b.finish().unwrap_err();
         assert!(err.to_string().contains("matmul"), "{err}");
         assert!(err.to_string().contains("[6, 7]"), "{err}");
+    }
+
+    #[test]
+    fn top_k_takes_one_to_n_values_a_row() {
+        for (k, cap, ok) in [(1, None, true), (6, Some(30.0), true), (0, None, false), (7, None, false), (3, Some(0.0), false)] {
+            let mut b = GraphBuilder::new(Bucket::Decode { past: 8, seqs: 2 });
+            let ids = b.input("tokens", DType::I32);
+            let table = b.weight("emb", &[6, 8]);
+            let x = b.embed(table, ids, 1.0);
+            let logits = b.matmul(x, table);
+            let top = b.top_k(logits, k, cap);
+            b.output("candidates", top);
+            match b.finish() {
+                Ok(g) => {
+                    assert!(ok, "k {k}, cap {cap:?}");
+                    assert_eq!((g.node(top).shape.clone(), g.node(top).dtype), (vec![2, 2 * k], DType::F32));
+                }
+                Err(e) => assert!(!ok && e.to_string().contains("top_k"), "k {k}, cap {cap:?}: {e}"),
+            }
+        }
     }
 
     #[test]

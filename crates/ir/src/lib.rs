@@ -10,4 +10,4 @@ mod bucket;
 mod graph;
 
 pub use bucket::{Bucket, BucketPolicy};
-pub use graph::{DType, Graph, GraphBuilder, IrError, Node, NodeId, Op, OutputMode, RopeMode, RopeSpec};
+pub use graph::{DType, Graph, GraphBuilder, IrError, Node, NodeId, Op, OutputMode, RopeMode, RopeSpec, CANDIDATES, TOP_K_MAX_WIDTH};

@@ -3,7 +3,7 @@
 //! projections with optional biases and per-head norms, RoPE with per-layer spec, causal
 //! attention with per-layer window and KV width, a gated MLP, and a (soft-capped) output head.
 
-use kiln_ir::{Bucket, DType, Graph, GraphBuilder, NodeId, OutputMode, RopeSpec};
+use kiln_ir::{Bucket, DType, Graph, GraphBuilder, NodeId, OutputMode, RopeSpec, CANDIDATES};
 use kiln_runtime::{KvLayout, KvType, LayerKv};
 
 use crate::{Architecture, ModelError};
@@ -180,7 +180,7 @@ impl Architecture for DecoderConfig {
         let hn = g.rms_norm(h, out_norm, c.eps);
         let out = match mode {
             OutputMode::Hidden => hn,
-            OutputMode::Logits | OutputMode::AllLogits | OutputMode::NextToken => {
+            OutputMode::Logits | OutputMode::AllLogits | OutputMode::NextToken | OutputMode::Candidates => {
                 let head = if c.output_weight == "token_embd.weight" { embd } else { g.weight(&c.output_weight, &[c.vocab, c.hidden]) };
                 let logits = g.matmul(hn, head);
                 match (mode, c.final_softcap) {
@@ -188,6 +188,8 @@ impl Architecture for DecoderConfig {
                     // the greedy head takes the argmax of the raw products (and stays one fused
                     // MatMulArgmax kernel that never writes the logits).
                     (OutputMode::NextToken, _) => g.argmax(logits),
+                    // (Chosen on the raw products too, a fused MatMulTopK; the kept ones capped.)
+                    (OutputMode::Candidates, cap) => g.top_k(logits, CANDIDATES.min(c.vocab), cap),
                     (_, Some(cap)) => g.soft_cap(logits, cap),
                     (_, None) => logits,
                 }

@@ -153,10 +153,14 @@ impl Generator {
     }
 
     /// The step output this sequence needs: the in-graph greedy token when nothing else is
-    /// wanted, else the logits.
+    /// wanted, the likeliest tokens where the sampler chooses among them alone (top-k), else the
+    /// logits.
     pub fn mode(&self) -> OutputMode {
-        if self.params.sampling.is_greedy() && self.logprobs.is_none() && self.json.is_none() {
+        let plain = self.logprobs.is_none() && self.json.is_none();
+        if plain && self.params.sampling.is_greedy() {
             OutputMode::NextToken
+        } else if plain && self.sampler.chooses_among_candidates() {
+            OutputMode::Candidates
         } else {
             OutputMode::Logits
         }
@@ -191,6 +195,8 @@ impl Generator {
         }
         let (token, logprob) = match out {
             StepOutput::Token(t) => (t, None),
+            // (Taken only where the sampler chooses among them as it would from the logits.)
+            StepOutput::Candidates(c) if self.mode() != OutputMode::Logits => (self.sampler.choose_among(&c), None),
             StepOutput::Logits(mut l) => {
                 let lp = self.logprobs.map(|n| logprobs_of(&l, n));
                 let t = match &mut self.json {
@@ -203,7 +209,12 @@ impl Generator {
                 };
                 (t, lp.map(|f| f(t)))
             }
-            _ => return Err(ModelError::InvalidParameter("generation needs a token or logits output".into())),
+            StepOutput::Candidates(_) => {
+                return Err(ModelError::InvalidParameter(
+                    "this generation needs the logits (log-probabilities, JSON mode, a logit bias, penalties or top-k 0)".into(),
+                ))
+            }
+            _ => return Err(ModelError::InvalidParameter("generation needs a token, candidates or logits output".into())),
         };
         let mut adv = Advance { token, emitted: false, text: String::new(), logprob, finish: None };
         if self.tokens.len() >= self.params.max_tokens {

@@ -214,11 +214,7 @@ impl Sampler {
             return Kept::One(logits.iter().enumerate().map(|(i, &l)| order_key(l / t, i as u32)).max().map_or(0, key_id));
         }
         if p.top_k > 0 && p.top_k < logits.len() {
-            let cand: Vec<(u32, f32)> =
-                top_keys(logits, t, p.top_k).into_iter().map(key_id).map(|i| (i, exp_nonpositive(logits[i as usize] / t - max))).collect();
-            let total = cand.iter().map(|c| c.1 as f64).sum();
-            let keep = kept(&cand, total, p, true).expect("a whole candidate list decides");
-            return Kept::Listed(cand[..keep].to_vec());
+            return Kept::Listed(listed(top_keys(logits, t, p.top_k).into_iter().map(key_id).map(|i| (i, logits[i as usize])), p, max));
         }
         let weights = &mut self.weights;
         fill_weights(weights, logits, t, max);
@@ -301,6 +297,48 @@ impl Sampler {
         }
     }
 
+    /// Whether [`choose_among`](Sampler::choose_among) the [`CANDIDATES`](kiln_ir::CANDIDATES)
+    /// likeliest tokens chooses as [`sample`](Sampler::sample) over all of them would: greedy, or
+    /// top-k below `CANDIDATES`, with no logit bias and no penalty.
+    pub fn chooses_among_candidates(&self) -> bool {
+        let p = &self.params;
+        p.logit_bias.is_empty() && !p.has_penalties() && (p.temperature == 0.0 || (p.top_k > 0 && p.top_k < kiln_ir::CANDIDATES))
+    }
+
+    /// Picks the next token from the likeliest tokens `cand` (id and logit, likeliest first, as a
+    /// top-k head gives them): the token [`sample`](Sampler::sample) picks from the whole
+    /// vocabulary's logits, with the same draw, where
+    /// [`chooses_among_candidates`](Sampler::chooses_among_candidates) holds. (Unless more than
+    /// `CANDIDATES - top_k` logits round to one value over the temperature at the top-k's edge.)
+    /// Fewer than `CANDIDATES` are the whole vocabulary.
+    pub fn choose_among(&mut self, cand: &[(u32, f32)]) -> u32 {
+        if cand.len() < kiln_ir::CANDIDATES {
+            // A vocabulary of fewer tokens: these are all its logits.
+            let mut logits = vec![f32::NEG_INFINITY; cand.len()];
+            for &(id, l) in cand {
+                if let Some(x) = logits.get_mut(id as usize) {
+                    *x = l;
+                }
+            }
+            return self.choose(&logits);
+        }
+        let p = &self.params;
+        let Some(&(first, top)) = cand.first() else { return 0 };
+        let t = p.temperature;
+        if t == 0.0 {
+            return first;
+        }
+        let mut keys: Vec<(u64, f32)> = cand.iter().map(|&(id, l)| (order_key(l / t, id), l)).collect();
+        keys.sort_unstable_by_key(|k| Reverse(k.0));
+        if !(top / t).is_finite() {
+            // (As `keep`: no softmax; the first candidate.)
+            return key_id(keys[0].0);
+        }
+        keys.truncate(p.top_k);
+        let kept = listed(keys.into_iter().map(|(k, l)| (key_id(k), l)), p, top / t);
+        self.draw_listed(&kept)
+    }
+
     /// Draws one of `cand` (id, weight) with probability proportional to its weight, walking
     /// them in their order.
     fn draw_listed(&mut self, cand: &[(u32, f32)]) -> u32 {
@@ -325,6 +363,16 @@ enum Kept {
     All(f64),
     /// These (id, weight).
     Listed(Vec<(u32, f32)>),
+}
+
+/// The kept tokens of a top-k list (`top`: id and logit, most likely first; `max`: the largest
+/// scaled logit, finite) under `p`'s temperature, top-p and min-p, with their weights.
+fn listed(top: impl Iterator<Item = (u32, f32)>, p: &SamplingParams, max: f32) -> Vec<(u32, f32)> {
+    let mut cand: Vec<(u32, f32)> = top.map(|(i, l)| (i, exp_nonpositive(l / p.temperature - max))).collect();
+    let total = cand.iter().map(|c| c.1 as f64).sum();
+    let keep = kept(&cand, total, p, true).expect("a whole candidate list decides");
+    cand.truncate(keep);
+    cand
 }
 
 /// Buckets of a scaled logit's distance below the largest, over the distances whose weights are
@@ -643,6 +691,42 @@ mod tests {
             l[i] = l[j];
         }
         l
+    }
+
+    #[test]
+    fn choosing_among_the_likeliest_is_choosing_from_all_logits() {
+        let mut cases = 0;
+        for (n, spread, lift) in [(7, 2.0, 1.0), (300, 1.0, 0.5), (5000, 30.0, 20.0), (70_000, 4.0, 3.0)] {
+            let logits = test_logits(n, spread, lift, n as u64 + 1);
+            let mut likeliest: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+            likeliest.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            likeliest.truncate(kiln_ir::CANDIDATES);
+            for temperature in [0.0, 0.3, 1.0, 2.5] {
+                for top_k in [1, 3, 40, kiln_ir::CANDIDATES - 1] {
+                    for (top_p, min_p) in [(1.0, 0.0), (0.9, 0.0), (1.0, 0.05), (0.5, 0.2)] {
+                        let p = SamplingParams { temperature, top_k, top_p, min_p, seed: cases, ..Default::default() };
+                        let (mut all, mut among) = (Sampler::new(p.clone()).unwrap(), Sampler::new(p).unwrap());
+                        assert!(among.chooses_among_candidates());
+                        for draw in 0..6 {
+                            assert_eq!(
+                                all.choose(&logits),
+                                among.choose_among(&likeliest),
+                                "{n} tokens, T {temperature}, top-k {top_k}, top-p {top_p}, min-p {min_p}, draw {draw}"
+                            );
+                        }
+                        cases += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(cases, 256);
+        // Where the likeliest tokens do not decide, the sampler needs every logit.
+        let takes = |p: SamplingParams| Sampler::new(p).unwrap().chooses_among_candidates();
+        assert!(takes(params(0.0)));
+        assert!(!takes(SamplingParams { top_k: 0, ..params(1.0) }));
+        assert!(!takes(SamplingParams { top_k: kiln_ir::CANDIDATES, ..params(1.0) }));
+        assert!(!takes(SamplingParams { top_k: 5, logit_bias: vec![(1, 2.0)], ..params(1.0) }));
+        assert!(!takes(SamplingParams { top_k: 5, presence_penalty: 0.5, ..params(1.0) }));
     }
 
     #[test]

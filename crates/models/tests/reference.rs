@@ -189,3 +189,27 @@ mod fast_f16_kv {
     use super::check_prompt;
     prompts!(FAST_F16_KV: p0, p1, p2, p3, p4, p5, p6, p7, p8, long);
 }
+
+/// The top-k head's candidates after each token of a reference prompt and of a continuation:
+/// the logits' likeliest tokens with their values (the fast head finds them by its screening copy).
+#[test]
+fn candidates_are_the_likeliest_logits() {
+    for kernels in [KernelPrecision::Exact, KernelPrecision::Fast] {
+        let m = model(kernels, KvType::F32);
+        let prompt = ids(&reference("p0")["input_ids"]);
+        let (mut a, mut b) = (m.new_session().unwrap(), m.new_session().unwrap());
+        let mut fed = prompt.clone();
+        for step in 0..24 {
+            let feed = if step == 0 { &fed[..] } else { &fed[fed.len() - 1..] };
+            let StepOutput::Logits(l) = a.forward(feed, OutputMode::Logits).unwrap() else { panic!() };
+            let StepOutput::Candidates(c) = b.forward(feed, OutputMode::Candidates).unwrap() else { panic!() };
+            let mut want: Vec<(u32, f32)> = l.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
+            want.sort_by(|x, y| y.1.total_cmp(&x.1).then(x.0.cmp(&y.0)));
+            want.truncate(kiln_ir::CANDIDATES);
+            let missing: Vec<usize> = (0..want.len()).filter(|&r| !c.contains(&want[r])).collect();
+            assert!(missing.is_empty(), "{kernels:?}, step {step}: ranks {missing:?} of the logits missing ({} candidates)", c.len());
+            assert_eq!(c, want, "{kernels:?}, step {step}");
+            fed.push(c[step % 7].0);
+        }
+    }
+}

@@ -13,8 +13,8 @@ use kiln_gguf::{MetaArray, MetaValue};
 use kiln_ir::{Bucket, BucketPolicy};
 use kiln_models::synth::{SynthModel as Parts, SynthRng as Rng, SynthTensor as Tensor};
 use kiln_models::{
-    config_from_gguf, generate, FinishReason, GenerateParams, Generation, JsonObjectPrefix, Model, ModelError, OutputFormat, OutputMode,
-    Sampler, SamplingParams, Session, StepOutput, TextControl,
+    config_from_gguf, generate, FinishReason, GenerateParams, Generation, Generator, JsonObjectPrefix, Model, ModelError, OutputFormat,
+    OutputMode, Sampler, SamplingParams, Session, StepOutput, TextControl,
 };
 use kiln_quant::GgmlType;
 use kiln_runtime::{
@@ -709,6 +709,22 @@ fn sampled_generation_is_seeded() {
         want.push(sampler.sample(&mut logits(&mut s, &[t])));
     }
     assert_eq!(a.tokens, want);
+    // With a top-k below 64 the steps give the likeliest tokens only (`OutputMode::Candidates`),
+    // and the sampler picks from them what it picks from all the logits.
+    let top_k = GenerateParams { sampling: SamplingParams { top_k: 20, top_p: 0.9, ..params.sampling.clone() }, ..params.clone() };
+    assert_eq!(Generator::new(top_k.clone(), &p, None).unwrap().mode(), OutputMode::Candidates);
+    assert_eq!(Generator::new(top_k.clone(), &p, Some(2)).unwrap().mode(), OutputMode::Logits);
+    assert_eq!(Generator::new(params.clone(), &p, None).unwrap().mode(), OutputMode::Logits);
+    let mut sampler = Sampler::new(top_k.sampling.clone()).unwrap();
+    let mut s = model.new_session().unwrap();
+    let mut want = vec![sampler.sample(&mut logits(&mut s, &p))];
+    while want.len() < 24 {
+        let t = *want.last().unwrap();
+        want.push(sampler.sample(&mut logits(&mut s, &[t])));
+    }
+    let (k, _) = run_generate(&model, &p, &top_k);
+    assert_eq!(k.tokens, want);
+    assert_ne!(k.tokens, a.tokens);
 }
 
 #[test]
@@ -1024,17 +1040,23 @@ fn batched_prefill_and_decode_rows_equal_each_sequence_alone() {
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| prompt(3 * i, 700 + i as u64)).collect();
     let mut alone: Vec<Session<'_>> = prompts.iter().map(start).collect();
     let mut batched: Vec<Session<'_>> = prompts.iter().map(start).collect();
-    for (step, lens) in [[5, 1, 7, 2], [1, 1, 1, 1], [1, 6, 1, 3]].into_iter().enumerate() {
+    for (step, lens) in [[5, 1, 7, 2], [1, 1, 1, 1], [1, 6, 1, 3], [1, 1, 4, 1], [1, 1, 1, 1]].into_iter().enumerate() {
         let chunks: Vec<Vec<u32>> = lens.iter().enumerate().map(|(i, &n)| prompt(n, 800 + (10 * step + i) as u64)).collect();
         let refs: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
         let mut sessions: Vec<&mut Session<'_>> = batched.iter_mut().collect();
-        let mode = if step == 1 { OutputMode::NextToken } else { OutputMode::Logits };
+        let mode = [OutputMode::Logits, OutputMode::NextToken, OutputMode::Logits, OutputMode::Candidates, OutputMode::Candidates][step];
         let outs = model.forward_batch(&mut sessions, &refs, mode).unwrap();
         for (i, out) in outs.into_iter().enumerate() {
             let a = logits(&mut alone[i], &chunks[i]);
             match out.unwrap() {
                 StepOutput::Logits(b) => assert_eq!(a, b, "step {step}, sequence {i}: batched logits differ from running alone"),
                 StepOutput::Token(t) => assert_eq!(t, argmax(&a), "step {step}, sequence {i}"),
+                StepOutput::Candidates(c) => {
+                    let mut want: Vec<(u32, f32)> = a.iter().enumerate().map(|(j, &v)| (j as u32, v)).collect();
+                    want.sort_by(|x, y| y.1.total_cmp(&x.1).then(x.0.cmp(&y.0)));
+                    want.truncate(kiln_ir::CANDIDATES);
+                    assert_eq!(c, want, "step {step}, sequence {i}: batched candidates are not the logits' likeliest");
+                }
                 other => panic!("unexpected output {other:?}"),
             }
             assert_eq!(batched[i].position(), alone[i].position());
@@ -1050,7 +1072,7 @@ fn batched_prefill_and_decode_rows_equal_each_sequence_alone() {
     let err = model.forward_batch(&mut sessions, &[&[1], &[]], OutputMode::Logits).unwrap_err();
     assert!(err.to_string().contains("lengths [1, 0]"), "{err}");
     let err = model.forward_batch(&mut sessions, &[&[1], &[2]], OutputMode::Hidden).unwrap_err();
-    assert!(err.to_string().contains("logits or tokens"), "{err}");
+    assert!(err.to_string().contains("logits, candidates or tokens"), "{err}");
 }
 
 /// The CPU backend with plans that cannot decode several sequences in one step (the trait's

@@ -93,4 +93,11 @@ pub trait Backend: Send + Sync {
     fn batches_from(&self) -> usize {
         usize::MAX
     }
+    /// Whether this backend's plans take the top-k head ([`kiln_ir::OutputMode::Candidates`]) over
+    /// a vocabulary of `vocab` tokens; callers ask for the logits where they do not. `false` (the
+    /// default).
+    fn takes_candidates(&self, vocab: usize) -> bool {
+        let _ = vocab;
+        false
+    }
 }

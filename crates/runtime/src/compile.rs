@@ -79,7 +79,7 @@ fn fusion_candidates(graph: &Graph, uses: &[usize]) -> Vec<bool> {
                     absorbed[a.0] = true;
                 }
             }
-            Op::Argmax { x } if single(x, &|op| matches!(op, Op::MatMul { .. })) => absorbed[x.0] = true,
+            Op::Argmax { x } | Op::TopK { x, .. } if single(x, &|op| matches!(op, Op::MatMul { .. })) => absorbed[x.0] = true,
             _ => {}
         }
     }
@@ -291,6 +291,19 @@ impl Lowering<'_> {
                         self.emit(id, |_, out| Ok(Kernel::Argmax { x: placeholder(xb), out, width }))?;
                     }
                 }
+                Op::TopK { x, k: count, cap } => {
+                    if self.absorbed[x.0] {
+                        let Op::MatMul { x: mx, w } = g.node(x).op else {
+                            return Err(RuntimeError::Compile("fused top-k operand is not a matmul".into()));
+                        };
+                        let (wid, xb) = (self.weight(w)?, self.read(mx)?);
+                        let (k, n) = (self.width(mx), self.width(x));
+                        self.emit(id, |_, out| Ok(Kernel::MatMulTopK { x: placeholder(xb), w: wid, out, k, n, count, cap }))?;
+                    } else {
+                        let (xb, width) = (self.read(x)?, self.width(x));
+                        self.emit(id, |_, out| Ok(Kernel::TopK { x: placeholder(xb), out, width, count, cap }))?;
+                    }
+                }
             }
         }
         Ok(())
@@ -366,7 +379,9 @@ fn for_each_slot(kernel: &mut Kernel, mut f: impl FnMut(&mut Slot)) {
                 f(r);
             }
         }
-        Kernel::MatMul { x, out, .. } | Kernel::MatMulArgmax { x, out, .. } => [x, out].into_iter().for_each(f),
+        Kernel::MatMul { x, out, .. } | Kernel::MatMulArgmax { x, out, .. } | Kernel::MatMulTopK { x, out, .. } => {
+            [x, out].into_iter().for_each(f)
+        }
         Kernel::Rope { x, positions, out, .. } | Kernel::RopeScaled { x, positions, out, .. } => {
             [x, positions, out].into_iter().for_each(f)
         }
@@ -380,7 +395,8 @@ fn for_each_slot(kernel: &mut Kernel, mut f: impl FnMut(&mut Slot)) {
         | Kernel::Scale { x, out, .. }
         | Kernel::AddBias { x, out, .. }
         | Kernel::LastRow { x, out, .. }
-        | Kernel::Argmax { x, out, .. } => [x, out].into_iter().for_each(f),
+        | Kernel::Argmax { x, out, .. }
+        | Kernel::TopK { x, out, .. } => [x, out].into_iter().for_each(f),
     }
 }
 

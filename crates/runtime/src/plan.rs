@@ -39,6 +39,8 @@ pub enum Kernel {
     MatMul { x: Slot, w: WeightId, out: Slot, k: usize, n: usize },
     /// `out[r] = argmax(x[r] · Wᵀ)` without materialising the products (greedy head).
     MatMulArgmax { x: Slot, w: WeightId, out: Slot, k: usize, n: usize },
+    /// `out[r]` = the `count` largest of `x[r] · Wᵀ` and their indices, as `TopK` (sampling head).
+    MatMulTopK { x: Slot, w: WeightId, out: Slot, k: usize, n: usize, count: usize, cap: Option<f32> },
     /// NeoX rotary embedding of `heads` heads of `head_dim` at `positions`.
     Rope { x: Slot, positions: Slot, out: Slot, heads: usize, head_dim: usize, theta: f32 },
     /// Causal attention over the KV cache of `layer` plus the new rows; appends the new rows.
@@ -90,6 +92,9 @@ pub enum Kernel {
     LastRow { x: Slot, out: Slot, width: usize },
     /// `out[r] = argmax(x[r])` (i32).
     Argmax { x: Slot, out: Slot, width: usize },
+    /// `out[r]` = the `count` largest values of `x[r]` (largest first, the lower index first among
+    /// equals; soft-capped by `cap`), then their indices as f32 (`kiln_ir::Op::TopK`).
+    TopK { x: Slot, out: Slot, width: usize, count: usize, cap: Option<f32> },
 }
 
 impl Kernel {
@@ -102,12 +107,14 @@ impl Kernel {
             | Kernel::Scale { x, .. }
             | Kernel::MatMul { x, .. }
             | Kernel::MatMulArgmax { x, .. }
+            | Kernel::MatMulTopK { x, .. }
             | Kernel::AddBias { x, .. }
             | Kernel::Gelu { x, .. }
             | Kernel::Silu { x, .. }
             | Kernel::SoftCap { x, .. }
             | Kernel::LastRow { x, .. }
-            | Kernel::Argmax { x, .. } => vec![x],
+            | Kernel::Argmax { x, .. }
+            | Kernel::TopK { x, .. } => vec![x],
             Kernel::Rope { x, positions, .. } | Kernel::RopeScaled { x, positions, .. } => vec![x, positions],
             Kernel::Attention { q, k, v, .. } | Kernel::AttentionSoftCap { q, k, v, .. } => vec![q, k, v],
             Kernel::Add { a, b, .. } | Kernel::Mul { a, b, .. } => vec![a, b],
@@ -124,6 +131,7 @@ impl Kernel {
             | Kernel::Scale { out, .. }
             | Kernel::MatMul { out, .. }
             | Kernel::MatMulArgmax { out, .. }
+            | Kernel::MatMulTopK { out, .. }
             | Kernel::Rope { out, .. }
             | Kernel::RopeScaled { out, .. }
             | Kernel::Attention { out, .. }
@@ -137,7 +145,8 @@ impl Kernel {
             | Kernel::SiluMul { out, .. }
             | Kernel::SoftCap { out, .. }
             | Kernel::LastRow { out, .. }
-            | Kernel::Argmax { out, .. } => out,
+            | Kernel::Argmax { out, .. }
+            | Kernel::TopK { out, .. } => out,
         }
     }
 }

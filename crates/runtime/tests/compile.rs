@@ -68,6 +68,7 @@ fn out_slot(k: &Kernel) -> Slot {
         | Kernel::RmsNorm { out, .. }
         | Kernel::MatMul { out, .. }
         | Kernel::MatMulArgmax { out, .. }
+        | Kernel::MatMulTopK { out, .. }
         | Kernel::Rope { out, .. }
         | Kernel::RopeScaled { out, .. }
         | Kernel::Attention { out, .. }
@@ -83,7 +84,8 @@ fn out_slot(k: &Kernel) -> Slot {
         | Kernel::Normalize { out, .. }
         | Kernel::Scale { out, .. }
         | Kernel::LastRow { out, .. }
-        | Kernel::Argmax { out, .. } => out,
+        | Kernel::Argmax { out, .. }
+        | Kernel::TopK { out, .. } => out,
     }
 }
 
@@ -92,7 +94,7 @@ fn read_slots(k: &Kernel) -> Vec<Slot> {
     match *k {
         Kernel::Embed { ids, .. } => vec![ids],
         Kernel::RmsNorm { x, residual, .. } => std::iter::once(x).chain(residual).collect(),
-        Kernel::MatMul { x, .. } | Kernel::MatMulArgmax { x, .. } => vec![x],
+        Kernel::MatMul { x, .. } | Kernel::MatMulArgmax { x, .. } | Kernel::MatMulTopK { x, .. } => vec![x],
         Kernel::Rope { x, positions, .. } | Kernel::RopeScaled { x, positions, .. } => vec![x, positions],
         Kernel::Attention { q, k, v, .. } | Kernel::AttentionSoftCap { q, k, v, .. } => vec![q, k, v],
         Kernel::Add { a, b, .. } | Kernel::Mul { a, b, .. } => vec![a, b],
@@ -104,7 +106,8 @@ fn read_slots(k: &Kernel) -> Vec<Slot> {
         | Kernel::Scale { x, .. }
         | Kernel::AddBias { x, .. }
         | Kernel::LastRow { x, .. }
-        | Kernel::Argmax { x, .. } => vec![x],
+        | Kernel::Argmax { x, .. }
+        | Kernel::TopK { x, .. } => vec![x],
     }
 }
 
@@ -244,6 +247,36 @@ fn values_used_elsewhere_are_not_fused() {
     assert_eq!(names, ["embed", "gelu", "mul", "norm", "add", "matmul", "argmax"]);
     assert_eq!(plan.outputs.len(), 4);
     check_arena(&plan);
+}
+
+#[test]
+fn top_k_of_a_product_is_one_kernel_unless_the_product_is_used_elsewhere() {
+    let store = f32_store(&[("emb", &[VOCAB, D])]);
+    for logits_out in [false, true] {
+        let mut b = GraphBuilder::new(Bucket::Decode { past: 8, seqs: 2 });
+        let tokens = b.input("tokens", DType::I32);
+        let emb = b.weight("emb", &[VOCAB, D]);
+        let x = b.embed(emb, tokens, 1.0);
+        let logits = b.matmul(x, emb);
+        let top = b.top_k(logits, 5, Some(30.0));
+        b.output("candidates", top);
+        if logits_out {
+            b.output("logits", logits);
+        }
+        let plan = compile(&b.finish().unwrap(), &store).unwrap();
+        let o = &plan.outputs[0];
+        assert_eq!((o.name.as_str(), o.dtype, o.width, o.rows), ("candidates", DType::F32, 10, Rows::Active));
+        match (logits_out, &plan.steps[1].kernel, plan.steps.get(2).map(|s| &s.kernel)) {
+            (false, &Kernel::MatMulTopK { w, k: D, n: VOCAB, count: 5, cap: Some(30.0), out, .. }, None) => {
+                assert_eq!((w, out), (store.id("emb").unwrap(), o.slot));
+            }
+            (true, Kernel::MatMul { .. }, Some(&Kernel::TopK { width: VOCAB, count: 5, cap: Some(30.0), out, .. })) => {
+                assert_eq!(out, o.slot)
+            }
+            (_, a, b) => panic!("logits out {logits_out}: {a:?}, {b:?}"),
+        }
+        check_arena(&plan);
+    }
 }
 
 /// One attention block: q/k/v projections, per-head q/k norms, rope, attention, output

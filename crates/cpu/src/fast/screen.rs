@@ -1,9 +1,10 @@
-//! The fast greedy head over a large vocabulary: a 4-bit copy of the output matrix, made once per
-//! weight, scores every row at about half the memory traffic and a third of the integer work of
-//! the real weights; the [`CANDIDATES`] best rows per activation row are then rescored with the
-//! real weights by the fast kernel, and the best of those is the answer. The result equals the
-//! full fast argmax unless the true best row is not among the 4-bit scores' top [`CANDIDATES`],
-//! which quantization noise of the copy (a few hundredths of a logit) cannot cause in practice.
+//! The fast greedy and top-k heads over a large vocabulary: a 4-bit copy of the output matrix, made
+//! once per weight, scores every row at about half the memory traffic and a third of the integer
+//! work of the real weights; the [`CANDIDATES`] (top-k: [`TOP_K_CANDIDATES`]) best rows per
+//! activation row are then rescored with the real weights by the fast kernel: the best of those is
+//! the greedy answer, the best 64 the top-k head's. The result equals the full fast products' unless
+//! a true best row is not among the 4-bit scores' top rows, which quantization noise of the copy (a
+//! few hundredths of a logit) does not cause in practice.
 //!
 //! Each row of the copy is the row's Q4_0 form (levels `w` in -8..=7 per 32-element block) with
 //! its block scales written as `base · m`: one f32 `base` per row and a 7-bit integer multiplier
@@ -31,8 +32,15 @@ use crate::pool::ThreadPool;
 use crate::simd::Isa;
 use crate::weights::PackedMatrix;
 
-/// Rows rescored with the real weights per activation row.
+/// Rows the greedy head rescores with the real weights per activation row.
 pub const CANDIDATES: usize = 64;
+
+/// Rows the top-k head rescores per activation row: 4 times the candidates it gives
+/// (`kiln_ir::CANDIDATES`). Its last ones lie among many close logits: with twice as many, the
+/// 64th of the default model's was missing at the third of 24 tokens; with 4 and 8 times, none
+/// was (kiln-models' `candidates_are_the_likeliest_logits` test). Each rescored row costs a
+/// fault on the mapped weights: 4 times took 3.6% longer a sampled token than twice.
+pub const TOP_K_CANDIDATES: usize = 4 * kiln_ir::CANDIDATES;
 
 /// Fewest weight rows for which a screening copy pays off (a vocabulary-sized head).
 pub const MIN_ROWS: usize = 32768;
@@ -225,28 +233,29 @@ impl PartialOrd for Candidate {
     }
 }
 
-/// Keeps the `CANDIDATES` best candidates seen (finite values), the worst of them on top.
+/// Keeps the `keep` best candidates seen (finite values), the worst of them on top.
 struct TopK {
+    keep: usize,
     heap: BinaryHeap<Reverse<Candidate>>,
     /// The worst kept value once full (a candidate below it cannot enter).
     floor: f32,
 }
 
 impl TopK {
-    fn new() -> Self {
-        TopK { heap: BinaryHeap::with_capacity(CANDIDATES), floor: f32::NEG_INFINITY }
+    fn new(keep: usize) -> Self {
+        TopK { keep, heap: BinaryHeap::with_capacity(keep), floor: f32::NEG_INFINITY }
     }
 
     fn push(&mut self, v: f32, j: usize) {
         let c = Candidate(v, j);
-        if self.heap.len() < CANDIDATES {
+        if self.heap.len() < self.keep {
             self.heap.push(Reverse(c));
         } else if let Some(mut worst) = self.heap.peek_mut().filter(|w| c > w.0) {
             *worst = Reverse(c);
         } else {
             return;
         }
-        if self.heap.len() == CANDIDATES {
+        if self.heap.len() == self.keep {
             self.floor = self.heap.peek().map_or(f32::NEG_INFINITY, |w| w.0 .0);
         }
     }
@@ -257,18 +266,27 @@ impl TopK {
     }
 }
 
-/// `out[r] = argmax_j q16(x[r]) · w[j]` through the screening copy `copy` of `w` (see the module
-/// doc); `-1` for a row with a non-finite value.
-pub fn argmax(pool: &ThreadPool, isa: Isa, x: &[f32], acts: &QuantizedRows, w: &PackedMatrix<'_>, copy: &[u8], out: &mut [i32]) {
+/// Each activation row's best `keep` rows of `w` by the screening copy `copy` (see the module
+/// doc), rescored `q16(x[r]) · w[j]` by the fast kernel: `(value, j)` best first (by value, then
+/// the lower index), or `None` for a row with a non-finite score or product.
+pub fn best(
+    pool: &ThreadPool,
+    isa: Isa,
+    x: &[f32],
+    acts: &QuantizedRows,
+    w: &PackedMatrix<'_>,
+    copy: &[u8],
+    keep: usize,
+) -> Vec<Option<Vec<(f32, usize)>>> {
     let (rows, n, k) = (acts.rows(), w.n, w.k);
     let nb = k / 32;
     let group_bytes = group_len(nb);
-    assert!(copy.len() == copy_len(n, k) && rows <= MAX_ACT_ROWS && out.len() >= rows);
+    assert!(copy.len() == copy_len(n, k) && rows <= MAX_ACT_ROWS);
     let sa = ScreenActs::new(x, rows, k);
     let groups = n.div_ceil(GROUP);
     let threads = pool.threads();
     // Per participating thread and row: its best candidates, and whether it saw a non-finite score.
-    let mut tops: Vec<(TopK, bool)> = (0..threads * rows).map(|_| (TopK::new(), false)).collect();
+    let mut tops: Vec<(TopK, bool)> = (0..threads * rows).map(|_| (TopK::new(keep), false)).collect();
     let tp = SharedMut(tops.as_mut_ptr());
     pool.for_chunks_with(groups, SCORE_RUN, &|p, chunk| {
         // SAFETY: entries p * rows .. (p + 1) * rows belong to participant p, whose chunks run one
@@ -324,30 +342,32 @@ pub fn argmax(pool: &ThreadPool, isa: Isa, x: &[f32], acts: &QuantizedRows, w: &
         }
     });
     // Each row's candidates are rescored by its own task (their reads of w may fault pages in).
+    let mut out: Vec<Option<Vec<(f32, usize)>>> = vec![None; rows];
     let op = SharedMut(out.as_mut_ptr());
     pool.run(rows, &|r| {
-        // SAFETY: out[r] is written by task r only, and r < rows <= out.len().
+        // SAFETY: out[r] is written by task r only, and r < rows = out.len().
         let o = unsafe { &mut *op.ptr().add(r) };
-        let bad = (0..threads).any(|p| tops[p * rows + r].1);
-        // The best CANDIDATES of all are among the participants' best CANDIDATES each.
+        if (0..threads).any(|p| tops[p * rows + r].1) {
+            return;
+        }
+        // The best `keep` of all are among the participants' best `keep` each.
         let mut cands: Vec<(f32, usize)> = (0..threads).flat_map(|p| tops[p * rows + r].0.items()).collect();
         cands.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        cands.truncate(CANDIDATES);
-        // Rescored in index order, so the lowest index wins among equal maxima.
-        cands.sort_unstable_by_key(|c| c.1);
-        let mut best = (f32::NEG_INFINITY, usize::MAX);
+        cands.truncate(keep);
         let one = acts.select(r);
-        for &(_, j) in &cands {
-            products(isa, w, &one, j..j + 1, |_, j, v| {
-                if !v.is_finite() {
-                    best = (f32::NAN, j);
-                } else if v > best.0 || best.1 == usize::MAX {
-                    best = (v, j);
-                }
+        let mut finite = true;
+        for c in cands.iter_mut() {
+            products(isa, w, &one, c.1..c.1 + 1, |_, _, v| {
+                finite &= v.is_finite();
+                c.0 = v;
             });
         }
-        *o = if bad || best.1 == usize::MAX || !best.0.is_finite() { -1 } else { best.1 as i32 };
+        if finite && !cands.is_empty() {
+            cands.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+            *o = Some(cands);
+        }
     });
+    out
 }
 
 #[cfg(test)]
@@ -371,7 +391,7 @@ mod tests {
             want.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
             want.truncate(CANDIDATES);
             for reversed in [false, true] {
-                let mut top = TopK::new();
+                let mut top = TopK::new(CANDIDATES);
                 let order: Vec<usize> = if reversed { (0..len).rev().collect() } else { (0..len).collect() };
                 for j in order {
                     top.push(values[j], j);

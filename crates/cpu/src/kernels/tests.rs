@@ -769,3 +769,28 @@ fn attention_of_several_sequences_equals_each_alone() {
         }
     }
 }
+
+#[test]
+fn top_of_row_is_a_full_sort_s_head() {
+    let mut rng = Rng(0x7071);
+    for (n, count) in [(1, 1), (10, 10), (100, 7), (5000, 64), (70_000, 64)] {
+        // Values from a small range, so that many are equal and the index decides.
+        let row: Vec<f32> = (0..n).map(|_| (rng.next_u64() % 97) as f32 * 0.25 - 12.0).collect();
+        let mut want: Vec<(f32, usize)> = row.iter().copied().zip(0..).collect();
+        want.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        want.truncate(count);
+        assert_eq!(top_of_row(&row, count).unwrap(), want, "{n} values, top {count}");
+        let mut out = vec![0f32; 2 * count];
+        top_k_rows(&row, n, count, Some(2.0), &mut out);
+        let capped: Vec<f32> = want.iter().map(|w| soft_cap(w.0, 2.0)).collect();
+        assert_eq!(out[..count], capped[..]);
+        assert_eq!(out[count..], want.iter().map(|w| w.1 as f32).collect::<Vec<_>>()[..]);
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut r = row.clone();
+            r[n / 2] = bad;
+            assert_eq!(top_of_row(&r, count), None);
+            top_k_rows(&r, n, count, None, &mut out);
+            assert!(out[..count].iter().all(|v| v.is_nan()), "{n} values with {bad}");
+        }
+    }
+}
