@@ -327,6 +327,30 @@ fn q4_k_m_mix_greedy_tokens_match_cpu() {
     }
 }
 
+/// A vocabulary-sized logits head (40,000 rows: its one-row launch streams its weights, the final
+/// norm in a launch of its own) and the top-k head over it match the CPU in decode steps, with
+/// graphs and with host launches.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+fn vocabulary_sized_heads_match_cpu() {
+    let m = gemma3(&Gemma3Shape { vocab: 40_000, ..small_shape() }, FormatMix::Q4KM, 31);
+    let c = load(&m, cpu());
+    for backend in [cuda(), cuda_host_launches()] {
+        let g = load(&m, backend);
+        let (mut sc, mut sg, mut sk) = (c.new_session().unwrap(), g.new_session().unwrap(), g.new_session().unwrap());
+        let mut feed = prompt(11, 40_000);
+        for step in 0..8 {
+            let (want, got) = (logits(&mut sc, &feed), logits(&mut sg, &feed));
+            let e = rel_l2(&got, &want);
+            assert!(e < 1e-3, "step {step}: relative L2 {e:.2e}");
+            let StepOutput::Candidates(k) = sk.forward(&feed, OutputMode::Candidates).unwrap() else { panic!("no candidates") };
+            assert_eq!(k.len(), kiln_ir::CANDIDATES);
+            assert_eq!(k[0].0, argmax(&got), "step {step}");
+            feed = vec![argmax(&want)];
+        }
+    }
+}
+
 /// Several sequences in one step, each over its own cache at its own positions, give what each
 /// gives alone on the CPU (with decode graphs and with host launches): a batched prefill of
 /// prompts of different lengths, batched decode steps (logits, then greedy tokens), and a

@@ -189,10 +189,8 @@ impl Model {
                     let row = &v[i * width..(i + 1) * width];
                     if !all_finite(row) {
                         Err(ModelError::NonFinite { position })
-                    } else if plan_mode == OutputMode::Candidates {
-                        Ok(StepOutput::Candidates(candidates_of_row(row)))
                     } else if mode == OutputMode::Candidates {
-                        Ok(StepOutput::Candidates(likeliest(row)))
+                        Ok(StepOutput::Candidates(candidates(plan_mode, row)))
                     } else {
                         Ok(StepOutput::Logits(row.to_vec()))
                     }
@@ -306,10 +304,7 @@ impl<'m> Session<'m> {
                         _ => Err(ModelError::NonFinite { position: pos }),
                     },
                     (OutputMode::Logits, HostData::F32(v)) => Ok(StepOutput::Logits(v)),
-                    (OutputMode::Candidates, HostData::F32(v)) if model.plan_mode(mode) == OutputMode::Logits => {
-                        Ok(StepOutput::Candidates(likeliest(&v)))
-                    }
-                    (OutputMode::Candidates, HostData::F32(v)) => Ok(StepOutput::Candidates(candidates_of_row(&v))),
+                    (OutputMode::Candidates, HostData::F32(v)) => Ok(StepOutput::Candidates(candidates(model.plan_mode(mode), &v))),
                     (OutputMode::Hidden, HostData::F32(v)) => Ok(StepOutput::Hidden(v)),
                     _ => Err(ModelError::Metadata("plan output has the wrong type".into())),
                 }
@@ -318,16 +313,17 @@ impl<'m> Session<'m> {
     }
 }
 
-/// A top-k head's row (values, then their ids as f32: `kiln_ir::Op::TopK`) as (id, logit) pairs.
-fn candidates_of_row(row: &[f32]) -> Vec<(u32, f32)> {
-    let (values, ids) = row.split_at(row.len() / 2);
-    ids.iter().zip(values).map(|(&id, &v)| (id as u32, v)).collect()
-}
-
-/// The [`CANDIDATES`](kiln_ir::CANDIDATES) largest of `logits` (all finite) as a top-k head gives
-/// them: (id, logit), largest first, the lower id first among equals.
-fn likeliest(logits: &[f32]) -> Vec<(u32, f32)> {
-    crate::sampling::top_ids(logits, kiln_ir::CANDIDATES).into_iter().map(|id| (id, logits[id as usize])).collect()
+/// A row of a `plan_mode` plan (finite) as the candidates (id, logit): a top-k head's (values, then
+/// their ids as f32: `kiln_ir::Op::TopK`), or, from logits, their
+/// [`CANDIDATES`](kiln_ir::CANDIDATES) largest as a top-k head gives them (largest first, the lower
+/// id first among equals).
+fn candidates(plan_mode: OutputMode, row: &[f32]) -> Vec<(u32, f32)> {
+    if plan_mode == OutputMode::Candidates {
+        let (values, ids) = row.split_at(row.len() / 2);
+        ids.iter().zip(values).map(|(&id, &v)| (id as u32, v)).collect()
+    } else {
+        crate::sampling::top_ids(row, kiln_ir::CANDIDATES).into_iter().map(|id| (id, row[id as usize])).collect()
+    }
 }
 
 /// Whether every value is finite. (Chunks folded without an early exit, so that the check

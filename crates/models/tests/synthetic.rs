@@ -1147,4 +1147,14 @@ fn batched_decode_on_a_backend_without_it_decodes_one_by_one() {
         s.forward(chunk, OutputMode::Logits).unwrap();
     }
     assert_eq!(single.plans_compiled(), by_hand.plans_compiled());
+    // A backend without a top-k head runs the logits plan for the candidates; the host takes the
+    // likeliest from them, as the head would.
+    let tokens = prompt(3, 660);
+    let want = batching.decode_batch(&mut a.iter_mut().collect::<Vec<_>>(), &tokens, OutputMode::Candidates).unwrap();
+    let got = single.decode_batch(&mut b.iter_mut().collect::<Vec<_>>(), &tokens, OutputMode::Candidates).unwrap();
+    for (i, (w, g)) in want.into_iter().zip(got).enumerate() {
+        let (w, g) = (w.unwrap(), g.unwrap());
+        assert!(matches!(&w, StepOutput::Candidates(c) if c.len() == kiln_ir::CANDIDATES), "{w:?}");
+        assert_eq!(w, g, "candidates, sequence {i}");
+    }
 }
