@@ -49,6 +49,13 @@ pub(crate) fn top_k_takes(width: usize, count: usize) -> bool {
     count > 0 && count <= TOPK_MAX && width.div_ceil(TOPK_SLICE) * count <= TOPK_SLICE
 }
 
+/// Word offset of the top-k partials in the head buffer, after `head_values` products and the
+/// argmax partials of `rows` rows: even, so that their 8-byte keys are aligned (an odd vocabulary
+/// makes an odd count of products).
+fn top_k_at(head_values: usize, rows: usize) -> usize {
+    (head_values + 2 * ARGMAX_BLOCKS * rows).next_multiple_of(2)
+}
+
 /// Words of a top-k's partial results a row: its slices' `count` keys (two words each) and flags.
 fn top_k_part_words(width: usize, count: usize) -> usize {
     width.div_ceil(TOPK_SLICE) * (2 * count + 1)
@@ -1704,7 +1711,7 @@ impl CudaExecutable {
         let layout = StepLayout { rows: plan.rows(), seqs, layers };
         let step = DeviceBuffer::new(&device.ctx, layout.bytes())?;
         let argmax_rows = plan.rows();
-        let head = DeviceBuffer::new(&device.ctx, (head_values + 2 * ARGMAX_BLOCKS * argmax_rows + top_k_words) * 4)?;
+        let head = DeviceBuffer::new(&device.ctx, (top_k_at(head_values, argmax_rows) + top_k_words) * 4)?;
         let launches = lower(&plan, &*weights, device.arch)?;
         tracing::debug!("{} steps in {} launches", plan.steps.len(), launches.len());
         let max_k = max_matmul_k(&plan);
@@ -2218,7 +2225,7 @@ impl CudaExecutable {
     fn top_k(&self, x: u64, out: u64, rows: usize, width: usize, count: usize, cap: Option<f32>) -> Result<(), RuntimeError> {
         let d = &*self.device;
         let slices = width.div_ceil(TOPK_SLICE);
-        let part = self.head.ptr() + 4 * (self.head_values + 2 * ARGMAX_BLOCKS * self.plan.rows()) as u64;
+        let part = self.head.ptr() + 4 * top_k_at(self.head_values, self.plan.rows()) as u64;
         let bad = part + 8 * (rows * slices * count) as u64;
         d.launch(
             "top_k_part",

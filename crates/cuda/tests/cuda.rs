@@ -402,8 +402,8 @@ fn batched_decode_over_long_pasts_matches_each_sequence_alone() {
 }
 
 /// The top-k head's candidates (`OutputMode::Candidates`: the products' 64 largest, found on the
-/// device) are the logits' 64 largest with their values, over a vocabulary of 3 slices (the last
-/// shorter than 64) and a soft-capped one (the Gemma 2 fixture's 512 tokens): a prompt, decode steps with
+/// device) are the logits' 64 largest with their values, over an odd vocabulary of 3 slices (the
+/// last shorter than 64) and a soft-capped one (the Gemma 2 fixture's 512 tokens): a prompt, decode steps with
 /// graphs and with host launches, and batched steps of 5 sequences. (A one-row logits step
 /// computes the final norm inside its head's launch, a top-k step before it: the values agree
 /// within rounding, so a token may trade places only with one as large within that.)
@@ -430,10 +430,11 @@ fn candidates_are_the_likeliest_logits() {
         StepOutput::Candidates(c) => c,
         other => panic!("expected candidates, got {other:?}"),
     };
-    // (8,250 tokens: two slices of 4096 and one of 58, fewer than the 64 kept. The Gemma 2 fixture
-    // soft-caps its logits: the kept values are capped after the choice.)
-    let shape = Gemma3Shape { vocab: 8_250, ..small_shape() };
-    for (m, vocab) in [(gemma3(&shape, FormatMix::Q4KM, 29), 8_250), (family_model("gemma2"), 512)] {
+    // (8,251 tokens: two slices of 4096 and one of 59, fewer than the 64 kept, and an odd count of
+    // products before the partials. The Gemma 2 fixture soft-caps its logits: the kept values are
+    // capped after the choice.)
+    let shape = Gemma3Shape { vocab: 8_251, ..small_shape() };
+    for (m, vocab) in [(gemma3(&shape, FormatMix::Q4KM, 29), 8_251), (family_model("gemma2"), 512)] {
         for backend in [cuda(), cuda_host_launches()] {
             let g = load(&m, backend);
             let (mut a, mut b) = (g.new_session().unwrap(), g.new_session().unwrap());
