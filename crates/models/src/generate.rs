@@ -211,7 +211,7 @@ impl Generator {
             }
             StepOutput::Candidates(_) => {
                 return Err(ModelError::InvalidParameter(
-                    "this generation needs the logits (log-probabilities, JSON mode, a logit bias, penalties or top-k 0)".into(),
+                    "this generation needs the logits (logprobs, JSON, a bias, penalties, top-k 0 or 64+)".into(),
                 ))
             }
             _ => return Err(ModelError::InvalidParameter("generation needs a token, candidates or logits output".into())),

@@ -725,6 +725,10 @@ fn sampled_generation_is_seeded() {
     let (k, _) = run_generate(&model, &p, &top_k);
     assert_eq!(k.tokens, want);
     assert_ne!(k.tokens, a.tokens);
+    // Candidates handed to a generation that needs every logit are refused, naming why.
+    let mut g = Generator::new(params.clone(), &p, None).unwrap();
+    let err = g.advance(model.tokenizer(), StepOutput::Candidates(vec![(5, 1.0)]), p.len(), model.context()).unwrap_err();
+    assert!(err.to_string().contains("needs the logits"), "{err}");
 }
 
 #[test]
