@@ -183,6 +183,15 @@ impl CpuExecutable {
         self.kernels == KernelPrecision::Fast && fast::supports(m.ty)
     }
 
+    /// `out[r, j] = x[r] · w[j]` for `rows` rows with `m`'s kernels (fast or exact).
+    fn matmul(&self, pool: &ThreadPool, x: &[f32], rows: usize, m: &crate::weights::PackedMatrix<'_>, out: &mut [f32]) {
+        if self.fast(m) {
+            fast::matmul(pool, self.isa, x, rows, m, out);
+        } else {
+            kernels::matmul(pool, self.isa, x, rows, m, out);
+        }
+    }
+
     /// Runs one kernel over `rows` rows (`active` is the step's active row count, split into the
     /// sequences of `segments`).
     ///
@@ -223,11 +232,7 @@ impl CpuExecutable {
             Kernel::MatMul { x, w: wid, out, k, n } => {
                 let m = w.matrix(wid)?;
                 let (x, out) = (a.f32(x, rows * k), a.f32_mut(out, rows * n));
-                if self.fast(&m) {
-                    fast::matmul(pool, isa, x, rows, &m, out);
-                } else {
-                    kernels::matmul(pool, isa, x, rows, &m, out);
-                }
+                self.matmul(pool, x, rows, &m, out);
             }
             Kernel::MatMulArgmax { x, w: wid, out, k, .. } => {
                 let m = w.matrix(wid)?;
@@ -254,11 +259,7 @@ impl CpuExecutable {
                     w.note_rows_read(wid, rows * keep);
                 } else {
                     let mut products = vec![0f32; rows * n];
-                    if self.fast(&m) {
-                        fast::matmul(pool, isa, x, rows, &m, &mut products);
-                    } else {
-                        kernels::matmul(pool, isa, x, rows, &m, &mut products);
-                    }
+                    self.matmul(pool, x, rows, &m, &mut products);
                     kernels::top_k_rows(&products, n, count, cap, out);
                 }
             }

@@ -133,7 +133,7 @@ pub fn embed(table: &PackedMatrix<'_>, ids: &[i32], scale: f32, out: &mut [f32])
 /// among equals); `None` if a value is not finite. (A heap of the best so far: once it is full,
 /// most values are passed over by one comparison with its least.)
 pub fn top_of_row(row: &[f32], count: usize) -> Option<Vec<(f32, usize)>> {
-    if !row.chunks(4096).all(|c| c.iter().fold(true, |ok, v| ok & (v.abs() <= f32::MAX))) {
+    if !kiln_runtime::all_finite(row) {
         return None;
     }
     // A value and its index as one integer, larger first: the value's order, then the lower index.

@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 use kiln_gguf::GgufFile;
 use kiln_ir::{BucketPolicy, OutputMode};
 use kiln_runtime::{
-    compile, Backend, CompileCache, DeviceWeights, EngineConfig, Executable, HostData, HostTensor, KvCache, PlanKey, StepInputs,
-    WeightStore,
+    all_finite, compile, Backend, CompileCache, DeviceWeights, EngineConfig, Executable, HostData, HostTensor, KvCache, PlanKey,
+    StepInputs, WeightStore,
 };
 use kiln_tokenizer::Tokenizer;
 
@@ -324,12 +324,6 @@ fn candidates(plan_mode: OutputMode, row: &[f32]) -> Vec<(u32, f32)> {
     } else {
         crate::sampling::top_ids(row, kiln_ir::CANDIDATES).into_iter().map(|id| (id, row[id as usize])).collect()
     }
-}
-
-/// Whether every value is finite. (Chunks folded without an early exit, so that the check
-/// vectorizes: 4x faster than `all(is_finite)` over a row of logits, 22 against 83 µs a MB.)
-fn all_finite(v: &[f32]) -> bool {
-    v.chunks(4096).all(|c| c.iter().fold(true, |ok, x| ok & (x.abs() <= f32::MAX)))
 }
 
 /// Rejects NaN or infinity in float outputs (`first_pos`: position of the output's first row).

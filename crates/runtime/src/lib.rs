@@ -16,7 +16,7 @@ mod kv;
 mod plan;
 mod weights;
 
-pub use backend::{Backend, DeviceWeights, Executable, HostData, HostTensor, KvCache, StepInputs};
+pub use backend::{all_finite, Backend, DeviceWeights, Executable, HostData, HostTensor, KvCache, StepInputs};
 pub use cache::{CompileCache, PlanKey};
 pub use compile::compile;
 pub use config::{EngineConfig, KernelPrecision, KvType};
