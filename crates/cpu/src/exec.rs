@@ -3,7 +3,9 @@
 use std::sync::Arc;
 
 use kiln_ir::{DType, RopeMode, RopeSpec};
-use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KernelPrecision, KvCache, Plan, Rows, RuntimeError, Slot, StepInputs};
+use kiln_runtime::{
+    draw, DrawSpec, Executable, HostData, HostTensor, Kernel, KernelPrecision, KvCache, Plan, Rows, RuntimeError, Slot, StepInputs,
+};
 
 use crate::fast;
 use crate::kernels::{self, AttentionShape, RopeTable};
@@ -73,11 +75,13 @@ impl Arena {
     }
 }
 
-/// The rows of one sequence in a step: its KV cache, its first position, how many rows.
+/// The rows of one sequence in a step: its KV cache, its first position, how many rows, and its
+/// draw where the plan draws.
 struct Segment<'k> {
     kv: &'k mut CpuKvCache,
     start: usize,
     rows: usize,
+    draw: Option<DrawSpec>,
 }
 
 /// Recovers the CPU cache behind a `dyn KvCache`.
@@ -98,16 +102,24 @@ impl Executable for CpuExecutable {
             return Err(RuntimeError::StepShape(format!("step starts at {} but the KV cache holds {}", inputs.start_pos, kv.len())));
         }
         let rows = inputs.tokens.len();
-        self.execute(inputs.tokens, &mut [Segment { kv, start: inputs.start_pos, rows }])
+        self.plan.check_draws(inputs.draw.iter().len(), 1)?;
+        self.execute(inputs.tokens, &mut [Segment { kv, start: inputs.start_pos, rows, draw: inputs.draw.copied() }])
     }
 
-    fn run_batch(&mut self, tokens: &[u32], rows: &[usize], kvs: &mut [&mut dyn KvCache]) -> Result<Vec<HostTensor>, RuntimeError> {
+    fn run_batch(
+        &mut self,
+        tokens: &[u32],
+        rows: &[usize],
+        kvs: &mut [&mut dyn KvCache],
+        draws: &[DrawSpec],
+    ) -> Result<Vec<HostTensor>, RuntimeError> {
         self.plan.check_batch(tokens.len(), rows, kvs.len())?;
+        self.plan.check_draws(draws.len(), kvs.len())?;
         let mut segments = Vec::with_capacity(kvs.len());
-        for (kv, &rows) in kvs.iter_mut().zip(rows) {
+        for (i, (kv, &rows)) in kvs.iter_mut().zip(rows).enumerate() {
             let kv = cpu_kv(&mut **kv)?;
             let start = kv.len();
-            segments.push(Segment { kv, start, rows });
+            segments.push(Segment { kv, start, rows, draw: draws.get(i).copied() });
         }
         self.execute(tokens, &mut segments)
     }
@@ -388,6 +400,21 @@ impl CpuExecutable {
             }
             Kernel::TopK { x, out, width, count, cap } => {
                 kernels::top_k_rows(a.f32(x, rows * width), width, count, cap, a.f32_mut(out, rows * 2 * count));
+            }
+            Kernel::Draw { x, out, width, among } => {
+                let x = a.f32(x, rows * width);
+                let draws = segments.iter().map(|s| s.draw).collect::<Option<Vec<DrawSpec>>>();
+                let draws =
+                    draws.filter(|d| d.len() >= rows).ok_or_else(|| RuntimeError::StepShape("a drawing step without its draws".into()))?;
+                let out = kernels::SharedMut(a.i32_mut(out, rows).as_mut_ptr());
+                // (A row a task: a draw among the whole vocabulary weighs every token.)
+                pool.for_chunks(rows, 1, &|range| {
+                    let mut weights = Vec::new();
+                    for r in range {
+                        // SAFETY: each task writes its own rows.
+                        unsafe { *out.ptr().add(r) = draw::draw_row(&x[r * width..(r + 1) * width], among, &draws[r], &mut weights) };
+                    }
+                });
             }
             Kernel::Argmax { x, out, width } => {
                 let x = a.f32(x, rows * width);

@@ -70,6 +70,10 @@ impl Backend for CpuBackend {
     fn takes_candidates(&self, _vocab: usize) -> bool {
         true
     }
+
+    fn draws(&self, among: kiln_ir::Among, vocab: usize) -> bool {
+        among == kiln_ir::Among::Vocabulary || vocab >= kiln_ir::CANDIDATES
+    }
 }
 
 /// Recovers the CPU weights behind a `dyn DeviceWeights`.

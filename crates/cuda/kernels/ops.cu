@@ -537,3 +537,356 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) top_k_final(const flo
         o[count + rank] = (float)j;
     }
 }
+
+// Draws (kiln_ir::Op::Draw; exec.rs `Kernel::Draw`): the token kiln_runtime::draw::draw_row draws,
+// bit for bit. Every float operation is rounded on its own (__fmul_rn and kin: no fused
+// multiply-add where the host has none), the divisions are IEEE ones, the sums are the host's
+// doubles in the host's order. A sequence's draw lies in the step buffer (DRAW_BYTES each, from
+// `draws`): the generator's four words (xoshiro256**), then the temperature, top-k, top-p and
+// min-p. The generator is not advanced here: the host steps its own copy past each draw.
+#define DRAW_BYTES 48
+#define DRAW_THREADS 1024
+#define DRAW_RUN 1024
+
+struct DrawSpec {
+    u64 s[4];
+    float t, top_p, min_p;
+    u32 top_k;
+};
+
+__device__ __forceinline__ DrawSpec draw_spec(const u8* draws, int seq) {
+    const u64* w = (const u64*)(draws + (u64)DRAW_BYTES * seq);
+    const u32* f = (const u32*)(w + 4);
+    DrawSpec d;
+#pragma unroll
+    for (int i = 0; i < 4; i++) d.s[i] = w[i];
+    d.t = __uint_as_float(f[0]);
+    d.top_k = f[1];
+    d.top_p = __uint_as_float(f[2]);
+    d.min_p = __uint_as_float(f[3]);
+    return d;
+}
+
+// The generator's next output from state s as a double in [0, 1) (its top 53 bits): `Rng::next_f64`.
+__device__ __forceinline__ double draw_uniform(const DrawSpec& d) {
+    u64 x = d.s[1] * 5;
+    x = ((x << 7) | (x >> 57)) * 9;
+    return (double)(x >> 11) / 9007199254740992.0;
+}
+
+// e^x for x <= 0: `draw::exp_nonpositive`, operation for operation.
+__device__ __forceinline__ float draw_exp(float x) {
+    const float ROUND = 12582912.0f, LN2_HI = 0.6933594f, LN2_LO = -2.1219444e-4f;
+    const float m = __fadd_rn(fmaxf(__fmul_rn(x, 1.44269504088896340736f), -126.0f), ROUND);
+    const float n = __fsub_rn(m, ROUND);
+    const float r = __fsub_rn(__fsub_rn(fmaxf(x, -88.0f), __fmul_rn(n, LN2_HI)), __fmul_rn(n, LN2_LO));
+    float p = __fadd_rn(__fmul_rn(1.9875692e-4f, r), 1.3981999e-3f);
+    p = __fadd_rn(__fmul_rn(p, r), 8.333452e-3f);
+    p = __fadd_rn(__fmul_rn(p, r), 4.1665796e-2f);
+    p = __fadd_rn(__fmul_rn(p, r), 0.16666665f);
+    p = __fadd_rn(__fmul_rn(p, r), 0.5f);
+    const float er = __fadd_rn(__fadd_rn(__fmul_rn(__fmul_rn(p, r), r), r), 1.0f);
+    const int e = (int)(__float_as_uint(m) - __float_as_uint(ROUND));
+    const float scale = __uint_as_float((u32)(e + 127) << 23);
+    return x >= -87.0f ? __fmul_rn(er, scale) : 0.0f;
+}
+
+// The weight of logit l at temperature t below the largest scaled logit mx: e^(l/t - mx).
+__device__ __forceinline__ float draw_weight(float l, float t, float mx) { return draw_exp(__fsub_rn(__fdiv_rn(l, t), mx)); }
+
+// One warp per row of a top-k head's candidates (`width` = 2 x TOPK_MAX: values, then ids):
+// `draw::draw_among`. Lane i holds candidates i and i + 32; their ranks by key (scaled logit,
+// then the lower id) order them; lane 0 then walks the kept ones as the host does.
+extern "C" __global__ void draw_candidates(const float* x, int* out, int width, const u8* draws) {
+    __shared__ float sv[TOPK_MAX];
+    __shared__ u32 sid[TOPK_MAX];
+    __shared__ float sw[TOPK_MAX];
+    pdl_wait();
+    const int r = blockIdx.x, lane = threadIdx.x;
+    const float* row = x + (u64)r * width;
+    const DrawSpec d = draw_spec(draws, r);
+    const float v0 = row[lane], v1 = row[lane + 32];
+    const u32 i0 = (u32)row[TOPK_MAX + lane], i1 = (u32)row[TOPK_MAX + lane + 32];
+    const bool bad = __any_sync(0xffffffffu, !(fabsf(v0) <= 3.402823466e38f) || !(fabsf(v1) <= 3.402823466e38f));
+    if (bad) {
+        if (lane == 0) out[r] = -1;
+        return;
+    }
+    const float t = d.t, top = row[0];
+    if (t == 0.0f) {
+        if (lane == 0) out[r] = (int)(u32)row[TOPK_MAX];
+        return;
+    }
+    // (Keys with the ids: distinct.)
+    const u64 key0 = top_key(__fdiv_rn(v0, t), i0), key1 = top_key(__fdiv_rn(v1, t), i1);
+    int rank0 = 0, rank1 = 0;
+    for (int j = 0; j < 32; j++) {
+        const u64 a = __shfl_sync(0xffffffffu, key0, j), b = __shfl_sync(0xffffffffu, key1, j);
+        rank0 += (a > key0) + (b > key0);
+        rank1 += (a > key1) + (b > key1);
+    }
+    sv[rank0] = v0;
+    sid[rank0] = i0;
+    sv[rank1] = v1;
+    sid[rank1] = i1;
+    __syncwarp();
+    const float mx = __fdiv_rn(top, t);
+    if (!(fabsf(mx) <= 3.402823466e38f)) {
+        if (lane == 0) out[r] = (int)sid[0];
+        return;
+    }
+    const int k = (int)max(min(d.top_k, (u32)TOPK_MAX), 1u);
+    if (lane < k) sw[lane] = draw_weight(sv[lane], t, mx);
+    if (lane + 32 < k) sw[lane + 32] = draw_weight(sv[lane + 32], t, mx);
+    __syncwarp();
+    if (lane != 0) return;
+    // `listed`: the top-k's total, then `kept` (top-p, min-p), then `draw_listed` over the kept.
+    double total = 0.0;
+    for (int j = 0; j < k; j++) total += (double)sw[j];
+    const double target = __dmul_rn((double)d.top_p, total);
+    double cum = 0.0;
+    int keep = max(k, 1);
+    for (int j = 0; j < k; j++) {
+        const float w = sw[j];
+        if (w <= 0.0f || (d.min_p > 0.0f && w < d.min_p)) {
+            keep = max(j, 1);
+            break;
+        }
+        cum += (double)w;
+        if (d.top_p < 1.0f && cum >= target) {
+            keep = j + 1;
+            break;
+        }
+    }
+    double kept = 0.0;
+    for (int j = 0; j < keep; j++) kept += (double)sw[j];
+    double rem = __dmul_rn(draw_uniform(d), kept);
+    for (int j = 0; j < keep; j++) {
+        if (rem < (double)sw[j]) {
+            out[r] = (int)sid[j];
+            return;
+        }
+        rem -= (double)sw[j];
+    }
+    // (Rounding left rem at the end: the last one with any weight.)
+    int last = 0;
+    for (int j = keep - 1; j >= 0; j--) {
+        if (sw[j] > 0.0f) {
+            last = j;
+            break;
+        }
+    }
+    out[r] = (int)sid[last];
+}
+
+// A draw among a row of `width` logits (`draw::draw_vocabulary`) in three launches,
+// over runs of DRAW_RUN tokens (the host's runs): `draw_runs_max` takes each run's largest logit,
+// whether it holds a value that is not finite, and its likeliest token's key (for temperature
+// 0); `draw_runs_sum` each run's sum of weights (its eight interleaved sums, then those in order:
+// `run_sum`); `draw_vocabulary`, a block a row, the total, the run the draw falls in, and the walk
+// through that run's tokens. The partials per (row, run) at `part`: sums (f64), keys (u64), maxima
+// (f32), flags (i32), each an array of rows x runs.
+struct DrawParts {
+    double* sum;
+    u64* key;
+    float* max;
+    int* bad;
+};
+
+__device__ __forceinline__ DrawParts draw_parts(u8* part, int rows, int runs) {
+    const u64 n = (u64)rows * runs;
+    DrawParts p;
+    p.sum = (double*)part;
+    p.key = (u64*)(part + 8 * n);
+    p.max = (float*)(part + 16 * n);
+    p.bad = (int*)(part + 20 * n);
+    return p;
+}
+
+// Block-wide reductions of DRAW_THREADS threads (every thread gets the result).
+__device__ __forceinline__ float draw_block_max(float v, float* scratch) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = scratch[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++) v = fmaxf(v, scratch[w]);
+    return v;
+}
+
+__device__ __forceinline__ u64 draw_block_key(u64 k, u64* scratch) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 b = __shfl_xor_sync(0xffffffffu, k, o);
+        k = b > k ? b : k;
+    }
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = k;
+    __syncthreads();
+    k = scratch[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++) k = scratch[w] > k ? scratch[w] : k;
+    return k;
+}
+
+// Grid (runs, rows), DRAW_THREADS threads: run q of row r's largest logit, flag and likeliest key.
+extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_runs_max(const float* x, int width, u8* part) {
+    __shared__ float smax[32];
+    __shared__ u64 skey[32];
+    pdl_wait();
+    const int q = blockIdx.x, r = blockIdx.y, runs = gridDim.x, lo = q * DRAW_RUN, len = min(DRAW_RUN, width - lo);
+    const float* row = x + (u64)r * width + lo;
+    float m = -INFINITY;
+    u64 key = 0;
+    int bad = 0;
+    for (int i = threadIdx.x; i < len; i += blockDim.x) {
+        const float v = row[i];
+        bad |= !(fabsf(v) <= 3.402823466e38f);
+        m = fmaxf(m, v);
+        // (-0 as +0: the host compares the values, not their bits.)
+        const u64 k = top_key(__fadd_rn(v, 0.0f), (u32)(lo + i));
+        key = k > key ? k : key;
+    }
+    bad = __syncthreads_or(bad);
+    m = draw_block_max(m, smax);
+    key = draw_block_key(key, skey);
+    if (threadIdx.x == 0) {
+        const DrawParts p = draw_parts(part, gridDim.y, runs);
+        p.max[r * runs + q] = m;
+        p.key[r * runs + q] = key;
+        p.bad[r * runs + q] = bad;
+    }
+}
+
+// The row's largest scaled logit mx = max / t, or a flag: 1 where the row holds a value that is not
+// finite, 2 where there is no softmax (temperature 0, or mx not finite): every thread reads the
+// runs' partials.
+__device__ __forceinline__ int draw_scale(const DrawParts& p, int r, int runs, float t, float* mx, float* scratch) {
+    float m = -INFINITY;
+    int bad = 0;
+    for (int q = threadIdx.x; q < runs; q += blockDim.x) {
+        m = fmaxf(m, p.max[r * runs + q]);
+        bad |= p.bad[r * runs + q];
+    }
+    bad = __syncthreads_or(bad);
+    m = draw_block_max(m, scratch);
+    if (bad) return 1;
+    if (t == 0.0f) return 2;
+    *mx = __fdiv_rn(m, t);
+    return fabsf(*mx) <= 3.402823466e38f ? 0 : 2;
+}
+
+// Grid (runs, rows), DRAW_THREADS threads: run q of row r's sum of weights (`run_sum`).
+extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_runs_sum(const float* x, int width, const u8* draws, u8* part) {
+    __shared__ float sw[DRAW_RUN];
+    __shared__ float scratch[32];
+    __shared__ double acc[8];
+    pdl_wait();
+    const int q = blockIdx.x, r = blockIdx.y, runs = gridDim.x, lo = q * DRAW_RUN, len = min(DRAW_RUN, width - lo);
+    const DrawParts p = draw_parts(part, gridDim.y, runs);
+    const float t = draw_spec(draws, r).t;
+    float mx = 0.0f;
+    if (draw_scale(p, r, runs, t, &mx, scratch) != 0) return;
+    const float* row = x + (u64)r * width + lo;
+    for (int i = threadIdx.x; i < len; i += blockDim.x) sw[i] = draw_weight(row[i], t, mx);
+    __syncthreads();
+    if (threadIdx.x < 8) {
+        const int j = threadIdx.x, whole = len & ~7;
+        double a = 0.0;
+        for (int i = j; i < whole; i += 8) a += (double)sw[i];
+        if (whole + j < len) a += (double)sw[whole + j];
+        acc[j] = a;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double s = 0.0;
+        for (int j = 0; j < 8; j++) s += acc[j];
+        p.sum[r * runs + q] = s;
+    }
+}
+
+// One block (DRAW_THREADS) a row: the draw, from the runs' partials.
+extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_vocabulary(const float* x, int* out, int width, const u8* draws, u8* part) {
+    __shared__ float sw[DRAW_RUN];
+    __shared__ float scratch[32];
+    __shared__ u64 skey[32];
+    __shared__ int srun;
+    __shared__ double srem;
+    pdl_wait();
+    const int r = blockIdx.x, t = threadIdx.x, runs = (width + DRAW_RUN - 1) / DRAW_RUN;
+    const float* row = x + (u64)r * width;
+    const DrawSpec d = draw_spec(draws, r);
+    const DrawParts p = draw_parts(part, gridDim.x, runs);
+    const float temp = d.t;
+    float mx = 0.0f;
+    const int how = draw_scale(p, r, runs, temp, &mx, scratch);
+    if (how == 1) {
+        if (t == 0) out[r] = -1;
+        return;
+    }
+    if (how == 2) {
+        // The likeliest: at temperature 0 the runs' keys of the largest logit; else (l / t not
+        // finite) the largest key of l / t, the lowest id among equals.
+        u64 best = 0;
+        if (temp == 0.0f) {
+            for (int q = t; q < runs; q += DRAW_THREADS) best = p.key[r * runs + q] > best ? p.key[r * runs + q] : best;
+        } else {
+            for (int i = t; i < width; i += DRAW_THREADS) {
+                const u64 k = top_key(__fdiv_rn(row[i], temp), (u32)i);
+                best = k > best ? k : best;
+            }
+        }
+        best = draw_block_key(best, skey);
+        if (t == 0) out[r] = (int)(0xffffffffu - (u32)best);
+        return;
+    }
+    if (t == 0) {
+        double total = 0.0;
+        for (int q = 0; q < runs; q++) total += p.sum[r * runs + q];
+        double rem = __dmul_rn(draw_uniform(d), total);
+        int q = 0;
+        for (; q < runs; q++) {
+            const double s = p.sum[r * runs + q];
+            if (rem < s) break;
+            rem -= s;
+        }
+        srun = q;
+        srem = rem;
+    }
+    __syncthreads();
+    // The walk, from that run's first token on (past it only where rounding carries it).
+    double rem = srem;
+    for (int q = srun; q < runs; q++) {
+        const int lo = q * DRAW_RUN, len = min(DRAW_RUN, width - lo);
+        for (int i = t; i < len; i += DRAW_THREADS) sw[i] = draw_weight(row[lo + i], temp, mx);
+        __syncthreads();
+        if (t == 0) {
+            int got = -1;
+            for (int i = 0; i < len; i++) {
+                if (rem < (double)sw[i]) {
+                    got = lo + i;
+                    break;
+                }
+                rem -= (double)sw[i];
+            }
+            srun = got;
+        }
+        __syncthreads();
+        if (srun >= 0) {
+            if (t == 0) out[r] = srun;
+            return;
+        }
+        __syncthreads();
+    }
+    // (Rounding left rem at the end: the last token with any weight.)
+    if (t == 0) {
+        int last = 0;
+        for (int i = width - 1; i >= 0; i--) {
+            if (draw_weight(row[i], temp, mx) > 0.0f) {
+                last = i;
+                break;
+            }
+        }
+        out[r] = last;
+    }
+}

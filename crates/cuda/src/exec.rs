@@ -6,9 +6,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaGraph};
-use kiln_ir::{Bucket, DType, RopeMode};
+use kiln_ir::{Among, Bucket, DType, RopeMode, CANDIDATES};
 use kiln_quant::GgmlType;
-use kiln_runtime::{Executable, HostData, HostTensor, Kernel, KvCache, KvType, Plan, Rows, RuntimeError, Slot, Step, StepInputs, WeightId};
+use kiln_runtime::{
+    DrawSpec, Executable, HostData, HostTensor, Kernel, KvCache, KvType, Plan, Rows, RuntimeError, Slot, Step, StepInputs, WeightId,
+};
 
 use crate::device::{cuda_err, Arg, Device, DeviceBuffer, Scratch};
 use crate::kv::CudaKvCache;
@@ -48,6 +50,14 @@ const TOPK_SLICE: usize = 4096;
 pub(crate) fn top_k_takes(width: usize, count: usize) -> bool {
     count > 0 && count <= TOPK_MAX && width.div_ceil(TOPK_SLICE) * count <= TOPK_SLICE
 }
+
+/// Bytes of a sequence's draw in the step buffer (`DRAW_BYTES` in ops.cu): the generator's four
+/// 64-bit words, then the temperature, top-k, top-p and min-p (32 bits each).
+const DRAW_BYTES: usize = 48;
+/// Threads of a draw's launches among the whole vocabulary, and tokens of its runs (`DRAW_THREADS`,
+/// `DRAW_RUN` in ops.cu).
+const DRAW_THREADS: u32 = 1024;
+const DRAW_RUN: usize = 1024;
 
 /// Word offset of the top-k partials in the head buffer, after `head_values` products and the
 /// argmax partials of `rows` rows: even, so that their 8-byte keys are aligned (an odd vocabulary
@@ -511,6 +521,15 @@ fn check_kernel(kernel: &Kernel, weights: &dyn WeightShapes) -> Result<(), Runti
                     "a top-{count} step over rows of {width} (at most {TOPK_MAX} values of rows of {})",
                     TOPK_SLICE * TOPK_SLICE / count.max(1)
                 )));
+            }
+        }
+        Kernel::Draw { width, among, .. } => {
+            let fits = match among {
+                Among::Candidates => width == 2 * CANDIDATES,
+                Among::Vocabulary => width >= 1,
+            };
+            if !fits {
+                return Err(cuda_err(format!("a draw {among:?} from rows of {width} (a top-{CANDIDATES}'s, or logits)")));
             }
         }
         Kernel::Embed { .. }
@@ -1391,9 +1410,15 @@ impl StepLayout {
         ((4 + 5 * self.rows + self.seqs) * 4).next_multiple_of(8)
     }
 
+    /// Byte offset of the sequences' draws (`DRAW_BYTES` each: the generator's state, then the
+    /// temperature, top-k, top-p and min-p).
+    fn draws_at(&self) -> usize {
+        self.kv_at() + 16 * self.layers * self.seqs
+    }
+
     /// Bytes of the buffer.
     fn bytes(&self) -> usize {
-        self.kv_at() + 16 * self.layers * self.seqs
+        self.draws_at() + DRAW_BYTES * self.seqs
     }
 
     /// Byte offset of layer `layer`'s cache addresses (sequence s: the pair at `16 s` from it).
@@ -1402,8 +1427,9 @@ impl StepLayout {
     }
 
     /// The buffer's words for `tokens` in consecutive runs of rows, one per sequence: segment
-    /// `(cache, first, rows)` is `rows` rows at positions `first..` of `cache`.
-    fn words(&self, tokens: &[u32], segments: &[(&CudaKvCache, usize, usize)]) -> Vec<u32> {
+    /// `(cache, first, rows)` is `rows` rows at positions `first..` of `cache`; `draws`: the
+    /// sequences' draws (none where the plan does not draw).
+    fn words(&self, tokens: &[u32], segments: &[(&CudaKvCache, usize, usize)], draws: &[DrawSpec]) -> Vec<u32> {
         let mut w = Vec::with_capacity(self.bytes() / 4);
         w.extend([tokens.len() as u32, segments.len() as u32, self.rows as u32, 0]);
         let mut first = 0;
@@ -1430,6 +1456,11 @@ impl StepLayout {
             }
         }
         w.extend(table.iter().flat_map(|&p| [p as u32, (p >> 32) as u32]));
+        for d in draws {
+            w.extend(d.rng.0.iter().flat_map(|&s| [s as u32, (s >> 32) as u32]));
+            w.extend([d.temperature.to_bits(), d.top_k, d.top_p.to_bits(), d.min_p.to_bits()]);
+        }
+        w.resize(self.bytes() / 4, 0);
         w
     }
 }
@@ -1509,6 +1540,8 @@ struct Ahead {
     /// The token it processes (None: the step before's products were not finite, so it ran with
     /// token 0, set_inputs, and is never used).
     token: Option<u32>,
+    /// The draw it makes (None: a greedy step).
+    draw: Option<DrawSpec>,
     slot: usize,
 }
 
@@ -1696,6 +1729,10 @@ impl CudaExecutable {
                 }
                 Kernel::TopK { width, count, .. } => {
                     top_k_words = top_k_words.max(rows_of(step.rows, plan.rows(), seqs) * top_k_part_words(*width, *count));
+                }
+                // (Its runs' partials where the top-k's lie: no plan has both.)
+                Kernel::Draw { among: Among::Vocabulary, width, .. } => {
+                    top_k_words = top_k_words.max(rows_of(step.rows, plan.rows(), seqs) * width.div_ceil(DRAW_RUN) * 6);
                 }
                 Kernel::RopeScaled { spec, .. } => {
                     if let Some(f) = spec.freq_factors.as_ref().filter(|f| !rope_factors.iter().any(|(g, _)| g == *f)) {
@@ -2443,6 +2480,29 @@ impl CudaExecutable {
                 ],
             )?,
             Kernel::Argmax { x, out, width } => self.argmax(self.slot(x), self.slot(out), rows, width)?,
+            Kernel::Draw { x, out, width, among } => {
+                let (x, out, draws) = (self.slot(x), self.slot(out), self.step.ptr() + self.layout.draws_at() as u64);
+                match among {
+                    Among::Candidates => d.launch(
+                        "draw_candidates",
+                        (rows as u32, 1),
+                        32,
+                        &[Arg::U64(x), Arg::U64(out), Arg::I32(width as i32), Arg::U64(draws)],
+                    )?,
+                    Among::Vocabulary => {
+                        let part = self.head.ptr() + 4 * top_k_at(self.head_values, self.plan.rows()) as u64;
+                        let (grid, w) = ((width.div_ceil(DRAW_RUN) as u32, rows as u32), Arg::I32(width as i32));
+                        d.launch("draw_runs_max", grid, DRAW_THREADS, &[Arg::U64(x), w, Arg::U64(part)])?;
+                        d.launch("draw_runs_sum", grid, DRAW_THREADS, &[Arg::U64(x), w, Arg::U64(draws), Arg::U64(part)])?;
+                        d.launch(
+                            "draw_vocabulary",
+                            (rows as u32, 1),
+                            DRAW_THREADS,
+                            &[Arg::U64(x), Arg::U64(out), w, Arg::U64(draws), Arg::U64(part)],
+                        )?
+                    }
+                }
+            }
             Kernel::MatMulTopK { x, w: wid, out, n, count, cap, .. } => {
                 self.matmul(self.slot(x), wid, self.head.ptr(), rows, scratch, None)?;
                 self.top_k(self.head.ptr(), self.slot(out), rows, n, count, cap)?;
@@ -2613,12 +2673,22 @@ impl Executable for CudaExecutable {
         if kv.len != inputs.start_pos {
             return Err(RuntimeError::StepShape(format!("step starts at {} but the KV cache holds {}", inputs.start_pos, kv.len)));
         }
-        self.execute(inputs.tokens, &[inputs.tokens.len()], &mut [kv])
+        self.plan.check_draws(inputs.draw.iter().len(), 1)?;
+        let draws: Vec<DrawSpec> = inputs.draw.into_iter().copied().filter(|_| self.plan.draws()).collect();
+        self.execute(inputs.tokens, &[inputs.tokens.len()], &mut [kv], &draws)
     }
 
-    fn run_batch(&mut self, tokens: &[u32], rows: &[usize], kvs: &mut [&mut dyn KvCache]) -> Result<Vec<HostTensor>, RuntimeError> {
+    fn run_batch(
+        &mut self,
+        tokens: &[u32],
+        rows: &[usize],
+        kvs: &mut [&mut dyn KvCache],
+        draws: &[DrawSpec],
+    ) -> Result<Vec<HostTensor>, RuntimeError> {
+        self.plan.check_draws(draws.len(), kvs.len())?;
+        let draws = if self.plan.draws() { draws } else { &[] };
         let mut caches = kvs.iter_mut().map(|kv| cuda_kv(&mut **kv)).collect::<Result<Vec<_>, _>>()?;
-        self.execute(tokens, rows, &mut caches)
+        self.execute(tokens, rows, &mut caches, draws)
     }
 }
 
@@ -2633,7 +2703,13 @@ impl CudaExecutable {
     /// Runs the plan over `tokens`, consecutive runs of `rows[i]` rows for the sequence whose
     /// cache is `kvs[i]` (at positions from its length on), appends their keys and values, and
     /// copies the outputs back (one row per sequence where the plan keeps their last rows).
-    fn execute(&mut self, tokens: &[u32], rows: &[usize], kvs: &mut [&mut CudaKvCache]) -> Result<Vec<HostTensor>, RuntimeError> {
+    fn execute(
+        &mut self,
+        tokens: &[u32],
+        rows: &[usize],
+        kvs: &mut [&mut CudaKvCache],
+        draws: &[DrawSpec],
+    ) -> Result<Vec<HostTensor>, RuntimeError> {
         let n = tokens.len();
         if n == 0 || n > self.plan.rows() {
             return Err(RuntimeError::StepShape(format!("{n} tokens for a plan of {} rows", self.plan.rows())));
@@ -2666,7 +2742,7 @@ impl CudaExecutable {
             self.check_kv(kv)?;
         }
         if n == 1 && kvs.len() == 1 && self.runs_ahead() {
-            return self.greedy_step(tokens[0], kvs[0]);
+            return self.greedy_step(tokens[0], kvs[0], draws.first().copied());
         }
         // (A step launched ahead for another call is left to finish: its cache row lies past the
         // cache's length, and the next step at that position writes it again.)
@@ -2675,7 +2751,7 @@ impl CudaExecutable {
         let mut scratch = device.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
         device.ctx.bind_to_thread().map_err(cuda_err)?;
         let segments: Vec<(&CudaKvCache, usize, usize)> = kvs.iter().zip(rows).map(|(kv, &r)| (&**kv, kv.len, r)).collect();
-        self.upload_step(tokens, &segments)?;
+        self.upload_step(tokens, &segments, draws)?;
         let run = Active { rows: n, seqs: kvs.len(), context, kv: elem };
         if !self.graphed(n) {
             self.enqueue(run, &mut scratch)?;
@@ -2733,16 +2809,17 @@ impl CudaExecutable {
 }
 
 impl CudaExecutable {
-    /// Writes the step buffer's words for `tokens` in `segments` (`StepLayout::words`), in stream order.
-    fn upload_step(&self, tokens: &[u32], segments: &[(&CudaKvCache, usize, usize)]) -> Result<(), RuntimeError> {
-        let step = self.layout.words(tokens, segments);
+    /// Writes the step buffer's words for `tokens` in `segments` with `draws`
+    /// (`StepLayout::words`), in stream order.
+    fn upload_step(&self, tokens: &[u32], segments: &[(&CudaKvCache, usize, usize)], draws: &[DrawSpec]) -> Result<(), RuntimeError> {
+        let step = self.layout.words(tokens, segments, draws);
         // SAFETY: the step buffer holds layout.bytes() bytes, as many as the words (the callers
         // check rows and sequences against the plan's); pageable memory is staged before return.
         unsafe { cudarc::driver::result::memcpy_htod_async(self.step.ptr(), &step, self.device.stream.cu_stream()) }.map_err(cuda_err)
     }
 
     /// Whether one-row steps of this plan may run one ahead: a captured one-row decode plan whose
-    /// only output is the greedy token.
+    /// only output is the next token (greedy, or drawn).
     fn runs_ahead(&self) -> bool {
         matches!(self.plan.bucket, Bucket::Decode { .. })
             && self.plan.rows() == 1
@@ -2750,16 +2827,18 @@ impl CudaExecutable {
             && matches!(self.plan.outputs.as_slice(), [o] if o.dtype == DType::I32 && o.width == 1)
     }
 
-    /// Launches the step for `token` at the cache's position p, or takes the one launched ahead
-    /// for it, and, when the call continues a run of greedy steps of this cache and the bucket and
-    /// the cache have room, launches the step for position p + 1 before reading this one's token
-    /// back: its token is this step's, copied on the device into its step buffer. So the device
-    /// does not idle while the host reads a token and asks for the next step (a greedy run's steps
-    /// follow each other on the device). Its cache row lies past the cache's length until the host
-    /// asks for that step (with any other token or in another bucket, the step runs again and
-    /// writes the row again: no step reads a row past the cache's length, and a sliding layer's
-    /// ring slot it overwrote held a position no later step sees).
-    fn greedy_step(&mut self, token: u32, kv: &mut CudaKvCache) -> Result<Vec<HostTensor>, RuntimeError> {
+    /// Launches the step for `token` at the cache's position p (with the sequence's `draw` where
+    /// the plan draws), or takes the one launched ahead for it, and, when the call continues a run
+    /// of such steps of this cache and the bucket and the cache have room, launches the step for
+    /// position p + 1 before reading this one's token back: its token is this step's, copied on
+    /// the device into its step buffer, and its draw this one's with the generator one number on
+    /// (as the sampler steps past a draw: `Sampler::drew`). So the device does not idle while
+    /// the host reads a token and asks for the next step (a run's steps follow each other on the
+    /// device). Its cache row lies past the cache's length until the host asks for that step
+    /// (with any other token or draw or in another bucket, the step runs again and writes the
+    /// row again: no step reads a row past the cache's length, and a sliding layer's ring slot it
+    /// overwrote held a position no later step sees).
+    fn greedy_step(&mut self, token: u32, kv: &mut CudaKvCache, draw: Option<DrawSpec>) -> Result<Vec<HostTensor>, RuntimeError> {
         let device = self.device.clone();
         let mut scratch = device.lock.lock().map_err(|_| cuda_err("a previous CUDA step panicked"))?;
         device.ctx.bind_to_thread().map_err(cuda_err)?;
@@ -2767,13 +2846,13 @@ impl CudaExecutable {
         let (cache, p) = (kv.id, kv.len);
         let out = self.slot(self.plan.outputs[0].slot);
         let run = Active { rows: 1, seqs: 1, context: kv.context, kv: kv.elem };
-        // (Only a run of greedy steps of one cache with nothing between them goes ahead: sessions
-        // that take turns would each waste a step.)
+        // (Only a run of steps of one cache with nothing between them goes ahead: sessions that
+        // take turns would each waste a step.)
         let continues = self.last_greedy == Some((cache, kv.steps));
         let launched = match self.ahead.take() {
-            Some(a) if continues && a.token == Some(token) => a.slot,
+            Some(a) if continues && a.token == Some(token) && a.draw == draw => a.slot,
             _ => {
-                self.upload_step(&[token], &[(&*kv, p, 1)])?;
+                self.upload_step(&[token], &[(&*kv, p, 1)], draw.as_slice())?;
                 self.replay(run, &mut scratch)?;
                 // (Either word: a copy into it still queued from a step abandoned ahead lands
                 // before this one, and its event is recorded again after.)
@@ -2785,8 +2864,14 @@ impl CudaExecutable {
             return Err(cuda_err("a greedy step of a plan that is not a decode plan"));
         };
         let ahead = continues && p + 2 <= past && p + 2 <= kv.context;
+        let next_draw = draw.map(|mut d| {
+            if d.temperature > 0.0 {
+                d.rng.next_u64();
+            }
+            d
+        });
         if ahead {
-            self.upload_step(&[0], &[(&*kv, p + 1, 1)])?;
+            self.upload_step(&[0], &[(&*kv, p + 1, 1)], next_draw.as_slice())?;
             let token_at = self.step.ptr() + self.layout.tokens_at() as u64;
             // SAFETY: the token word lies in the step buffer, the output slot holds one i32
             // written by the step before (stream order).
@@ -2800,7 +2885,7 @@ impl CudaExecutable {
         kv.len += 1;
         kv.steps += 1;
         if ahead {
-            self.ahead = Some(Ahead { token: u32::try_from(got).ok(), slot: 1 - launched });
+            self.ahead = Some(Ahead { token: u32::try_from(got).ok(), draw: next_draw, slot: 1 - launched });
         }
         self.last_greedy = Some((cache, kv.steps));
         Ok(vec![HostTensor { name: self.plan.outputs[0].name.clone(), shape: [1, 1], data: HostData::I32(vec![got]) }])

@@ -100,6 +100,11 @@ impl Backend for CudaBackend {
     fn takes_candidates(&self, vocab: usize) -> bool {
         exec::top_k_takes(vocab, kiln_ir::CANDIDATES)
     }
+
+    /// Among the candidates of a top-k head (at least 64 tokens), or among all logits.
+    fn draws(&self, among: kiln_ir::Among, vocab: usize) -> bool {
+        among == kiln_ir::Among::Vocabulary || (vocab >= kiln_ir::CANDIDATES && self.takes_candidates(vocab))
+    }
 }
 
 #[cfg(test)]

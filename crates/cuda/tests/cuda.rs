@@ -14,9 +14,10 @@ use kiln_cpu::CpuBackend;
 use kiln_cuda::CudaBackend;
 use kiln_gguf::GgufFile;
 use kiln_models::synth::{gemma3, llama, FormatMix, Gemma3Shape, LlamaArch, LlamaShape, SynthModel};
-use kiln_models::{Model, OutputMode, Session, StepOutput};
+use kiln_models::{Among, Model, OutputMode, Session, StepOutput};
 use kiln_quant::GgmlType;
-use kiln_runtime::{Backend, EngineConfig, KvType};
+use kiln_runtime::draw::{self, Rng as DrawRng};
+use kiln_runtime::{Backend, DrawSpec, EngineConfig, KvType};
 use serde_json::Value;
 
 fn cuda() -> Arc<CudaBackend> {
@@ -270,7 +271,7 @@ fn batched_prefill_matches<'m>(
     let want: Vec<Vec<f32>> = cpu_seqs.iter_mut().zip(prompts).map(|(s, p)| logits(s, p)).collect();
     let chunks: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
     let mut refs: Vec<&mut Session<'_>> = gpu_seqs.iter_mut().collect();
-    for (i, (got, want)) in g.forward_batch(&mut refs, &chunks, OutputMode::Logits).unwrap().into_iter().zip(&want).enumerate() {
+    for (i, (got, want)) in g.forward_batch(&mut refs, &chunks, OutputMode::Logits, &[]).unwrap().into_iter().zip(&want).enumerate() {
         let StepOutput::Logits(got) = got.unwrap() else { panic!("{what} gave no logits") };
         let e = rel_l2(&got, want);
         assert!(e < 1e-3, "{what}, sequence {i}: relative L2 {e:.2e}");
@@ -448,12 +449,75 @@ fn candidates_are_the_likeliest_logits() {
             let mut tokens: Vec<u32> = (0..5).map(|i| 7 + 31 * i as u32).collect();
             for step in 0..4 {
                 let (mut la, mut lb): (Vec<&mut Session<'_>>, Vec<&mut Session<'_>>) = seqs.iter_mut().map(|(x, y)| (x, y)).unzip();
-                let want = g.decode_batch(&mut la, &tokens, OutputMode::Logits).unwrap();
-                let got = g.decode_batch(&mut lb, &tokens, OutputMode::Candidates).unwrap();
+                let want = g.decode_batch(&mut la, &tokens, OutputMode::Logits, &[]).unwrap();
+                let got = g.decode_batch(&mut lb, &tokens, OutputMode::Candidates, &[]).unwrap();
                 for (i, (w, c)) in want.into_iter().zip(got).enumerate() {
                     let (StepOutput::Logits(w), StepOutput::Candidates(c)) = (w.unwrap(), c.unwrap()) else { panic!("batched outputs") };
                     check(&c, &w, &format!("vocabulary {vocab}, batched step {step}, sequence {i}"));
                     tokens[i] = c[(step + i) % 3].0;
+                }
+            }
+        }
+    }
+}
+
+/// A step that draws its token on the device draws what the host draws from the same plan's
+/// candidates or logits (`kiln_runtime::draw::draw_row`, bit for bit): one sequence at a time
+/// (with graphs, each step launched ahead of the host's call) and batched, a greedy sequence
+/// among them; the Gemma 2 fixture soft-caps its logits.
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+fn drawn_tokens_are_the_host_draws() {
+    let row_of = |out: StepOutput| match out {
+        StepOutput::Candidates(c) => c.iter().map(|x| x.1).chain(c.iter().map(|x| x.0 as f32)).collect::<Vec<f32>>(),
+        StepOutput::Logits(l) => l,
+        other => panic!("expected candidates or logits, got {other:?}"),
+    };
+    let token = |out: StepOutput| match out {
+        StepOutput::Token(t) => t,
+        other => panic!("expected a drawn token, got {other:?}"),
+    };
+    let spec = |i: usize, seed: u64| DrawSpec {
+        temperature: [0.8, 1.0, 1.7, 0.6, 0.0][i],
+        top_k: [20, 40, 63, 5, 1][i],
+        top_p: [0.95, 1.0, 0.9, 1.0, 1.0][i],
+        min_p: [0.0, 0.05, 0.0, 0.0, 0.0][i],
+        rng: DrawRng::new(seed),
+    };
+    let shape = Gemma3Shape { vocab: 8_251, ..small_shape() };
+    let mut weights = Vec::new();
+    for (m, vocab) in [(gemma3(&shape, FormatMix::Q4KM, 29), 8_251), (family_model("gemma2"), 512)] {
+        for backend in [cuda(), cuda_host_launches()] {
+            let g = load(&m, backend);
+            for among in [Among::Candidates, Among::Vocabulary] {
+                let plain = if among == Among::Candidates { OutputMode::Candidates } else { OutputMode::Logits };
+                for i in 0..4 {
+                    let (mut a, mut b) = (g.new_session().unwrap(), g.new_session().unwrap());
+                    let mut d = spec(i, 40 + i as u64);
+                    let mut feed = prompt(21, vocab);
+                    for step in 0..16 {
+                        let got = token(a.forward_with(&feed, OutputMode::Drawn(among), Some(&d)).unwrap());
+                        let want = draw::draw_row(&row_of(b.forward(&feed, plain).unwrap()), among, &d, &mut weights);
+                        assert_eq!(got as i32, want, "vocabulary {vocab}, {among:?}, draw {i}, step {step}");
+                        d.rng.next_u64();
+                        feed = vec![got];
+                    }
+                }
+                let mut seqs: Vec<(Session<'_>, Session<'_>)> =
+                    (0..5).map(|_| (g.new_session().unwrap(), g.new_session().unwrap())).collect();
+                let mut tokens: Vec<u32> = (0..5).map(|i| 7 + 31 * i as u32).collect();
+                let mut draws: Vec<DrawSpec> = (0..5).map(|i| spec(i, 90 + i as u64)).collect();
+                for step in 0..6 {
+                    let (mut la, mut lb): (Vec<&mut Session<'_>>, Vec<&mut Session<'_>>) = seqs.iter_mut().map(|(x, y)| (x, y)).unzip();
+                    let got = g.decode_batch(&mut la, &tokens, OutputMode::Drawn(among), &draws).unwrap();
+                    let rows = g.decode_batch(&mut lb, &tokens, plain, &[]).unwrap();
+                    for (i, (got, row)) in got.into_iter().zip(rows).enumerate() {
+                        let (got, row) = (token(got.unwrap()), row_of(row.unwrap()));
+                        let want = draw::draw_row(&row, among, &draws[i], &mut weights);
+                        assert_eq!(got as i32, want, "vocabulary {vocab}, {among:?}, batched step {step}, sequence {i}");
+                        draws[i].rng.next_u64();
+                        tokens[i] = got;
+                    }
                 }
             }
         }
@@ -472,7 +536,7 @@ fn batched_decode_steps(
     for step in 0..steps {
         let want: Vec<Vec<f32>> = cpu_seqs.iter_mut().zip(&tokens).map(|(s, &t)| logits(s, &[t])).collect();
         let mut refs: Vec<&mut Session<'_>> = gpu_seqs.iter_mut().collect();
-        let got = g.decode_batch(&mut refs, &tokens, OutputMode::Logits).unwrap();
+        let got = g.decode_batch(&mut refs, &tokens, OutputMode::Logits, &[]).unwrap();
         for (i, (got, want)) in got.into_iter().zip(&want).enumerate() {
             let StepOutput::Logits(got) = got.unwrap() else { panic!("batched decode gave no logits") };
             let e = rel_l2(&got, want);
@@ -501,7 +565,7 @@ fn batched_steps_match_model(backend: Arc<CudaBackend>, m: &SynthModel, vocab: u
     let want: Vec<Vec<f32>> = cpu_seqs.iter_mut().zip(&prompts).map(|(s, p)| logits(s, p)).collect();
     let chunks: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
     let mut refs: Vec<&mut Session<'_>> = gpu_seqs.iter_mut().collect();
-    let got = g.forward_batch(&mut refs, &chunks, OutputMode::Logits).unwrap();
+    let got = g.forward_batch(&mut refs, &chunks, OutputMode::Logits, &[]).unwrap();
     let mut tokens = Vec::new();
     for (i, (got, want)) in got.into_iter().zip(&want).enumerate() {
         let StepOutput::Logits(got) = got.unwrap() else { panic!("batched prefill gave no logits") };
@@ -513,7 +577,7 @@ fn batched_steps_match_model(backend: Arc<CudaBackend>, m: &SynthModel, vocab: u
     let want: Vec<u32> = cpu_seqs.iter_mut().zip(&tokens).map(|(s, &t)| next_token(s, &[t])).collect();
     let mut refs: Vec<&mut Session<'_>> = gpu_seqs.iter_mut().collect();
     let got: Vec<u32> = g
-        .decode_batch(&mut refs, &tokens, OutputMode::NextToken)
+        .decode_batch(&mut refs, &tokens, OutputMode::NextToken, &[])
         .unwrap()
         .into_iter()
         .map(|t| match t.unwrap() {
@@ -530,7 +594,7 @@ fn batched_steps_match_model(backend: Arc<CudaBackend>, m: &SynthModel, vocab: u
     let mut refs: Vec<&mut Session<'_>> = gpu_seqs.iter_mut().take(3).collect();
     refs.push(&mut gpu_new);
     let chunks: Vec<&[u32]> = got.iter().take(3).map(std::slice::from_ref).chain([fresh.as_slice()]).collect();
-    let got = g.forward_batch(&mut refs, &chunks, OutputMode::Logits).unwrap();
+    let got = g.forward_batch(&mut refs, &chunks, OutputMode::Logits, &[]).unwrap();
     for (i, (got, want)) in got.into_iter().zip(&want).enumerate() {
         let StepOutput::Logits(got) = got.unwrap() else { panic!("mixed step gave no logits") };
         let e = rel_l2(&got, want);

@@ -34,6 +34,20 @@ pub enum OutputMode {
     /// (`candidates`: [sequences, 2 x CANDIDATES], see [`Op::TopK`]) — for sampling among the
     /// likeliest tokens only (top-k up to `CANDIDATES`), without the whole vocabulary's logits.
     Candidates,
+    /// The next token of each sequence's last active row drawn in the graph (`next_token`:
+    /// [sequences] i32, see [`Op::Draw`]) by the sampling parameters and random state the step
+    /// carries for each sequence: its draw's 4 bytes are all a sampled step reads back.
+    Drawn(Among),
+}
+
+/// What an [`Op::Draw`] draws from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Among {
+    /// The [`CANDIDATES`] likeliest tokens of an [`Op::TopK`] (top-k sampling below
+    /// `CANDIDATES`).
+    Candidates,
+    /// Every token's logit (temperature alone: no top-k, top-p or min-p cut).
+    Vocabulary,
 }
 
 /// Logits an [`OutputMode::Candidates`] step keeps per sequence.
@@ -47,7 +61,7 @@ impl OutputMode {
     pub fn output_name(self) -> &'static str {
         match self {
             OutputMode::Logits | OutputMode::AllLogits => "logits",
-            OutputMode::NextToken => "next_token",
+            OutputMode::NextToken | OutputMode::Drawn(_) => "next_token",
             OutputMode::Hidden => "hidden",
             OutputMode::Candidates => "candidates",
         }
@@ -236,6 +250,18 @@ pub enum Op {
         /// Soft cap applied to the kept values.
         cap: Option<f32>,
     },
+    /// A token drawn from each row of `x` by the sampling parameters and random state the step
+    /// carries for that row's sequence: [rows] i32 (-1 where the row holds a value that is not
+    /// finite). `among` says what `x` holds: an [`Op::TopK`]'s [rows, 2 x CANDIDATES] (drawn among
+    /// its first top-k) or [rows, vocab] logits (drawn among all). The draw is
+    /// `kiln_runtime::draw::draw_row`'s on every backend, so a seed gives the same tokens wherever
+    /// it runs.
+    Draw {
+        /// Candidates or logits.
+        x: NodeId,
+        /// Which of the two `x` is.
+        among: Among,
+    },
 }
 
 impl Op {
@@ -258,7 +284,8 @@ impl Op {
             | Op::Reshape { x }
             | Op::LastRow { x }
             | Op::Argmax { x }
-            | Op::TopK { x, .. } => vec![x],
+            | Op::TopK { x, .. }
+            | Op::Draw { x, .. } => vec![x],
         }
     }
 }
@@ -563,6 +590,19 @@ impl GraphBuilder {
         self.push(Op::TopK { x, k, cap }, vec![xs.first().copied().unwrap_or(0), 2 * k], DType::F32)
     }
 
+    /// A token drawn from each row of `x` (see [`Op::Draw`]): `among` candidates needs an
+    /// [`Op::TopK`] of [`CANDIDATES`] values a row.
+    pub fn draw(&mut self, x: NodeId, among: Among) -> NodeId {
+        let xs = self.node(x).shape.clone();
+        let ok = xs.len() == 2
+            && match among {
+                Among::Candidates => matches!(self.node(x).op, Op::TopK { k: CANDIDATES, .. }),
+                Among::Vocabulary => xs[1] >= 1,
+            };
+        self.check("draw", ok, || format!("needs [rows, n] logits or a top-{CANDIDATES} for {among:?}, got {xs:?}"));
+        self.push(Op::Draw { x, among }, vec![xs.first().copied().unwrap_or(0)], DType::I32)
+    }
+
     /// Marks `id` as the graph output `name`.
     pub fn output(&mut self, name: &str, id: NodeId) {
         self.outputs.push((name.to_string(), id));
@@ -628,6 +668,33 @@ mod tests {
                     assert_eq!((g.node(top).shape.clone(), g.node(top).dtype), (vec![2, 2 * k], DType::F32));
                 }
                 Err(e) => assert!(!ok && e.to_string().contains("top_k"), "k {k}, cap {cap:?}: {e}"),
+            }
+        }
+    }
+
+    #[test]
+    fn draws_take_logits_or_a_top_k_of_candidates() {
+        for (k, among, ok) in [
+            (None, Among::Vocabulary, true),
+            (Some(CANDIDATES), Among::Candidates, true),
+            (Some(CANDIDATES), Among::Vocabulary, true),
+            (None, Among::Candidates, false),
+            (Some(CANDIDATES - 1), Among::Candidates, false),
+        ] {
+            let mut b = GraphBuilder::new(Bucket::Decode { past: 8, seqs: 3 });
+            let ids = b.input("tokens", DType::I32);
+            let table = b.weight("emb", &[100, 8]);
+            let x = b.embed(table, ids, 1.0);
+            let logits = b.matmul(x, table);
+            let x = k.map_or(logits, |k| b.top_k(logits, k, None));
+            let drawn = b.draw(x, among);
+            b.output("next_token", drawn);
+            match b.finish() {
+                Ok(g) => {
+                    assert!(ok, "{k:?} {among:?}");
+                    assert_eq!((g.node(drawn).shape.clone(), g.node(drawn).dtype), (vec![3], DType::I32));
+                }
+                Err(e) => assert!(!ok && e.to_string().contains("draw"), "{k:?} {among:?}: {e}"),
             }
         }
     }

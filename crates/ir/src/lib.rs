@@ -10,4 +10,6 @@ mod bucket;
 mod graph;
 
 pub use bucket::{Bucket, BucketPolicy};
-pub use graph::{DType, Graph, GraphBuilder, IrError, Node, NodeId, Op, OutputMode, RopeMode, RopeSpec, CANDIDATES, TOP_K_MAX_WIDTH};
+pub use graph::{
+    Among, DType, Graph, GraphBuilder, IrError, Node, NodeId, Op, OutputMode, RopeMode, RopeSpec, CANDIDATES, TOP_K_MAX_WIDTH,
+};

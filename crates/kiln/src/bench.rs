@@ -80,7 +80,7 @@ fn run_once(model: &Model, test: Test) -> Result<u128> {
     let t0 = Instant::now();
     for _ in 0..test.n_gen {
         let mut refs: Vec<_> = sessions.iter_mut().collect();
-        let outs = model.decode_batch(&mut refs, &tokens, OutputMode::NextToken)?;
+        let outs = model.decode_batch(&mut refs, &tokens, OutputMode::NextToken, &[])?;
         for (t, out) in tokens.iter_mut().zip(outs) {
             match out? {
                 StepOutput::Token(next) => *t = next,

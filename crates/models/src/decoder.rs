@@ -3,7 +3,7 @@
 //! projections with optional biases and per-head norms, RoPE with per-layer spec, causal
 //! attention with per-layer window and KV width, a gated MLP, and a (soft-capped) output head.
 
-use kiln_ir::{Bucket, DType, Graph, GraphBuilder, NodeId, OutputMode, RopeSpec, CANDIDATES};
+use kiln_ir::{Among, Bucket, DType, Graph, GraphBuilder, NodeId, OutputMode, RopeSpec, CANDIDATES};
 use kiln_runtime::{KvLayout, KvType, LayerKv};
 
 use crate::{Architecture, ModelError};
@@ -180,7 +180,7 @@ impl Architecture for DecoderConfig {
         let hn = g.rms_norm(h, out_norm, c.eps);
         let out = match mode {
             OutputMode::Hidden => hn,
-            OutputMode::Logits | OutputMode::AllLogits | OutputMode::NextToken | OutputMode::Candidates => {
+            OutputMode::Logits | OutputMode::AllLogits | OutputMode::NextToken | OutputMode::Candidates | OutputMode::Drawn(_) => {
                 let head = if c.output_weight == "token_embd.weight" { embd } else { g.weight(&c.output_weight, &[c.vocab, c.hidden]) };
                 let logits = g.matmul(hn, head);
                 match (mode, c.final_softcap) {
@@ -190,6 +190,14 @@ impl Architecture for DecoderConfig {
                     (OutputMode::NextToken, _) => g.argmax(logits),
                     // (Chosen on the raw products too, a fused MatMulTopK; the kept ones capped.)
                     (OutputMode::Candidates, cap) => g.top_k(logits, CANDIDATES.min(c.vocab), cap),
+                    (OutputMode::Drawn(Among::Candidates), cap) => {
+                        let top = g.top_k(logits, CANDIDATES, cap);
+                        g.draw(top, Among::Candidates)
+                    }
+                    (OutputMode::Drawn(Among::Vocabulary), cap) => {
+                        let logits = cap.map_or(logits, |cap| g.soft_cap(logits, cap));
+                        g.draw(logits, Among::Vocabulary)
+                    }
                     (_, Some(cap)) => g.soft_cap(logits, cap),
                     (_, None) => logits,
                 }

@@ -3,6 +3,7 @@
 use std::time::Instant;
 
 use kiln_ir::OutputMode;
+use kiln_runtime::DrawSpec;
 use kiln_tokenizer::{StreamDecoder, Tokenizer};
 
 use crate::json::{JsonObjectPrefix, OutputFormat};
@@ -153,17 +154,22 @@ impl Generator {
     }
 
     /// The step output this sequence needs: the in-graph greedy token when nothing else is
-    /// wanted, the likeliest tokens where the sampler chooses among them alone (top-k), else the
-    /// logits.
+    /// wanted, the token drawn in the graph where the sampler's choice is a draw the graph makes
+    /// as it would ([`Sampler::draws_among`]: top-k below 64 among the top-k head's candidates,
+    /// or temperature alone among all logits; by [`Generator::draw`]), else the logits.
     pub fn mode(&self) -> OutputMode {
         let plain = self.logprobs.is_none() && self.json.is_none();
-        if plain && self.params.sampling.is_greedy() {
-            OutputMode::NextToken
-        } else if plain && self.sampler.chooses_among_candidates() {
-            OutputMode::Candidates
-        } else {
-            OutputMode::Logits
+        match self.sampler.draws_among() {
+            _ if !plain => OutputMode::Logits,
+            _ if self.params.sampling.is_greedy() => OutputMode::NextToken,
+            Some(among) => OutputMode::Drawn(among),
+            None => OutputMode::Logits,
         }
+    }
+
+    /// The draw of this sequence's next step where [`mode`](Generator::mode) draws in the graph.
+    pub fn draw(&self) -> Option<DrawSpec> {
+        matches!(self.mode(), OutputMode::Drawn(_)).then(|| self.sampler.spec())
     }
 
     /// Generated tokens so far (end-of-generation token excluded).
@@ -194,9 +200,17 @@ impl Generator {
             return Err(ModelError::InvalidParameter("generation has already ended".into()));
         }
         let (token, logprob) = match out {
-            StepOutput::Token(t) => (t, None),
+            StepOutput::Token(t) => {
+                if matches!(self.mode(), OutputMode::Drawn(_)) {
+                    // (The step drew with the sampler's state: the sampler steps past that draw.)
+                    self.sampler.drew();
+                }
+                (t, None)
+            }
             // (Taken only where the sampler chooses among them as it would from the logits.)
-            StepOutput::Candidates(c) if self.mode() != OutputMode::Logits => (self.sampler.choose_among(&c), None),
+            StepOutput::Candidates(c) if self.mode() != OutputMode::Logits && self.sampler.chooses_among_candidates() => {
+                (self.sampler.choose_among(&c), None)
+            }
             StepOutput::Logits(mut l) => {
                 let lp = self.logprobs.map(|n| logprobs_of(&l, n));
                 let t = match &mut self.json {
@@ -324,7 +338,7 @@ pub fn generate(
         return Err(ModelError::ContextOverflow { needed: session.position() + prompt.len(), context });
     }
     let t0 = Instant::now();
-    let mut out = session.forward(prompt, gen.mode())?;
+    let mut out = session.forward_with(prompt, gen.mode(), gen.draw().as_ref())?;
     let mut prefill_secs = None;
     let mut t1 = Instant::now();
     let finish = loop {
@@ -340,7 +354,7 @@ pub fn generate(
         if let Some(f) = adv.finish {
             break f;
         }
-        out = session.forward(&[adv.token], gen.mode())?;
+        out = session.forward_with(&[adv.token], gen.mode(), gen.draw().as_ref())?;
     };
     Ok(Generation {
         tokens: gen.tokens,

@@ -18,6 +18,7 @@ pub use error::ModelError;
 pub use families::{config_from_gguf, SUPPORTED};
 pub use generate::{generate, Advance, FinishReason, GenerateParams, Generation, Generator, TextControl, TokenLogprob};
 pub use json::{JsonObjectPrefix, OutputFormat};
-pub use kiln_ir::OutputMode;
+pub use kiln_ir::{Among, OutputMode};
+pub use kiln_runtime::DrawSpec;
 pub use model::{Model, Session, StepOutput};
 pub use sampling::{Sampler, SamplingParams};

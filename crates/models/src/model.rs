@@ -4,9 +4,9 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use kiln_gguf::GgufFile;
-use kiln_ir::{BucketPolicy, OutputMode};
+use kiln_ir::{Among, BucketPolicy, OutputMode};
 use kiln_runtime::{
-    all_finite, compile, Backend, CompileCache, DeviceWeights, EngineConfig, Executable, HostData, HostTensor, KvCache, PlanKey,
+    all_finite, compile, Backend, CompileCache, DeviceWeights, DrawSpec, EngineConfig, Executable, HostData, HostTensor, KvCache, PlanKey,
     StepInputs, WeightStore,
 };
 use kiln_tokenizer::Tokenizer;
@@ -120,23 +120,31 @@ impl Model {
         sessions: &mut [&mut Session<'_>],
         tokens: &[u32],
         mode: OutputMode,
+        draws: &[DrawSpec],
     ) -> Result<Vec<Result<StepOutput, ModelError>>, ModelError> {
         let chunks: Vec<&[u32]> = tokens.iter().map(std::slice::from_ref).collect();
-        self.forward_batch(sessions, &chunks, mode)
+        self.forward_batch(sessions, &chunks, mode, draws)
     }
 
     /// Appends `chunks[i]` to `sessions[i]` for every session in one step (the weights are read
     /// once for all of them): one new token each runs a batched decode plan, longer chunks a
     /// prefill plan over all their rows. Each session attends to its own KV cache at its own
-    /// positions. Returns each session's output for `mode` (`Logits` or `NextToken`, for its
-    /// last new token); a non-finite row is an error for its session only. Fewer sessions than
-    /// the backend batches from ([`kiln_runtime::Backend::batches_from`]) run one after another.
+    /// positions. Returns each session's output for `mode` (`Logits`, `Candidates`, `NextToken`
+    /// or `Drawn`, for its last new token; `draws[i]` is session i's draw where `mode` is `Drawn`,
+    /// and a step that the backend cannot draw returns the candidates or logits to draw from, as
+    /// [`Session::forward_with`]); a non-finite row is an error for its session only. Fewer
+    /// sessions than the backend batches from ([`kiln_runtime::Backend::batches_from`]) run one
+    /// after another.
     pub fn forward_batch(
         &self,
         sessions: &mut [&mut Session<'_>],
         chunks: &[&[u32]],
         mode: OutputMode,
+        draws: &[DrawSpec],
     ) -> Result<Vec<Result<StepOutput, ModelError>>, ModelError> {
+        if matches!(mode, OutputMode::Drawn(_)) && draws.len() != sessions.len() {
+            return Err(ModelError::InvalidParameter(format!("{} draws for {} sequences", draws.len(), sessions.len())));
+        }
         if sessions.is_empty() || sessions.len() != chunks.len() || chunks.iter().any(|c| c.is_empty()) {
             let lens: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
             return Err(ModelError::InvalidParameter(format!(
@@ -145,7 +153,7 @@ impl Model {
                 sessions.len()
             )));
         }
-        if !matches!(mode, OutputMode::Logits | OutputMode::NextToken | OutputMode::Candidates) {
+        if !matches!(mode, OutputMode::Logits | OutputMode::NextToken | OutputMode::Candidates | OutputMode::Drawn(_)) {
             return Err(ModelError::InvalidParameter(format!("a batched step produces logits, candidates or tokens, not {mode:?}")));
         }
         let vocab = self.arch.vocab_size();
@@ -165,7 +173,7 @@ impl Model {
             )));
         }
         if sessions.len() < self.backend.batches_from() {
-            return Ok(sessions.iter_mut().zip(chunks).map(|(s, c)| s.forward(c, mode)).collect());
+            return Ok(sessions.iter_mut().zip(chunks).enumerate().map(|(i, (s, c))| s.forward_with(c, mode, draws.get(i))).collect());
         }
         // Position of each session's last new token.
         let positions: Vec<usize> = sessions.iter().zip(&rows).map(|(s, r)| s.position() + r - 1).collect();
@@ -175,7 +183,8 @@ impl Model {
         let tokens: Vec<u32> = chunks.concat();
         let mut kvs: Vec<&mut dyn KvCache> = sessions.iter_mut().map(|s| s.kv.as_mut() as &mut dyn KvCache).collect();
         let plan_mode = self.plan_mode(mode);
-        let out = self.with_plan(PlanKey { mode: plan_mode, bucket }, |exec| Ok(exec.run_batch(&tokens, &rows, &mut kvs)?))?;
+        let draws = if matches!(plan_mode, OutputMode::Drawn(_)) { draws } else { &[] };
+        let out = self.with_plan(PlanKey { mode: plan_mode, bucket }, |exec| Ok(exec.run_batch(&tokens, &rows, &mut kvs, draws)?))?;
         let t = out.into_iter().next().ok_or_else(|| ModelError::Metadata("plan produced no output".into()))?;
         let width = t.shape[1];
         let row_result = |i: usize| -> Result<StepOutput, ModelError> {
@@ -189,10 +198,8 @@ impl Model {
                     let row = &v[i * width..(i + 1) * width];
                     if !all_finite(row) {
                         Err(ModelError::NonFinite { position })
-                    } else if mode == OutputMode::Candidates {
-                        Ok(StepOutput::Candidates(candidates(plan_mode, row)))
                     } else {
-                        Ok(StepOutput::Logits(row.to_vec()))
+                        Ok(float_output(mode, plan_mode, row.to_vec()))
                     }
                 }
             }
@@ -212,22 +219,34 @@ impl Model {
         f(exec)
     }
 
-    /// The output mode of the plan that serves `mode`: the logits for the candidates where the
+    /// The output mode of the plan that serves `mode`: where the backend does not draw, what the
+    /// host draws from (the candidates, or the logits); the logits for the candidates where the
     /// backend has no top-k head (the candidates are then taken from them on the host).
     fn plan_mode(&self, mode: OutputMode) -> OutputMode {
-        if mode == OutputMode::Candidates && !self.backend.takes_candidates(self.arch.vocab_size()) {
-            OutputMode::Logits
-        } else {
-            mode
+        let vocab = self.arch.vocab_size();
+        match mode {
+            OutputMode::Drawn(among) if !self.backend.draws(among, vocab) => match among {
+                Among::Candidates => self.plan_mode(OutputMode::Candidates),
+                Among::Vocabulary => OutputMode::Logits,
+            },
+            OutputMode::Candidates if !self.backend.takes_candidates(vocab) => OutputMode::Logits,
+            m => m,
         }
     }
 
     /// Runs one step of at most one bucket's rows through the cached plan for it.
-    fn run_step(&self, kv: &mut dyn KvCache, tokens: &[u32], mode: OutputMode) -> Result<Vec<HostTensor>, ModelError> {
+    fn run_step(
+        &self,
+        kv: &mut dyn KvCache,
+        tokens: &[u32],
+        mode: OutputMode,
+        draw: Option<&DrawSpec>,
+    ) -> Result<Vec<HostTensor>, ModelError> {
         let start = kv.len();
         let bucket = if tokens.len() == 1 { self.policy.decode(start) } else { self.policy.prefill(tokens.len()) };
         let key = PlanKey { mode, bucket };
-        self.with_plan(key, |exec| Ok(exec.run(StepInputs { tokens, start_pos: start }, kv)?))
+        let draw = draw.filter(|_| matches!(mode, OutputMode::Drawn(_)));
+        self.with_plan(key, |exec| Ok(exec.run(StepInputs { tokens, start_pos: start, draw }, kv)?))
     }
 }
 
@@ -260,7 +279,19 @@ impl<'m> Session<'m> {
 
     /// Appends `tokens` to the sequence and returns `mode`'s output for them. One path serves
     /// prefill (many tokens, run in chunks of at most one bucket) and decode (one token).
+    /// [`OutputMode::Drawn`] needs [`forward_with`](Session::forward_with).
     pub fn forward(&mut self, tokens: &[u32], mode: OutputMode) -> Result<StepOutput, ModelError> {
+        self.forward_with(tokens, mode, None)
+    }
+
+    /// [`forward`](Session::forward) with the sequence's `draw` where `mode` draws the next token
+    /// ([`OutputMode::Drawn`]: a [`StepOutput::Token`]). Where the backend does not draw
+    /// ([`kiln_runtime::Backend::draws`]), the step returns what the host draws from instead: the
+    /// candidates, or the logits.
+    pub fn forward_with(&mut self, tokens: &[u32], mode: OutputMode, draw: Option<&DrawSpec>) -> Result<StepOutput, ModelError> {
+        if matches!(mode, OutputMode::Drawn(_)) && draw.is_none() {
+            return Err(ModelError::InvalidParameter("a drawn step needs the sequence's draw".into()));
+        }
         let model = self.model;
         let start = self.kv.len();
         if tokens.is_empty() {
@@ -281,7 +312,7 @@ impl<'m> Session<'m> {
             let final_chunk = (i + 1) * chunk >= tokens.len();
             // Chunks before the last only fill the KV cache: run them for the cheapest output.
             let step_mode = if final_chunk || mode == OutputMode::AllLogits { mode } else { OutputMode::Hidden };
-            let out = model.run_step(self.kv.as_mut(), part, model.plan_mode(step_mode))?;
+            let out = model.run_step(self.kv.as_mut(), part, model.plan_mode(step_mode), draw)?;
             let t = out.into_iter().next().ok_or_else(|| ModelError::Metadata("plan produced no output".into()))?;
             if mode == OutputMode::AllLogits {
                 check_finite(&t, self.kv.len() - part.len())?;
@@ -299,17 +330,29 @@ impl<'m> Session<'m> {
                 let t = last.ok_or_else(|| ModelError::Metadata("plan produced no output".into()))?;
                 check_finite(&t, pos)?;
                 match (mode, t.data) {
-                    (OutputMode::NextToken, HostData::I32(v)) => match v.first() {
+                    (OutputMode::NextToken | OutputMode::Drawn(_), HostData::I32(v)) => match v.first() {
                         Some(&id) if id >= 0 => Ok(StepOutput::Token(id as u32)),
                         _ => Err(ModelError::NonFinite { position: pos }),
                     },
-                    (OutputMode::Logits, HostData::F32(v)) => Ok(StepOutput::Logits(v)),
-                    (OutputMode::Candidates, HostData::F32(v)) => Ok(StepOutput::Candidates(candidates(model.plan_mode(mode), &v))),
                     (OutputMode::Hidden, HostData::F32(v)) => Ok(StepOutput::Hidden(v)),
+                    (OutputMode::Logits | OutputMode::Candidates | OutputMode::Drawn(_), HostData::F32(v)) => {
+                        Ok(float_output(mode, model.plan_mode(mode), v))
+                    }
                     _ => Err(ModelError::Metadata("plan output has the wrong type".into())),
                 }
             }
         }
+    }
+}
+
+/// The step output for `mode` of a float row (finite) of a `plan_mode` plan: the candidates
+/// where `mode` asks for them or draws among them (taken from the logits where the plan has no
+/// top-k head), else the logits.
+fn float_output(mode: OutputMode, plan_mode: OutputMode, row: Vec<f32>) -> StepOutput {
+    if mode == OutputMode::Candidates || (mode == OutputMode::Drawn(Among::Candidates) && plan_mode == OutputMode::Candidates) {
+        StepOutput::Candidates(candidates(plan_mode, &row))
+    } else {
+        StepOutput::Logits(row)
     }
 }
 

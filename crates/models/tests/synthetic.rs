@@ -10,15 +10,16 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use kiln_cpu::CpuBackend;
 use kiln_gguf::{MetaArray, MetaValue};
-use kiln_ir::{Bucket, BucketPolicy};
+use kiln_ir::{Among, Bucket, BucketPolicy};
 use kiln_models::synth::{SynthModel as Parts, SynthRng as Rng, SynthTensor as Tensor};
 use kiln_models::{
     config_from_gguf, generate, FinishReason, GenerateParams, Generation, Generator, JsonObjectPrefix, Model, ModelError, OutputFormat,
     OutputMode, Sampler, SamplingParams, Session, StepOutput, TextControl,
 };
 use kiln_quant::GgmlType;
+use kiln_runtime::draw::{self, Rng as DrawRng};
 use kiln_runtime::{
-    Backend, DeviceWeights, EngineConfig, Executable, HostTensor, KvCache, KvLayout, Plan, RuntimeError, StepInputs, WeightStore,
+    Backend, DeviceWeights, DrawSpec, EngineConfig, Executable, HostTensor, KvCache, KvLayout, Plan, RuntimeError, StepInputs, WeightStore,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -708,13 +709,16 @@ fn sampled_generation_is_seeded() {
         sampler.observe(t);
         want.push(sampler.sample(&mut logits(&mut s, &[t])));
     }
+    // (Drawn in the graph among all logits, as the sampler draws from them.)
     assert_eq!(a.tokens, want);
-    // With a top-k below 64 the steps give the likeliest tokens only (`OutputMode::Candidates`),
-    // and the sampler picks from them what it picks from all the logits.
+    assert_eq!(Generator::new(params.clone(), &p, None).unwrap().mode(), OutputMode::Drawn(Among::Vocabulary));
+    // With a top-k below 64 the steps draw among the top-k head's likeliest tokens
+    // (`OutputMode::Drawn(Candidates)`) what the sampler draws from all the logits.
     let top_k = GenerateParams { sampling: SamplingParams { top_k: 20, top_p: 0.9, ..params.sampling.clone() }, ..params.clone() };
-    assert_eq!(Generator::new(top_k.clone(), &p, None).unwrap().mode(), OutputMode::Candidates);
+    assert_eq!(Generator::new(top_k.clone(), &p, None).unwrap().mode(), OutputMode::Drawn(Among::Candidates));
     assert_eq!(Generator::new(top_k.clone(), &p, Some(2)).unwrap().mode(), OutputMode::Logits);
-    assert_eq!(Generator::new(params.clone(), &p, None).unwrap().mode(), OutputMode::Logits);
+    let top_p = GenerateParams { sampling: SamplingParams { top_p: 0.9, ..params.sampling.clone() }, ..params.clone() };
+    assert_eq!(Generator::new(top_p, &p, None).unwrap().mode(), OutputMode::Logits);
     let mut sampler = Sampler::new(top_k.sampling.clone()).unwrap();
     let mut s = model.new_session().unwrap();
     let mut want = vec![sampler.sample(&mut logits(&mut s, &p))];
@@ -998,8 +1002,8 @@ fn batched_decode_equals_each_sequence_alone() {
     for step in 0..6 {
         let tokens = prompt(batched.len(), 200 + step);
         let mut refs: Vec<&mut Session<'_>> = batched.iter_mut().collect();
-        let outs = model.decode_batch(&mut refs, &tokens, OutputMode::Logits).unwrap();
-        let greedy = model.decode_batch(&mut [], &[], OutputMode::NextToken);
+        let outs = model.decode_batch(&mut refs, &tokens, OutputMode::Logits, &[]).unwrap();
+        let greedy = model.decode_batch(&mut [], &[], OutputMode::NextToken, &[]);
         assert!(greedy.is_err(), "an empty batch is an error");
         for (i, out) in outs.into_iter().enumerate() {
             let StepOutput::Logits(b) = out.unwrap() else { panic!("expected logits") };
@@ -1012,7 +1016,7 @@ fn batched_decode_equals_each_sequence_alone() {
     for n in 1..=batched.len() {
         let tokens = prompt(n, 300 + n as u64);
         let mut refs: Vec<&mut Session<'_>> = batched.iter_mut().take(n).collect();
-        let outs = model.decode_batch(&mut refs, &tokens, OutputMode::NextToken).unwrap();
+        let outs = model.decode_batch(&mut refs, &tokens, OutputMode::NextToken, &[]).unwrap();
         for (i, out) in outs.into_iter().enumerate() {
             let expect = argmax(&logits(&mut alone[i], &[tokens[i]]));
             assert_eq!(out.unwrap(), StepOutput::Token(expect), "batch of {n}, sequence {i}");
@@ -1023,9 +1027,9 @@ fn batched_decode_equals_each_sequence_alone() {
     assert!(keys >= 3, "{keys} plans");
     // A bad token or a full context is an error that names the problem.
     let mut refs: Vec<&mut Session<'_>> = batched.iter_mut().take(2).collect();
-    let err = model.decode_batch(&mut refs, &[5, VOCAB as u32], OutputMode::Logits).unwrap_err();
+    let err = model.decode_batch(&mut refs, &[5, VOCAB as u32], OutputMode::Logits, &[]).unwrap_err();
     assert!(err.to_string().contains("outside the vocabulary"), "{err}");
-    let err = model.decode_batch(&mut refs, &[5], OutputMode::Logits).unwrap_err();
+    let err = model.decode_batch(&mut refs, &[5], OutputMode::Logits, &[]).unwrap_err();
     assert!(err.to_string().contains("1 token chunks (lengths [1]) for 2 sequences"), "{err}");
 }
 
@@ -1044,22 +1048,50 @@ fn batched_prefill_and_decode_rows_equal_each_sequence_alone() {
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| prompt(3 * i, 700 + i as u64)).collect();
     let mut alone: Vec<Session<'_>> = prompts.iter().map(start).collect();
     let mut batched: Vec<Session<'_>> = prompts.iter().map(start).collect();
-    for (step, lens) in [[5, 1, 7, 2], [1, 1, 1, 1], [1, 6, 1, 3], [1, 1, 4, 1], [1, 1, 1, 1]].into_iter().enumerate() {
+    let steps = [
+        ([5, 1, 7, 2], OutputMode::Logits),
+        ([1, 1, 1, 1], OutputMode::NextToken),
+        ([1, 6, 1, 3], OutputMode::Logits),
+        ([1, 1, 4, 1], OutputMode::Candidates),
+        ([1, 1, 1, 1], OutputMode::Candidates),
+        ([1, 1, 1, 1], OutputMode::Drawn(Among::Candidates)),
+        ([2, 1, 3, 1], OutputMode::Drawn(Among::Candidates)),
+        ([1, 1, 1, 1], OutputMode::Drawn(Among::Vocabulary)),
+        ([1, 4, 1, 2], OutputMode::Drawn(Among::Vocabulary)),
+    ];
+    for (step, (lens, mode)) in steps.into_iter().enumerate() {
         let chunks: Vec<Vec<u32>> = lens.iter().enumerate().map(|(i, &n)| prompt(n, 800 + (10 * step + i) as u64)).collect();
         let refs: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
         let mut sessions: Vec<&mut Session<'_>> = batched.iter_mut().collect();
-        let mode = [OutputMode::Logits, OutputMode::NextToken, OutputMode::Logits, OutputMode::Candidates, OutputMode::Candidates][step];
-        let outs = model.forward_batch(&mut sessions, &refs, mode).unwrap();
+        // (Each sequence its own temperature, cut and generator; the last greedy.)
+        let draws: Vec<DrawSpec> = (0..4)
+            .map(|i| DrawSpec {
+                temperature: [0.7, 1.0, 1.6, 0.0][i],
+                top_k: [40, 5, 63, 1][i],
+                top_p: [1.0, 0.9, 0.95, 1.0][i],
+                min_p: [0.0, 0.0, 0.05, 0.0][i],
+                rng: DrawRng::new(step as u64 * 10 + i as u64),
+            })
+            .collect();
+        let outs = model.forward_batch(&mut sessions, &refs, mode, &draws).unwrap();
         for (i, out) in outs.into_iter().enumerate() {
             let a = logits(&mut alone[i], &chunks[i]);
+            let mut likeliest: Vec<(u32, f32)> = a.iter().enumerate().map(|(j, &v)| (j as u32, v)).collect();
+            likeliest.sort_by(|x, y| y.1.total_cmp(&x.1).then(x.0.cmp(&y.0)));
+            likeliest.truncate(kiln_ir::CANDIDATES);
             match out.unwrap() {
                 StepOutput::Logits(b) => assert_eq!(a, b, "step {step}, sequence {i}: batched logits differ from running alone"),
-                StepOutput::Token(t) => assert_eq!(t, argmax(&a), "step {step}, sequence {i}"),
+                StepOutput::Token(t) => {
+                    let spec = (&draws[i], DrawSpec { top_k: 0, top_p: 1.0, min_p: 0.0, ..draws[i] });
+                    let want = match mode {
+                        OutputMode::Drawn(Among::Candidates) => draw::draw_among(&likeliest, spec.0),
+                        OutputMode::Drawn(Among::Vocabulary) => draw::draw_vocabulary(&a, &spec.1, &mut Vec::new()),
+                        _ => argmax(&a),
+                    };
+                    assert_eq!(t, want, "step {step}, sequence {i}: {mode:?}");
+                }
                 StepOutput::Candidates(c) => {
-                    let mut want: Vec<(u32, f32)> = a.iter().enumerate().map(|(j, &v)| (j as u32, v)).collect();
-                    want.sort_by(|x, y| y.1.total_cmp(&x.1).then(x.0.cmp(&y.0)));
-                    want.truncate(kiln_ir::CANDIDATES);
-                    assert_eq!(c, want, "step {step}, sequence {i}: batched candidates are not the logits' likeliest");
+                    assert_eq!(c, likeliest, "step {step}, sequence {i}: batched candidates are not the logits' likeliest");
                 }
                 other => panic!("unexpected output {other:?}"),
             }
@@ -1070,13 +1102,15 @@ fn batched_prefill_and_decode_rows_equal_each_sequence_alone() {
     // is an error naming it.
     let small = load(EngineConfig { max_prefill_rows: 8, ..config() });
     let (mut s1, mut s2) = (small.new_session().unwrap(), small.new_session().unwrap());
-    let err = small.forward_batch(&mut [&mut s1, &mut s2], &[&prompt(8, 900), &[N_SPECIAL as u32]], OutputMode::Logits).unwrap_err();
+    let err = small.forward_batch(&mut [&mut s1, &mut s2], &[&prompt(8, 900), &[N_SPECIAL as u32]], OutputMode::Logits, &[]).unwrap_err();
     assert!(err.to_string().contains("9 prompt tokens in one batched step; at most 8 fit"), "{err}");
     let mut sessions: Vec<&mut Session<'_>> = batched.iter_mut().take(2).collect();
-    let err = model.forward_batch(&mut sessions, &[&[1], &[]], OutputMode::Logits).unwrap_err();
+    let err = model.forward_batch(&mut sessions, &[&[1], &[]], OutputMode::Logits, &[]).unwrap_err();
     assert!(err.to_string().contains("lengths [1, 0]"), "{err}");
-    let err = model.forward_batch(&mut sessions, &[&[1], &[2]], OutputMode::Hidden).unwrap_err();
+    let err = model.forward_batch(&mut sessions, &[&[1], &[2]], OutputMode::Hidden, &[]).unwrap_err();
     assert!(err.to_string().contains("logits, candidates or tokens"), "{err}");
+    let err = model.forward_batch(&mut sessions, &[&[1], &[2]], OutputMode::Drawn(Among::Vocabulary), &[DrawSpec::greedy()]).unwrap_err();
+    assert!(err.to_string().contains("1 draws for 2 sequences"), "{err}");
 }
 
 /// The CPU backend with plans that cannot decode several sequences in one step (the trait's
@@ -1122,8 +1156,8 @@ fn batched_decode_on_a_backend_without_it_decodes_one_by_one() {
     let (mut a, mut b) = (prefilled(&batching, &prompts), prefilled(&single, &prompts));
     for (step, mode) in [OutputMode::Logits, OutputMode::NextToken, OutputMode::Logits].into_iter().enumerate() {
         let tokens = prompt(3, 600 + step as u64);
-        let want = batching.decode_batch(&mut a.iter_mut().collect::<Vec<_>>(), &tokens, mode).unwrap();
-        let got = single.decode_batch(&mut b.iter_mut().collect::<Vec<_>>(), &tokens, mode).unwrap();
+        let want = batching.decode_batch(&mut a.iter_mut().collect::<Vec<_>>(), &tokens, mode, &[]).unwrap();
+        let got = single.decode_batch(&mut b.iter_mut().collect::<Vec<_>>(), &tokens, mode, &[]).unwrap();
         for (i, (w, g)) in want.into_iter().zip(got).enumerate() {
             assert_eq!(w.unwrap(), g.unwrap(), "step {step}, sequence {i}");
             assert_eq!(a[i].position(), b[i].position());
@@ -1132,8 +1166,8 @@ fn batched_decode_on_a_backend_without_it_decodes_one_by_one() {
     // Prompt chunks of several sequences run one by one there too.
     let chunks = [prompt(4, 650), prompt(1, 651), prompt(2, 652)];
     let refs: Vec<&[u32]> = chunks.iter().map(Vec::as_slice).collect();
-    let want = batching.forward_batch(&mut a.iter_mut().collect::<Vec<_>>(), &refs, OutputMode::Logits).unwrap();
-    let got = single.forward_batch(&mut b.iter_mut().collect::<Vec<_>>(), &refs, OutputMode::Logits).unwrap();
+    let want = batching.forward_batch(&mut a.iter_mut().collect::<Vec<_>>(), &refs, OutputMode::Logits, &[]).unwrap();
+    let got = single.forward_batch(&mut b.iter_mut().collect::<Vec<_>>(), &refs, OutputMode::Logits, &[]).unwrap();
     for (i, (w, g)) in want.into_iter().zip(got).enumerate() {
         assert_eq!(w.unwrap(), g.unwrap(), "prompt chunks, sequence {i}");
     }
@@ -1154,11 +1188,27 @@ fn batched_decode_on_a_backend_without_it_decodes_one_by_one() {
     // A backend without a top-k head runs the logits plan for the candidates; the host takes the
     // likeliest from them, as the head would.
     let tokens = prompt(3, 660);
-    let want = batching.decode_batch(&mut a.iter_mut().collect::<Vec<_>>(), &tokens, OutputMode::Candidates).unwrap();
-    let got = single.decode_batch(&mut b.iter_mut().collect::<Vec<_>>(), &tokens, OutputMode::Candidates).unwrap();
+    let want = batching.decode_batch(&mut a.iter_mut().collect::<Vec<_>>(), &tokens, OutputMode::Candidates, &[]).unwrap();
+    let got = single.decode_batch(&mut b.iter_mut().collect::<Vec<_>>(), &tokens, OutputMode::Candidates, &[]).unwrap();
     for (i, (w, g)) in want.into_iter().zip(got).enumerate() {
         let (w, g) = (w.unwrap(), g.unwrap());
         assert!(matches!(&w, StepOutput::Candidates(c) if c.len() == kiln_ir::CANDIDATES), "{w:?}");
         assert_eq!(w, g, "candidates, sequence {i}");
+    }
+    // A backend that does not draw hands back what the host draws from (the candidates or the
+    // logits); generation then draws there what the graph draws: the same text.
+    for sampling in [
+        SamplingParams { temperature: 0.9, top_k: 12, seed: 3, ..Default::default() },
+        SamplingParams { temperature: 1.3, seed: 4, ..Default::default() },
+    ] {
+        let params = GenerateParams { sampling, ..sampled(12, 0) };
+        let p = prompt(5, 670);
+        let mode = Generator::new(params.clone(), &p, None).unwrap().mode();
+        let mut s = single.new_session().unwrap();
+        let draw = Generator::new(params.clone(), &p, None).unwrap().draw();
+        let out = s.forward_with(&p, mode, draw.as_ref()).unwrap();
+        assert!(matches!(out, StepOutput::Candidates(_) | StepOutput::Logits(_)), "{mode:?}: {out:?}");
+        let (want, got) = (run_generate(&batching, &p, &params).0, run_generate(&single, &p, &params).0);
+        assert_eq!(want.tokens, got.tokens, "{mode:?}");
     }
 }

@@ -38,6 +38,9 @@ pub struct StepInputs<'a> {
     pub tokens: &'a [u32],
     /// Absolute position of the first new token (the KV cache must hold exactly this many).
     pub start_pos: usize,
+    /// The sequence's draw, for a plan that draws its next token ([`kiln_ir::OutputMode::Drawn`]);
+    /// ignored by the others.
+    pub draw: Option<&'a crate::DrawSpec>,
 }
 
 /// A device's single copy of the model weights, shared by every plan compiled for it.
@@ -75,10 +78,17 @@ pub trait Executable: Send {
     /// (one each in a [`kiln_ir::Bucket::Decode`] plan), which go to the cache `kvs[i]` at
     /// positions from `kvs[i].len()` on and attend to that cache only. Outputs have one row per
     /// row of a decode plan, and one row per sequence (its last) where a prefill plan keeps the
-    /// last rows. Backends that cannot do this keep the default, an `Unsupported` error (and the
+    /// last rows. `draws` holds each sequence's draw where the plan draws its next token (empty
+    /// otherwise). Backends that cannot do this keep the default, an `Unsupported` error (and the
     /// default [`Backend::batches_from`]).
-    fn run_batch(&mut self, tokens: &[u32], rows: &[usize], kvs: &mut [&mut dyn KvCache]) -> Result<Vec<HostTensor>, RuntimeError> {
-        let _ = (tokens, rows, kvs);
+    fn run_batch(
+        &mut self,
+        tokens: &[u32],
+        rows: &[usize],
+        kvs: &mut [&mut dyn KvCache],
+        draws: &[crate::DrawSpec],
+    ) -> Result<Vec<HostTensor>, RuntimeError> {
+        let _ = (tokens, rows, kvs, draws);
         Err(RuntimeError::Unsupported("running several sequences in one step".into()))
     }
 }
@@ -104,6 +114,13 @@ pub trait Backend: Send + Sync {
     /// default).
     fn takes_candidates(&self, vocab: usize) -> bool {
         let _ = vocab;
+        false
+    }
+    /// Whether this backend's plans draw tokens ([`kiln_ir::OutputMode::Drawn`]) `among` the
+    /// candidates or the logits of a vocabulary of `vocab` tokens; callers draw on the host from
+    /// the candidates or logits where they do not. `false` (the default).
+    fn draws(&self, among: kiln_ir::Among, vocab: usize) -> bool {
+        let _ = (among, vocab);
         false
     }
 }

@@ -304,6 +304,10 @@ impl Lowering<'_> {
                         self.emit(id, |_, out| Ok(Kernel::TopK { x: placeholder(xb), out, width, count, cap }))?;
                     }
                 }
+                Op::Draw { x, among } => {
+                    let (xb, width) = (self.read(x)?, self.width(x));
+                    self.emit(id, |_, out| Ok(Kernel::Draw { x: placeholder(xb), out, width, among }))?;
+                }
             }
         }
         Ok(())
@@ -396,7 +400,8 @@ fn for_each_slot(kernel: &mut Kernel, mut f: impl FnMut(&mut Slot)) {
         | Kernel::AddBias { x, out, .. }
         | Kernel::LastRow { x, out, .. }
         | Kernel::Argmax { x, out, .. }
-        | Kernel::TopK { x, out, .. } => [x, out].into_iter().for_each(f),
+        | Kernel::TopK { x, out, .. }
+        | Kernel::Draw { x, out, .. } => [x, out].into_iter().for_each(f),
     }
 }
 

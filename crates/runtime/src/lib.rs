@@ -5,12 +5,13 @@
 //! the [`WeightStore`], fuses ops, plans one arena for all activations and lowers it to a [`Plan`]
 //! of [`Kernel`] steps; a [`Backend`] turns the plan into an [`Executable`] that shares the
 //! device's single copy of the weights ([`DeviceWeights`]); the [`CompileCache`] keeps executables
-//! per [`PlanKey`].
+//! per [`PlanKey`]. [`draw`] defines how a step draws a token from its logits or candidates.
 
 mod backend;
 mod cache;
 mod compile;
 mod config;
+pub mod draw;
 mod error;
 mod kv;
 mod plan;
@@ -20,6 +21,7 @@ pub use backend::{all_finite, Backend, DeviceWeights, Executable, HostData, Host
 pub use cache::{CompileCache, PlanKey};
 pub use compile::compile;
 pub use config::{EngineConfig, KernelPrecision, KvType};
+pub use draw::DrawSpec;
 pub use error::RuntimeError;
 pub use kv::{KvLayout, LayerKv};
 pub use plan::{Kernel, Plan, PlanInput, PlanOutput, Rows, Slot, Step};

@@ -95,6 +95,9 @@ pub enum Kernel {
     /// `out[r]` = the `count` largest values of `x[r]` (largest first, the lower index first among
     /// equals; soft-capped by `cap`), then their indices as f32 (`kiln_ir::Op::TopK`).
     TopK { x: Slot, out: Slot, width: usize, count: usize, cap: Option<f32> },
+    /// `out[r]` = the token drawn from `x[r]` (a top-k head's candidates or logits, `width` wide)
+    /// by the draw the step carries for row r's sequence (i32; `kiln_ir::Op::Draw`).
+    Draw { x: Slot, out: Slot, width: usize, among: kiln_ir::Among },
 }
 
 impl Kernel {
@@ -114,7 +117,8 @@ impl Kernel {
             | Kernel::SoftCap { x, .. }
             | Kernel::LastRow { x, .. }
             | Kernel::Argmax { x, .. }
-            | Kernel::TopK { x, .. } => vec![x],
+            | Kernel::TopK { x, .. }
+            | Kernel::Draw { x, .. } => vec![x],
             Kernel::Rope { x, positions, .. } | Kernel::RopeScaled { x, positions, .. } => vec![x, positions],
             Kernel::Attention { q, k, v, .. } | Kernel::AttentionSoftCap { q, k, v, .. } => vec![q, k, v],
             Kernel::Add { a, b, .. } | Kernel::Mul { a, b, .. } => vec![a, b],
@@ -146,7 +150,8 @@ impl Kernel {
             | Kernel::SoftCap { out, .. }
             | Kernel::LastRow { out, .. }
             | Kernel::Argmax { out, .. }
-            | Kernel::TopK { out, .. } => out,
+            | Kernel::TopK { out, .. }
+            | Kernel::Draw { out, .. } => out,
         }
     }
 }
@@ -217,6 +222,21 @@ impl Plan {
             return Err(RuntimeError::StepShape(format!(
                 "{tokens} tokens in sequences of {rows:?} rows for {caches} caches do not fit a {:?} plan",
                 self.bucket
+            )));
+        }
+        Ok(())
+    }
+
+    /// Whether the plan draws its next tokens (a [`Kernel::Draw`] step).
+    pub fn draws(&self) -> bool {
+        self.steps.iter().any(|s| matches!(s.kernel, Kernel::Draw { .. }))
+    }
+
+    /// Checks that a step of `seqs` sequences carries one draw each where the plan draws.
+    pub fn check_draws(&self, draws: usize, seqs: usize) -> Result<(), RuntimeError> {
+        if self.draws() && draws != seqs {
+            return Err(RuntimeError::StepShape(format!(
+                "a plan that draws its next tokens needs one draw per sequence: got {draws} for {seqs}"
             )));
         }
         Ok(())

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use kiln_gguf::{GgufFile, GgufWriter};
-use kiln_ir::{Bucket, DType, Graph, GraphBuilder, RopeMode, RopeSpec};
+use kiln_ir::{Among, Bucket, DType, Graph, GraphBuilder, RopeMode, RopeSpec, CANDIDATES};
 use kiln_quant::GgmlType;
 use kiln_runtime::{compile, Kernel, Plan, Rows, RuntimeError, Slot, WeightStore};
 
@@ -85,7 +85,8 @@ fn out_slot(k: &Kernel) -> Slot {
         | Kernel::Scale { out, .. }
         | Kernel::LastRow { out, .. }
         | Kernel::Argmax { out, .. }
-        | Kernel::TopK { out, .. } => out,
+        | Kernel::TopK { out, .. }
+        | Kernel::Draw { out, .. } => out,
     }
 }
 
@@ -107,7 +108,8 @@ fn read_slots(k: &Kernel) -> Vec<Slot> {
         | Kernel::AddBias { x, .. }
         | Kernel::LastRow { x, .. }
         | Kernel::Argmax { x, .. }
-        | Kernel::TopK { x, .. } => vec![x],
+        | Kernel::TopK { x, .. }
+        | Kernel::Draw { x, .. } => vec![x],
     }
 }
 
@@ -275,6 +277,40 @@ fn top_k_of_a_product_is_one_kernel_unless_the_product_is_used_elsewhere() {
             }
             (_, a, b) => panic!("logits out {logits_out}: {a:?}, {b:?}"),
         }
+        check_arena(&plan);
+    }
+}
+
+#[test]
+fn a_draw_reads_the_fused_top_k_head_or_the_logits() {
+    const WIDE: usize = 100;
+    let store = f32_store(&[("emb", &[VOCAB, D]), ("head", &[WIDE, D])]);
+    for among in [Among::Candidates, Among::Vocabulary] {
+        let mut b = GraphBuilder::new(Bucket::Decode { past: 8, seqs: 2 });
+        let tokens = b.input("tokens", DType::I32);
+        let (emb, head) = (b.weight("emb", &[VOCAB, D]), b.weight("head", &[WIDE, D]));
+        let x = b.embed(emb, tokens, 1.0);
+        let logits = b.matmul(x, head);
+        let x = if among == Among::Candidates { b.top_k(logits, CANDIDATES, None) } else { logits };
+        let next = b.draw(x, among);
+        b.output("next_token", next);
+        let plan = compile(&b.finish().unwrap(), &store).unwrap();
+        let o = &plan.outputs[0];
+        assert_eq!((o.name.as_str(), o.dtype, o.width, o.rows), ("next_token", DType::I32, 1, Rows::Active));
+        assert!(plan.draws());
+        let kernels: Vec<&Kernel> = plan.steps.iter().map(|s| &s.kernel).collect();
+        match (among, &kernels[1..]) {
+            (Among::Candidates, [Kernel::MatMulTopK { count: CANDIDATES, out: top, .. }, Kernel::Draw { x, width, among, out }]) => {
+                assert_eq!((x, *width, *among, *out), (top, 2 * CANDIDATES, Among::Candidates, o.slot))
+            }
+            (Among::Vocabulary, [Kernel::MatMul { out: l, .. }, Kernel::Draw { x, width: WIDE, among: Among::Vocabulary, out }]) => {
+                assert_eq!((x, *out), (l, o.slot))
+            }
+            (_, k) => panic!("{among:?}: {k:?}"),
+        }
+        assert!(plan.check_draws(2, 2).is_ok());
+        let e = plan.check_draws(1, 2).unwrap_err().to_string();
+        assert!(e.contains("one draw per sequence: got 1 for 2"), "{e}");
         check_arena(&plan);
     }
 }

@@ -9,7 +9,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kiln_models::{Advance, FinishReason, Generator, Model, ModelError, OutputMode, Session, StepOutput, TokenLogprob};
+use kiln_models::{Advance, DrawSpec, FinishReason, Generator, Model, ModelError, OutputMode, Session, StepOutput, TokenLogprob};
 use rayon::prelude::*;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -223,34 +223,32 @@ fn step<'m>(model: &'m Model, seqs: &mut Vec<Seq<'m>>, free: &mut Vec<Session<'m
         // A lone prompt chunk: one before the prompt's last only fills the KV cache, so the
         // cheapest output will do.
         let seq = &mut seqs[i];
-        let mode = if end == seq.job.prompt.len() { seq.job.generator.mode() } else { OutputMode::Hidden };
-        Ok(vec![seq.session.forward(&seq.job.prompt[seq.prefilled..end], mode)])
+        let gen = &seq.job.generator;
+        let (mode, draw) = if end == seq.job.prompt.len() { (gen.mode(), gen.draw()) } else { (OutputMode::Hidden, None) };
+        Ok(vec![seq.session.forward_with(&seq.job.prompt[seq.prefilled..end], mode, draw.as_ref())])
     } else {
-        // One step serves all: the logits when any sequence taking its output needs them, else
-        // the likeliest tokens when any samples among them (top-k), else the in-graph greedy
-        // head (greedy ones take the argmax or the likeliest token on the host). Outputs of prompt
-        // chunks before a prompt's last are not used.
-        let wants = |mode| parts.iter().any(|&(i, p)| finishing(&seqs[i], p) && seqs[i].job.generator.mode() == mode);
-        let mode = if wants(OutputMode::Logits) {
-            OutputMode::Logits
-        } else if wants(OutputMode::Candidates) {
-            OutputMode::Candidates
-        } else {
-            OutputMode::NextToken
-        };
+        let modes: Vec<OutputMode> =
+            parts.iter().filter(|&&(i, p)| finishing(&seqs[i], p)).map(|&(i, _)| seqs[i].job.generator.mode()).collect();
+        let mode = batch_mode(&modes);
         let mut chosen = parts.iter().peekable();
         let mut sessions: Vec<&mut Session<'_>> = Vec::with_capacity(parts.len());
         let mut chunks: Vec<&[u32]> = Vec::with_capacity(parts.len());
+        let mut draws = Vec::new();
         for (i, seq) in seqs.iter_mut().enumerate() {
             let Some(&(_, part)) = chosen.next_if(|&&(j, _)| j == i) else { continue };
             let chunk = match part {
                 Part::Decode => std::slice::from_ref(seq.next.as_ref().expect("a decoding sequence has its next token")),
                 Part::Prompt(end) => &seq.job.prompt[seq.prefilled..end],
             };
+            if matches!(mode, OutputMode::Drawn(_)) {
+                // (Greedy sequences, and prompt chunks whose output is not used, take the likeliest.)
+                let draw = if finishing(seq, part) { seq.job.generator.draw() } else { None };
+                draws.push(draw.unwrap_or_else(DrawSpec::greedy));
+            }
             chunks.push(chunk);
             sessions.push(&mut seq.session);
         }
-        model.forward_batch(&mut sessions, &chunks, mode)
+        model.forward_batch(&mut sessions, &chunks, mode, &draws)
     };
     let micros = t0.elapsed().as_micros() as u64;
     let prompts = parts.iter().filter(|(_, p)| matches!(p, Part::Prompt(_))).count() as u64;
@@ -293,6 +291,22 @@ fn step<'m>(model: &'m Model, seqs: &mut Vec<Seq<'m>>, free: &mut Vec<Session<'m
         }
     }
     remove_ended(seqs, ended, free, metrics);
+}
+
+/// The output of a step that serves sequences wanting `modes`: the logits when any needs them, or
+/// when some draw among candidates and others among all logits; else the draw when any draws (the
+/// greedy ones draw at temperature 0: the likeliest token); else the in-graph greedy head.
+fn batch_mode(modes: &[OutputMode]) -> OutputMode {
+    let mut mode = OutputMode::NextToken;
+    for &m in modes {
+        mode = match (mode, m) {
+            (_, OutputMode::NextToken) => mode,
+            (OutputMode::NextToken, m) => m,
+            (a, b) if a == b => a,
+            _ => OutputMode::Logits,
+        };
+    }
+    mode
 }
 
 /// Hands each used output (`used`: sequence index, in increasing order, and its step's output) to
@@ -367,6 +381,29 @@ fn deliver(seq: &mut Seq<'_>, adv: Result<Advance, ModelError>, metrics: &Metric
         None => {
             seq.next = Some(adv.token);
             Outcome::Running
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_models::Among;
+
+    #[test]
+    fn a_batch_takes_the_richest_output_its_sequences_need() {
+        let (greedy, logits) = (OutputMode::NextToken, OutputMode::Logits);
+        let (cand, vocab) = (OutputMode::Drawn(Among::Candidates), OutputMode::Drawn(Among::Vocabulary));
+        for (modes, want) in [
+            (vec![], greedy),
+            (vec![greedy, greedy], greedy),
+            (vec![greedy, cand, cand], cand),
+            (vec![vocab, greedy], vocab),
+            (vec![cand, vocab], logits),
+            (vec![greedy, logits, cand], logits),
+            (vec![vocab, vocab, logits], logits),
+        ] {
+            assert_eq!(batch_mode(&modes), want, "{modes:?}");
         }
     }
 }
