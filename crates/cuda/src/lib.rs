@@ -101,9 +101,12 @@ impl Backend for CudaBackend {
         exec::top_k_takes(vocab, kiln_ir::CANDIDATES)
     }
 
-    /// Among the candidates of a top-k head (at least 64 tokens), or among all logits.
+    /// Among the candidates of a top-k head (at least 64 tokens), or among up to 262,144 logits.
     fn draws(&self, among: kiln_ir::Among, vocab: usize) -> bool {
-        among == kiln_ir::Among::Vocabulary || (vocab >= kiln_ir::CANDIDATES && self.takes_candidates(vocab))
+        match among {
+            kiln_ir::Among::Candidates => vocab >= kiln_ir::CANDIDATES && self.takes_candidates(vocab),
+            kiln_ir::Among::Vocabulary => vocab <= exec::DRAW_MAX,
+        }
     }
 }
 
