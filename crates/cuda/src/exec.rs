@@ -2665,8 +2665,7 @@ impl Executable for CudaExecutable {
             return Err(RuntimeError::StepShape(format!("step starts at {} but the KV cache holds {}", inputs.start_pos, kv.len)));
         }
         self.plan.check_draws(inputs.draw.iter().len(), 1)?;
-        let draws: Vec<DrawSpec> = inputs.draw.into_iter().copied().filter(|_| self.plan.draws()).collect();
-        self.execute(inputs.tokens, &[inputs.tokens.len()], &mut [kv], &draws)
+        self.execute(inputs.tokens, &[inputs.tokens.len()], &mut [kv], inputs.draw.map_or(&[], std::slice::from_ref))
     }
 
     fn run_batch(
@@ -2677,7 +2676,6 @@ impl Executable for CudaExecutable {
         draws: &[DrawSpec],
     ) -> Result<Vec<HostTensor>, RuntimeError> {
         self.plan.check_draws(draws.len(), kvs.len())?;
-        let draws = if self.plan.draws() { draws } else { &[] };
         let mut caches = kvs.iter_mut().map(|kv| cuda_kv(&mut **kv)).collect::<Result<Vec<_>, _>>()?;
         self.execute(tokens, rows, &mut caches, draws)
     }
@@ -2855,12 +2853,7 @@ impl CudaExecutable {
             return Err(cuda_err("a greedy step of a plan that is not a decode plan"));
         };
         let ahead = continues && p + 2 <= past && p + 2 <= kv.context;
-        let next_draw = draw.map(|mut d| {
-            if d.temperature > 0.0 {
-                d.rng.next_u64();
-            }
-            d
-        });
+        let next_draw = draw.map(|d| d.next());
         if ahead {
             self.upload_step(&[0], &[(&*kv, p + 1, 1)], next_draw.as_slice())?;
             let token_at = self.step.ptr() + self.layout.tokens_at() as u64;

@@ -168,14 +168,12 @@ impl Sampler {
         }
     }
 
-    /// The generator's next number in [0, 1) at a positive temperature (every choice then takes
-    /// one, as a step's draw does: [`drew`](Sampler::drew)); 0 at temperature 0.
+    /// The generator's next number in [0, 1), taken where a choice takes one
+    /// ([`DrawSpec::next`], as a step's draw does: [`drew`](Sampler::drew)).
     fn next_uniform(&mut self) -> f64 {
-        if self.params.temperature > 0.0 {
-            self.rng.next_f64()
-        } else {
-            0.0
-        }
+        let spec = self.spec();
+        self.rng = spec.next().rng;
+        spec.uniform()
     }
 
     /// The tokens `choose` draws from.

@@ -70,6 +70,16 @@ impl DrawSpec {
         DrawSpec { temperature: 0.0, top_k: 1, top_p: 1.0, min_p: 0.0, rng: Rng([0; 4]) }
     }
 
+    /// The draw of the sequence's next step: the generator one number on where this draw takes
+    /// one (at a positive temperature; every choice at a positive temperature takes one).
+    pub fn next(&self) -> DrawSpec {
+        let mut d = *self;
+        if d.temperature > 0.0 {
+            d.rng.next_u64();
+        }
+        d
+    }
+
     /// The uniform number in [0, 1) the draw uses: the generator's next output.
     pub fn uniform(&self) -> f64 {
         let mut rng = self.rng;
