@@ -134,7 +134,7 @@ impl CpuWeights {
             return Ok(None);
         }
         Ok(Some(self.screens[id.0].get_or_init(|| {
-            crate::fast::make_screening_copy(pool, &m, &|b| {
+            crate::fast::make_screening_copy(pool, crate::simd::active_isa(), &m, &|b| {
                 self.store.release_pages(b);
             })
         })))

@@ -8,6 +8,60 @@ use kiln_quant::GgmlType;
 use super::screen::{group_len, header_len, GROUP, GROUP_BLOCK_BYTES, WINDOW_BLOCKS};
 use super::{ActRow, KBlock};
 
+/// `x`'s Q4_0 blocks into `out` (18 bytes a block), as `kiln_quant::quantize` encodes them (ggml's
+/// reference rounding: the same float operations in the same order, so the same bytes); false,
+/// with `out` partly written, if a value is not finite or a scale overflows f16.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn q4_0_blocks(x: &[f32], out: &mut [u8]) -> bool {
+    assert!(x.len().is_multiple_of(32) && out.len() == x.len() / 32 * 18);
+    let (magnitude, inf) = (_mm256_set1_epi32(0x7fff_ffff), _mm256_set1_epi32(0x7f80_0000));
+    let (zero, fifteen) = (_mm256_setzero_si256(), _mm256_set1_epi32(15));
+    let (eight, half) = (_mm256_set1_ps(8.0), _mm256_set1_ps(0.5));
+    for (b, o) in x.chunks_exact(32).zip(out.chunks_exact_mut(18)) {
+        let v = [0, 8, 16, 24].map(|i| _mm256_loadu_ps(b.as_ptr().add(i)));
+        // Magnitudes as the integers of their bits: ordered as the values, finite below infinity's.
+        let a = v.map(|v| _mm256_and_si256(_mm256_castps_si256(v), magnitude));
+        let finite = a.iter().fold(_mm256_set1_epi32(-1), |f, &a| _mm256_and_si256(f, _mm256_cmpgt_epi32(inf, a)));
+        if _mm256_movemask_epi8(finite) != -1 {
+            return false;
+        }
+        let m = _mm256_max_epi32(_mm256_max_epi32(a[0], a[1]), _mm256_max_epi32(a[2], a[3]));
+        let m = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+        let m = _mm_max_epi32(m, _mm_shuffle_epi32(m, 0b01_00_11_10));
+        let top = _mm_cvtsi128_si32(_mm_max_epi32(m, _mm_shuffle_epi32(m, 0b10_11_00_01)));
+        // `signed_absmax`: the first element of the largest magnitude, sign kept (0 if none).
+        let amax = if top == 0 {
+            0.0
+        } else {
+            let t = _mm256_set1_epi32(top);
+            let hits = a
+                .iter()
+                .enumerate()
+                .fold(0u32, |h, (i, &a)| h | ((_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a, t))) as u32) << (8 * i)));
+            b[hits.trailing_zeros() as usize]
+        };
+        let d = amax / -8.0;
+        let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+        // (v * id + 8) + 0.5, truncated and clamped to 0..=15: `(.. as u8).min(15)`.
+        let l = v.map(|v| {
+            let t = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(v, id), eight), half);
+            _mm256_min_epi32(_mm256_max_epi32(_mm256_cvttps_epi32(t), zero), fifteen)
+        });
+        // Byte j: level j low, level j + 16 high.
+        let lo = _mm256_or_si256(l[0], _mm256_slli_epi32(l[2], 4));
+        let hi = _mm256_or_si256(l[1], _mm256_slli_epi32(l[3], 4));
+        let bytes = _mm256_packus_epi16(_mm256_packus_epi32(lo, hi), zero);
+        let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm_storeu_si128(o.as_mut_ptr().add(2) as *mut __m128i, _mm256_castsi256_si128(bytes));
+        let h = kiln_quant::f32_to_f16(d);
+        if !kiln_quant::f16_to_f32(h).is_finite() {
+            return false;
+        }
+        o[..2].copy_from_slice(&h.to_le_bytes());
+    }
+    true
+}
+
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn hsum(v: __m256) -> f32 {

@@ -86,8 +86,8 @@ pub fn copy_len(n: usize, k: usize) -> usize {
 /// Makes the screening copy of `w` (rows of a multiple of 32 elements; see the module doc), in
 /// parallel, handing every stretch of `w`'s bytes it has read to `release` (so a memory-mapped
 /// matrix read only for the copy does not stay resident next to it). Rows past `n` in the last
-/// group are zero.
-pub fn make_copy(pool: &ThreadPool, w: &PackedMatrix<'_>, release: &(dyn Fn(&[u8]) + Sync)) -> Vec<u8> {
+/// group are zero. Every `isa` makes the same bytes.
+pub fn make_copy(pool: &ThreadPool, isa: Isa, w: &PackedMatrix<'_>, release: &(dyn Fn(&[u8]) + Sync)) -> Vec<u8> {
     let (k, n) = (w.k, w.n);
     let nb = k / 32;
     let (head, glen) = (header_len(nb), group_len(nb));
@@ -95,7 +95,8 @@ pub fn make_copy(pool: &ThreadPool, w: &PackedMatrix<'_>, release: &(dyn Fn(&[u8
     let op = SharedMut(out.as_mut_ptr());
     let q4 = GgmlType::Q4_0.type_size();
     pool.for_chunks(n.div_ceil(GROUP), 32, &|groups| {
-        let mut row = vec![0f32; k];
+        let (mut row, mut q, mut d) = (vec![0f32; k], vec![0u8; nb * q4], vec![0f32; nb]);
+        let mut offsets = vec![0i32; nb.div_ceil(WINDOW_BLOCKS)];
         let rows = groups.start * GROUP..(groups.end * GROUP).min(n);
         let mut done = rows.start;
         for r in rows.clone() {
@@ -104,16 +105,16 @@ pub fn make_copy(pool: &ThreadPool, w: &PackedMatrix<'_>, release: &(dyn Fn(&[u8
                 done = r;
             }
             dequantize(w.ty, w.row(r), &mut row).expect("weight layout validated at load");
-            // Weights are finite and small, so Q4_0 cannot overflow its f16 scale.
-            let q = quantize(GgmlType::Q4_0, &row).expect("finite weights quantize");
-            let blocks = q.chunks_exact(q4);
-            let d: Vec<f32> = blocks.clone().map(|blk| kiln_quant::f16_to_f32(u16::from_le_bytes([blk[0], blk[1]]))).collect();
+            q4_0_row(isa, &row, &mut q);
+            for (d, blk) in d.iter_mut().zip(q.chunks_exact(q4)) {
+                *d = kiln_quant::f16_to_f32(u16::from_le_bytes([blk[0], blk[1]]));
+            }
             let top = d.iter().fold(0f32, |m, v| m.max(v.abs()));
             let base = top / MAX_MULTIPLIER;
             let (g, s) = (r / GROUP, r % GROUP);
             let group = g * glen;
-            let mut offsets = vec![0i32; nb.div_ceil(WINDOW_BLOCKS)];
-            for (b, blk) in blocks.enumerate() {
+            offsets.fill(0);
+            for (b, blk) in q.chunks_exact(q4).enumerate() {
                 let m = if base > 0.0 { (d[b] / base).round().clamp(-MAX_MULTIPLIER, MAX_MULTIPLIER) as i8 } else { 0 };
                 let levels: i32 = blk[2..].iter().map(|&v| i32::from(v & 15) + i32::from(v >> 4) - 16).sum();
                 offsets[b / WINDOW_BLOCKS] += 128 * i32::from(m) * levels;
@@ -137,6 +138,19 @@ pub fn make_copy(pool: &ThreadPool, w: &PackedMatrix<'_>, release: &(dyn Fn(&[u8
         release(w.rows_bytes(done..rows.end));
     });
     out
+}
+
+/// Row `x`'s Q4_0 blocks into `q`: `kiln_quant`'s encoding, which the AVX2 encoder repeats bit for
+/// bit (with it, the default model's copy takes ~0.16 s on two cores instead of ~0.56: most of
+/// that was the scalar encoding; bench/RESULTS.md "issue 4aw").
+pub(super) fn q4_0_row(isa: Isa, x: &[f32], q: &mut [u8]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Avx2Fma is only selected when the CPU has the features; `q` holds x's blocks.
+        Isa::Avx2Fma if unsafe { super::avx2::q4_0_blocks(x, q) } => {}
+        // Weights are finite and small, so Q4_0 cannot overflow its f16 scale.
+        _ => q.copy_from_slice(&quantize(GgmlType::Q4_0, x).expect("finite weights quantize")),
+    }
 }
 
 /// Activation rows quantized for the copy: 8-bit levels with one scale per row, stored offset by

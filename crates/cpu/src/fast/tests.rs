@@ -203,7 +203,7 @@ fn non_finite_products_give_minus_one() {
             let mut out = [0i32];
             matmul_argmax(&pool, isa, &x, 1, &m, None, &mut out);
             assert_eq!(out, [-1], "{isa:?} {bad}");
-            let copy = make_screening_copy(&pool, &m, &|_| {});
+            let copy = make_screening_copy(&pool, isa, &m, &|_| {});
             matmul_argmax(&pool, isa, &x, 1, &m, Some(&copy), &mut out);
             assert_eq!(out, [-1], "{isa:?} {bad} screened");
         }
@@ -219,10 +219,13 @@ fn screened_argmax_equals_the_full_one() {
         let m = PackedMatrix::from_bytes(&packed, ty, k, n);
         assert_eq!(wants_screening_copy(&m), n >= screen::MIN_ROWS);
         let released = std::sync::atomic::AtomicUsize::new(0);
-        let copy = make_screening_copy(&pools[1], &m, &|b| {
+        let copy = make_screening_copy(&pools[1], Isa::Scalar, &m, &|b| {
             released.fetch_add(b.len(), std::sync::atomic::Ordering::Relaxed);
         });
         assert_eq!(released.into_inner(), packed.len(), "every byte read is handed to release once");
+        for isa in Isa::supported() {
+            assert!(make_screening_copy(&pools[0], isa, &m, &|_| {}) == copy, "{ty} n={n} {isa:?}: the same copy");
+        }
         for rows in 1..=screen::MAX_ACT_ROWS {
             let x = rng.vec(rows * k);
             for isa in Isa::supported() {
@@ -296,7 +299,7 @@ fn simd_screen_scores_equal_the_scalar_ones_and_the_definition() {
         let n = 13;
         let packed = quantize(GgmlType::Q8_0, &rng.vec(k * n)).unwrap();
         let m = PackedMatrix::from_bytes(&packed, GgmlType::Q8_0, k, n);
-        let copy = make_screening_copy(&ThreadPool::new(1), &m, &|_| {});
+        let copy = make_screening_copy(&ThreadPool::new(1), Isa::detect(), &m, &|_| {});
         let x = rng.vec(3 * k);
         let acts = screen::ScreenActs::new(&x, 3, k);
         let group = &copy[..screen::group_len(k / 32)];
@@ -322,6 +325,48 @@ fn simd_screen_scores_equal_the_scalar_ones_and_the_definition() {
     }
 }
 
+/// The copy's Q4_0 encoding is `kiln_quant`'s on every instruction set, bit for bit: ties of
+/// magnitude with either sign first, zero blocks, one value alone, tiny and large scales, levels
+/// on the rounding edges.
+#[test]
+fn screen_q4_0_blocks_are_kiln_quants() {
+    let mut rng = Rng(0x0040_b10c);
+    let mut rows: Vec<Vec<f32>> = vec![vec![0.0; 64], vec![-0.0; 64]];
+    let mut tie = rng.vec(64);
+    (tie[3], tie[17]) = (-2.0, 2.0);
+    (tie[40], tie[33]) = (1.5, -1.5);
+    rows.push(tie);
+    let mut alone = vec![0.0; 64];
+    (alone[31], alone[32]) = (-1e-3, 7.0);
+    rows.push(alone);
+    // Blocks of scale 1 (their first value -8) whose other values have 21 fractional bits: sums
+    // (v + 8) that round.
+    let mut bits = 0x7u64;
+    rows.push(
+        (0..32 * 64)
+            .map(|i| {
+                bits = bits.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                if i % 32 == 0 {
+                    -8.0
+                } else {
+                    ((bits >> 40) % (1 << 25)) as f32 / (1 << 21) as f32 - 8.0
+                }
+            })
+            .collect(),
+    );
+    for scale in [1e-30f32, 1e-6, 1.0, 1e4] {
+        rows.push(rng.vec(32 * 40).iter().map(|v| v * scale).collect());
+    }
+    for x in &rows {
+        let want = quantize(GgmlType::Q4_0, x).unwrap();
+        for isa in Isa::supported() {
+            let mut q = vec![0u8; want.len()];
+            screen::q4_0_row(isa, x, &mut q);
+            assert_eq!(q, want, "{isa:?} {:?}", &x[..4]);
+        }
+    }
+}
+
 /// Levels, multipliers and activations at their extremes over several windows do not overflow
 /// the kernels' 16- and 32-bit sums.
 #[test]
@@ -332,7 +377,7 @@ fn extreme_screen_sums_do_not_overflow() {
     w.extend((0..k).map(|i| if i % 2 == 0 { 1.0 } else { -1.0 }));
     let packed = quantize(GgmlType::Q8_0, &w).unwrap();
     let m = PackedMatrix::from_bytes(&packed, GgmlType::Q8_0, k, 2);
-    let copy = make_screening_copy(&ThreadPool::new(1), &m, &|_| {});
+    let copy = make_screening_copy(&ThreadPool::new(1), Isa::detect(), &m, &|_| {});
     for sign in [1f32, -1.0] {
         let x = vec![sign; k];
         let acts = screen::ScreenActs::new(&x, 1, k);
@@ -355,7 +400,7 @@ fn screen_scores_do_not_depend_on_the_rows_screened_together() {
     let (k, n) = (160, 16);
     let packed = quantize(GgmlType::Q8_0, &rng.vec(k * n)).unwrap();
     let m = PackedMatrix::from_bytes(&packed, GgmlType::Q8_0, k, n);
-    let copy = make_screening_copy(&ThreadPool::new(1), &m, &|_| {});
+    let copy = make_screening_copy(&ThreadPool::new(1), Isa::detect(), &m, &|_| {});
     let x = rng.vec(8 * k);
     let acts = screen::ScreenActs::new(&x, 8, k);
     for isa in Isa::supported() {
