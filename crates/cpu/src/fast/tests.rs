@@ -326,8 +326,9 @@ fn simd_screen_scores_equal_the_scalar_ones_and_the_definition() {
 }
 
 /// The copy's Q4_0 encoding is `kiln_quant`'s on every instruction set, bit for bit: ties of
-/// magnitude with either sign first, zero blocks, one value alone, tiny and large scales, levels
-/// on the rounding edges.
+/// magnitude with either sign first, zero blocks, one value alone, tiny and large scales, sums that
+/// round; the AVX2 encoder declines values that are not finite (the copy then takes `kiln_quant`'s,
+/// which refuses them).
 #[test]
 fn screen_q4_0_blocks_are_kiln_quants() {
     let mut rng = Rng(0x0040_b10c);
@@ -363,6 +364,15 @@ fn screen_q4_0_blocks_are_kiln_quants() {
             let mut q = vec![0u8; want.len()];
             screen::q4_0_row(isa, x, &mut q);
             assert_eq!(q, want, "{isa:?} {:?}", &x[..4]);
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if Isa::detect() == Isa::Avx2Fma {
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut x = rng.vec(64);
+            x[45] = bad;
+            // SAFETY: the CPU has AVX2 (detected); `q` holds x's two blocks.
+            assert!(!unsafe { super::avx2::q4_0_blocks(&x, &mut [0u8; 36]) }, "{bad}");
         }
     }
 }
