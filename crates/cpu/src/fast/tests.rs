@@ -371,7 +371,7 @@ fn screen_q4_0_blocks_are_kiln_quants() {
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
             let mut x = rng.vec(64);
             x[45] = bad;
-            // SAFETY: the CPU has AVX2 (detected); `q` holds x's two blocks.
+            // SAFETY: the CPU has AVX2 (detected); the buffer holds x's two blocks.
             assert!(!unsafe { super::avx2::q4_0_blocks(&x, &mut [0u8; 36]) }, "{bad}");
         }
     }
