@@ -545,7 +545,6 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) top_k_final(const flo
 // `draws`): the generator's four words (xoshiro256**), then the temperature, top-k, top-p and
 // min-p. The generator is not advanced here: the host steps its own copy past each draw.
 #define DRAW_BYTES 48
-#define DRAW_MAX 262144
 #define DRAW_THREADS 1024
 #define DRAW_RUN 1024
 
@@ -680,91 +679,176 @@ extern "C" __global__ void draw_candidates(const float* x, int* out, int width, 
     out[r] = (int)sid[last];
 }
 
-// One block (DRAW_THREADS) per row of `width` <= DRAW_MAX logits: `draw::draw_vocabulary`. The
-// largest logit (and whether all are finite), then each run of DRAW_RUN tokens' eight interleaved
-// sums of weights (thread per run and sum: the host's order), the runs' sums, the total; thread 0
-// finds the run the draw falls in, the block weighs that run's tokens, and thread 0 walks them.
-extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_vocabulary(const float* x, int* out, int width, const u8* draws) {
-    __shared__ double acc[DRAW_MAX / DRAW_RUN * 8];
-    __shared__ float sw[DRAW_RUN];
+// A draw among a row of `width` logits (`draw::draw_vocabulary`) in three launches,
+// over runs of DRAW_RUN tokens (the host's runs): `draw_runs_max` takes each run's largest logit,
+// whether it holds a value that is not finite, and its likeliest token's key (for temperature
+// 0); `draw_runs_sum` each run's sum of weights (its eight interleaved sums, then those in order:
+// `run_sum`); `draw_vocabulary`, a block a row, the total, the run the draw falls in, and the walk
+// through that run's tokens. The partials per (row, run) at `part`: sums (f64), keys (u64), maxima
+// (f32), flags (i32), each an array of rows x runs.
+struct DrawParts {
+    double* sum;
+    u64* key;
+    float* max;
+    int* bad;
+};
+
+__device__ __forceinline__ DrawParts draw_parts(u8* part, int rows, int runs) {
+    const u64 n = (u64)rows * runs;
+    DrawParts p;
+    p.sum = (double*)part;
+    p.key = (u64*)(part + 8 * n);
+    p.max = (float*)(part + 16 * n);
+    p.bad = (int*)(part + 20 * n);
+    return p;
+}
+
+// Block-wide reductions of DRAW_THREADS threads (every thread gets the result).
+__device__ __forceinline__ float draw_block_max(float v, float* scratch) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = scratch[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++) v = fmaxf(v, scratch[w]);
+    return v;
+}
+
+__device__ __forceinline__ u64 draw_block_key(u64 k, u64* scratch) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 b = __shfl_xor_sync(0xffffffffu, k, o);
+        k = b > k ? b : k;
+    }
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = k;
+    __syncthreads();
+    k = scratch[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++) k = scratch[w] > k ? scratch[w] : k;
+    return k;
+}
+
+// Grid (runs, rows), DRAW_THREADS threads: run q of row r's largest logit, flag and likeliest key.
+extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_runs_max(const float* x, int width, u8* part) {
     __shared__ float smax[32];
     __shared__ u64 skey[32];
-    __shared__ int sbad, srun;
-    __shared__ double srem;
     pdl_wait();
-    const int r = blockIdx.x, t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    const float* row = x + (u64)r * width;
-    const DrawSpec d = draw_spec(draws, r);
-    if (t == 0) sbad = 0;
+    const int q = blockIdx.x, r = blockIdx.y, runs = gridDim.x, lo = q * DRAW_RUN, len = min(DRAW_RUN, width - lo);
+    const float* row = x + (u64)r * width + lo;
     float m = -INFINITY;
+    u64 key = 0;
     int bad = 0;
-    for (int i = t; i < width; i += DRAW_THREADS) {
+    for (int i = threadIdx.x; i < len; i += blockDim.x) {
         const float v = row[i];
         bad |= !(fabsf(v) <= 3.402823466e38f);
         m = fmaxf(m, v);
+        // (-0 as +0: the host compares the values, not their bits.)
+        const u64 k = top_key(__fadd_rn(v, 0.0f), (u32)(lo + i));
+        key = k > key ? k : key;
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) smax[warp] = m;
+    bad = __syncthreads_or(bad);
+    m = draw_block_max(m, smax);
+    key = draw_block_key(key, skey);
+    if (threadIdx.x == 0) {
+        const DrawParts p = draw_parts(part, gridDim.y, runs);
+        p.max[r * runs + q] = m;
+        p.key[r * runs + q] = key;
+        p.bad[r * runs + q] = bad;
+    }
+}
+
+// The row's largest scaled logit mx = max / t, or a flag: 1 where the row holds a value that is not
+// finite, 2 where there is no softmax (temperature 0, or mx not finite): every thread reads the
+// runs' partials.
+__device__ __forceinline__ int draw_scale(const DrawParts& p, int r, int runs, float t, float* mx, float* scratch) {
+    float m = -INFINITY;
+    int bad = 0;
+    for (int q = threadIdx.x; q < runs; q += blockDim.x) {
+        m = fmaxf(m, p.max[r * runs + q]);
+        bad |= p.bad[r * runs + q];
+    }
+    bad = __syncthreads_or(bad);
+    m = draw_block_max(m, scratch);
+    if (bad) return 1;
+    if (t == 0.0f) return 2;
+    *mx = __fdiv_rn(m, t);
+    return fabsf(*mx) <= 3.402823466e38f ? 0 : 2;
+}
+
+// Grid (runs, rows), DRAW_THREADS threads: run q of row r's sum of weights (`run_sum`).
+extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_runs_sum(const float* x, int width, const u8* draws, u8* part) {
+    __shared__ float sw[DRAW_RUN];
+    __shared__ float scratch[32];
+    __shared__ double acc[8];
+    pdl_wait();
+    const int q = blockIdx.x, r = blockIdx.y, runs = gridDim.x, lo = q * DRAW_RUN, len = min(DRAW_RUN, width - lo);
+    const DrawParts p = draw_parts(part, gridDim.y, runs);
+    const float t = draw_spec(draws, r).t;
+    float mx = 0.0f;
+    if (draw_scale(p, r, runs, t, &mx, scratch) != 0) return;
+    const float* row = x + (u64)r * width + lo;
+    for (int i = threadIdx.x; i < len; i += blockDim.x) sw[i] = draw_weight(row[i], t, mx);
     __syncthreads();
-    if (bad) sbad = 1;
-    m = smax[0];
-    for (int w = 1; w < DRAW_THREADS / 32; w++) m = fmaxf(m, smax[w]);
+    if (threadIdx.x < 8) {
+        const int j = threadIdx.x, whole = len & ~7;
+        double a = 0.0;
+        for (int i = j; i < whole; i += 8) a += (double)sw[i];
+        if (whole + j < len) a += (double)sw[whole + j];
+        acc[j] = a;
+    }
     __syncthreads();
-    if (sbad) {
+    if (threadIdx.x == 0) {
+        double s = 0.0;
+        for (int j = 0; j < 8; j++) s += acc[j];
+        p.sum[r * runs + q] = s;
+    }
+}
+
+// One block (DRAW_THREADS) a row: the draw, from the runs' partials.
+extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_vocabulary(const float* x, int* out, int width, const u8* draws, u8* part) {
+    __shared__ float sw[DRAW_RUN];
+    __shared__ float scratch[32];
+    __shared__ u64 skey[32];
+    __shared__ int srun;
+    __shared__ double srem;
+    pdl_wait();
+    const int r = blockIdx.x, t = threadIdx.x, runs = (width + DRAW_RUN - 1) / DRAW_RUN;
+    const float* row = x + (u64)r * width;
+    const DrawSpec d = draw_spec(draws, r);
+    const DrawParts p = draw_parts(part, gridDim.x, runs);
+    const float temp = d.t;
+    float mx = 0.0f;
+    const int how = draw_scale(p, r, runs, temp, &mx, scratch);
+    if (how == 1) {
         if (t == 0) out[r] = -1;
         return;
     }
-    const float temp = d.t;
-    const float mx = temp == 0.0f ? 0.0f : __fdiv_rn(m, temp);
-    if (temp == 0.0f || !(fabsf(mx) <= 3.402823466e38f)) {
-        // The likeliest (at temperature 0 the largest logit, else the largest key of l / t): the
-        // lowest id among equals.
+    if (how == 2) {
+        // The likeliest: at temperature 0 the runs' keys of the largest logit; else (l / t not
+        // finite) the largest key of l / t, the lowest id among equals.
         u64 best = 0;
-        for (int i = t; i < width; i += DRAW_THREADS) {
-            // (-0 as +0 at temperature 0: the host compares the values, not their bits.)
-            const u64 k = top_key(temp == 0.0f ? __fadd_rn(row[i], 0.0f) : __fdiv_rn(row[i], temp), (u32)i);
-            best = k > best ? k : best;
+        if (temp == 0.0f) {
+            for (int q = t; q < runs; q += DRAW_THREADS) best = p.key[r * runs + q] > best ? p.key[r * runs + q] : best;
+        } else {
+            for (int i = t; i < width; i += DRAW_THREADS) {
+                const u64 k = top_key(__fdiv_rn(row[i], temp), (u32)i);
+                best = k > best ? k : best;
+            }
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const u64 b = __shfl_xor_sync(0xffffffffu, best, o);
-            best = b > best ? b : best;
-        }
-        if (lane == 0) skey[warp] = best;
-        __syncthreads();
-        if (t == 0) {
-            for (int w = 1; w < DRAW_THREADS / 32; w++) best = skey[w] > best ? skey[w] : best;
-            out[r] = (int)(0xffffffffu - (u32)best);
-        }
+        best = draw_block_key(best, skey);
+        if (t == 0) out[r] = (int)(0xffffffffu - (u32)best);
         return;
     }
-    // Run q's sum j: its weights j, j + 8, ... below the last whole 8; its remainder's j-th.
-    const int runs = (width + DRAW_RUN - 1) / DRAW_RUN;
-    for (int task = t; task < 8 * runs; task += DRAW_THREADS) {
-        const int q = task >> 3, j = task & 7;
-        const int lo = q * DRAW_RUN, len = min(DRAW_RUN, width - lo), whole = len & ~7;
-        double a = 0.0;
-        for (int i = j; i < whole; i += 8) a += (double)draw_weight(row[lo + i], temp, mx);
-        if (whole + j < len) a += (double)draw_weight(row[lo + whole + j], temp, mx);
-        acc[task] = a;
-    }
-    __syncthreads();
-    // Each run's sum (the eight in order), then the total and the run the draw falls in.
-    for (int q = t; q < runs; q += DRAW_THREADS) {
-        double s = 0.0;
-        for (int j = 0; j < 8; j++) s += acc[8 * q + j];
-        acc[8 * q] = s;
-    }
-    __syncthreads();
     if (t == 0) {
         double total = 0.0;
-        for (int q = 0; q < runs; q++) total += acc[8 * q];
+        for (int q = 0; q < runs; q++) total += p.sum[r * runs + q];
         double rem = __dmul_rn(draw_uniform(d), total);
         int q = 0;
         for (; q < runs; q++) {
-            if (rem < acc[8 * q]) break;
-            rem -= acc[8 * q];
+            const double s = p.sum[r * runs + q];
+            if (rem < s) break;
+            rem -= s;
         }
         srun = q;
         srem = rem;

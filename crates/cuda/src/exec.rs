@@ -54,11 +54,10 @@ pub(crate) fn top_k_takes(width: usize, count: usize) -> bool {
 /// Bytes of a sequence's draw in the step buffer (`DRAW_BYTES` in ops.cu): the generator's four
 /// 64-bit words, then the temperature, top-k, top-p and min-p (32 bits each).
 const DRAW_BYTES: usize = 48;
-/// Most logits a row drawn among the whole vocabulary may have (`DRAW_MAX` in ops.cu: its one
-/// block keeps eight partial sums per run of 1024 of them in shared memory).
-pub(crate) const DRAW_MAX: usize = 262_144;
-/// Threads of a draw among the whole vocabulary (`DRAW_THREADS` in ops.cu).
+/// Threads of a draw's launches among the whole vocabulary, and tokens of its runs (`DRAW_THREADS`,
+/// `DRAW_RUN` in ops.cu).
 const DRAW_THREADS: u32 = 1024;
+const DRAW_RUN: usize = 1024;
 
 /// Word offset of the top-k partials in the head buffer, after `head_values` products and the
 /// argmax partials of `rows` rows: even, so that their 8-byte keys are aligned (an odd vocabulary
@@ -527,12 +526,10 @@ fn check_kernel(kernel: &Kernel, weights: &dyn WeightShapes) -> Result<(), Runti
         Kernel::Draw { width, among, .. } => {
             let fits = match among {
                 Among::Candidates => width == 2 * CANDIDATES,
-                Among::Vocabulary => (1..=DRAW_MAX).contains(&width),
+                Among::Vocabulary => width >= 1,
             };
             if !fits {
-                return Err(cuda_err(format!(
-                    "a draw {among:?} from rows of {width} (a top-{CANDIDATES}'s, or at most {DRAW_MAX} logits)"
-                )));
+                return Err(cuda_err(format!("a draw {among:?} from rows of {width} (a top-{CANDIDATES}'s, or logits)")));
             }
         }
         Kernel::Embed { .. }
@@ -1733,6 +1730,10 @@ impl CudaExecutable {
                 Kernel::TopK { width, count, .. } => {
                     top_k_words = top_k_words.max(rows_of(step.rows, plan.rows(), seqs) * top_k_part_words(*width, *count));
                 }
+                // (Its runs' partials where the top-k's lie: no plan has both.)
+                Kernel::Draw { among: Among::Vocabulary, width, .. } => {
+                    top_k_words = top_k_words.max(rows_of(step.rows, plan.rows(), seqs) * width.div_ceil(DRAW_RUN) * 6);
+                }
                 Kernel::RopeScaled { spec, .. } => {
                     if let Some(f) = spec.freq_factors.as_ref().filter(|f| !rope_factors.iter().any(|(g, _)| g == *f)) {
                         rope_factors.push((f.clone(), 4 * factors.len() as u64));
@@ -2489,8 +2490,16 @@ impl CudaExecutable {
                         &[Arg::U64(x), Arg::U64(out), Arg::I32(width as i32), Arg::U64(draws)],
                     )?,
                     Among::Vocabulary => {
-                        let args = [Arg::U64(x), Arg::U64(out), Arg::I32(width as i32), Arg::U64(draws)];
-                        d.launch("draw_vocabulary", (rows as u32, 1), DRAW_THREADS, &args)?
+                        let part = self.head.ptr() + 4 * top_k_at(self.head_values, self.plan.rows()) as u64;
+                        let (grid, w) = ((width.div_ceil(DRAW_RUN) as u32, rows as u32), Arg::I32(width as i32));
+                        d.launch("draw_runs_max", grid, DRAW_THREADS, &[Arg::U64(x), w, Arg::U64(part)])?;
+                        d.launch("draw_runs_sum", grid, DRAW_THREADS, &[Arg::U64(x), w, Arg::U64(draws), Arg::U64(part)])?;
+                        d.launch(
+                            "draw_vocabulary",
+                            (rows as u32, 1),
+                            DRAW_THREADS,
+                            &[Arg::U64(x), Arg::U64(out), w, Arg::U64(draws), Arg::U64(part)],
+                        )?
                     }
                 }
             }

@@ -101,12 +101,9 @@ impl Backend for CudaBackend {
         exec::top_k_takes(vocab, kiln_ir::CANDIDATES)
     }
 
-    /// Among the candidates of a top-k head (at least 64 tokens), or among up to 262,144 logits.
+    /// Among the candidates of a top-k head (at least 64 tokens), or among all logits.
     fn draws(&self, among: kiln_ir::Among, vocab: usize) -> bool {
-        match among {
-            kiln_ir::Among::Candidates => vocab >= kiln_ir::CANDIDATES && self.takes_candidates(vocab),
-            kiln_ir::Among::Vocabulary => vocab <= exec::DRAW_MAX,
-        }
+        among == kiln_ir::Among::Vocabulary || (vocab >= kiln_ir::CANDIDATES && self.takes_candidates(vocab))
     }
 }
 
