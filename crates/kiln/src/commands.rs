@@ -141,15 +141,18 @@ fn stream_to_stdout(session: &mut Session<'_>, prompt: &[u32], params: &Generate
     Ok(Some(result))
 }
 
-/// Prints the timing line of one generation on stderr.
+/// Prints the timing line of one generation on stderr. The generation rate counts the tokens
+/// after the first (which the prompt's step gives), so it is left out for fewer than two.
 fn report(model: &Model, result: &Generation, seed: u64) {
     let n = result.tokens.len();
+    let generation = match n {
+        0 | 1 => format!("{n} token{}", if n == 1 { "" } else { "s" }),
+        _ => format!("{n} tokens, {:.1} tok/s", (n - 1) as f64 / result.decode_secs.max(1e-9)),
+    };
     eprintln!(
-        "prompt: {} tokens, {:.1} tok/s | generation: {} tokens, {:.1} tok/s | finish: {:?} | seed {} | {}",
+        "prompt: {} tokens, {:.1} tok/s | generation: {generation} | finish: {:?} | seed {} | {}",
         result.prompt_tokens,
         result.prompt_tokens as f64 / result.prefill_secs.max(1e-9),
-        n,
-        n.saturating_sub(1) as f64 / result.decode_secs.max(1e-9),
         result.finish,
         seed,
         model.backend_name(),

@@ -49,6 +49,16 @@ fn greedy_run_streams_the_reference_continuation() {
     assert!(err.contains("tok/s"), "timings go to stderr: {err}");
 }
 
+/// One token has no generation rate (the rate counts the tokens after the prompt's step).
+#[test]
+fn one_token_reports_no_generation_rate() {
+    let m = model();
+    let out = kiln(&["run", "--model", m.to_str().unwrap(), "--temperature", "0", "-n", "1", "The capital of France is"]);
+    assert!(!stdout(&out).trim().is_empty());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("| generation: 1 token |"), "{err}");
+}
+
 #[test]
 fn seeded_sampling_is_reproducible() {
     let m = model();
