@@ -807,9 +807,10 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_runs_sum(const f
 
 // One block (DRAW_THREADS) a row: the draw, from the runs' partials.
 extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_vocabulary(const float* x, int* out, int width, const u8* draws, u8* part) {
-    __shared__ float sw[DRAW_RUN];
     __shared__ float scratch[32];
     __shared__ u64 skey[32];
+    __shared__ __align__(16) float sw[DRAW_RUN];
+    __shared__ double ssum[DRAW_RUN];
     __shared__ int srun;
     __shared__ double srem;
     pdl_wait();
@@ -840,34 +841,60 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_vocabulary(const
         if (t == 0) out[r] = (int)(0xffffffffu - (u32)best);
         return;
     }
-    if (t == 0) {
-        double total = 0.0;
-        for (int q = 0; q < runs; q++) total += p.sum[r * runs + q];
-        double rem = __dmul_rn(draw_uniform(d), total);
-        int q = 0;
-        for (; q < runs; q++) {
-            const double s = p.sum[r * runs + q];
-            if (rem < s) break;
-            rem -= s;
+    // The total and the run the draw falls in: the runs' sums staged in shared memory a chunk at
+    // a time by every thread, then added and walked by thread 0 in the host's order (its f64
+    // additions chained on each other, not on loads).
+    double total = 0.0, rem = 0.0;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int c0 = 0; c0 < runs; c0 += DRAW_RUN) {
+            const int n = min(DRAW_RUN, runs - c0);
+            __syncthreads();
+            for (int i = t; i < n; i += DRAW_THREADS) ssum[i] = p.sum[r * runs + c0 + i];
+            __syncthreads();
+            if (t == 0 && pass == 0) {
+                for (int i = 0; i < n; i++) total += ssum[i];
+            } else if (t == 0 && srun < 0) {
+                for (int i = 0; i < n; i++) {
+                    if (rem < ssum[i]) {
+                        srun = c0 + i;
+                        break;
+                    }
+                    rem -= ssum[i];
+                }
+            }
         }
-        srun = q;
+        if (t == 0 && pass == 0) {
+            rem = __dmul_rn(draw_uniform(d), total);
+            srun = -1;
+        }
+    }
+    if (t == 0) {
+        // (Rounding may leave rem past every run: the walk starts after the last one, and falls
+        // through to the last token with any weight.)
+        if (srun < 0) srun = runs;
         srem = rem;
     }
     __syncthreads();
-    // The walk, from that run's first token on (past it only where rounding carries it).
-    double rem = srem;
+    // The walk, from that run's first token on (past it only where rounding carries it): thread 0
+    // subtracts the weights in order, 16 from registers at a time, and stops after the 16 that
+    // hold the token (what it subtracts past the token is not used).
+    rem = srem;
     for (int q = srun; q < runs; q++) {
         const int lo = q * DRAW_RUN, len = min(DRAW_RUN, width - lo);
         for (int i = t; i < len; i += DRAW_THREADS) sw[i] = draw_weight(row[lo + i], temp, mx);
+        for (int i = len + t; i < DRAW_RUN; i += DRAW_THREADS) sw[i] = 0.0f;
         __syncthreads();
         if (t == 0) {
             int got = -1;
-            for (int i = 0; i < len; i++) {
-                if (rem < (double)sw[i]) {
-                    got = lo + i;
-                    break;
+            for (int i0 = 0; i0 < len && got < 0; i0 += 16) {
+                float w[16];
+#pragma unroll
+                for (int v = 0; v < 4; v++) *(float4*)&w[4 * v] = *(const float4*)&sw[i0 + 4 * v];
+#pragma unroll
+                for (int k = 0; k < 16; k++) {
+                    if (got < 0 && i0 + k < len && rem < (double)w[k]) got = lo + i0 + k;
+                    rem -= (double)w[k];
                 }
-                rem -= (double)sw[i];
             }
             srun = got;
         }
