@@ -54,10 +54,13 @@ pub(crate) fn top_k_takes(width: usize, count: usize) -> bool {
 /// Bytes of a sequence's draw in the step buffer (`DRAW_BYTES` in ops.cu): the generator's four
 /// 64-bit words, then the temperature, top-k, top-p and min-p (32 bits each).
 const DRAW_BYTES: usize = 48;
-/// Threads of a draw's launches among the whole vocabulary, and tokens of its runs (`DRAW_THREADS`,
-/// `DRAW_RUN` in ops.cu).
+/// Threads of each launch of a draw among the whole vocabulary (`DRAW_THREADS` in ops.cu).
 const DRAW_THREADS: u32 = 1024;
+/// Tokens of a run, the unit of that draw's partial maxima and sums (`DRAW_RUN` in ops.cu).
 const DRAW_RUN: usize = 1024;
+/// 32-bit words of a run's partials (`DrawParts` in ops.cu): its sum (f64), its likeliest
+/// token's key (u64), its largest logit (f32) and its flag (i32).
+const DRAW_PART_WORDS: usize = 6;
 
 /// Word offset of the top-k partials in the head buffer, after `head_values` products and the
 /// argmax partials of `rows` rows: even, so that their 8-byte keys are aligned (an odd vocabulary
@@ -1732,7 +1735,7 @@ impl CudaExecutable {
                 }
                 // (Its runs' partials where the top-k's lie: no plan has both.)
                 Kernel::Draw { among: Among::Vocabulary, width, .. } => {
-                    top_k_words = top_k_words.max(rows_of(step.rows, plan.rows(), seqs) * width.div_ceil(DRAW_RUN) * 6);
+                    top_k_words = top_k_words.max(rows_of(step.rows, plan.rows(), seqs) * width.div_ceil(DRAW_RUN) * DRAW_PART_WORDS);
                 }
                 Kernel::RopeScaled { spec, .. } => {
                     if let Some(f) = spec.freq_factors.as_ref().filter(|f| !rope_factors.iter().any(|(g, _)| g == *f)) {
