@@ -189,6 +189,16 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// The largest of the warp's 64-bit keys, in every lane.
+__device__ __forceinline__ u64 warp_max_key(u64 key) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        u64 v = __shfl_xor_sync(0xffffffffu, key, o);
+        key = v > key ? v : key;
+    }
+    return key;
+}
+
 // GELU with the tanh approximation (Gemma's MLP activation).
 __device__ __forceinline__ float gelu_tanh(float x) {
     const float k = 0.7978846f;
@@ -216,6 +226,28 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     __syncthreads();
     v = lane < warps ? scratch[lane] : 0.f;
     return warp_sum(v);
+}
+
+// Largest value (`block_max`) or 64-bit key (`block_max_key`) over a block of at most 1024
+// threads; every thread gets the result. `scratch` holds 32 of them.
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    v = warp_max(v);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = scratch[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++) v = fmaxf(v, scratch[w]);
+    return v;
+}
+
+__device__ __forceinline__ u64 block_max_key(u64 k, u64* scratch) {
+    k = warp_max_key(k);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = k;
+    __syncthreads();
+    k = scratch[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++) k = scratch[w] > k ? scratch[w] : k;
+    return k;
 }
 
 

@@ -703,32 +703,6 @@ __device__ __forceinline__ DrawParts draw_parts(u8* part, int rows, int runs) {
     return p;
 }
 
-// Block-wide reductions of DRAW_THREADS threads (every thread gets the result).
-__device__ __forceinline__ float draw_block_max(float v, float* scratch) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = scratch[0];
-    for (int w = 1; w < (int)(blockDim.x >> 5); w++) v = fmaxf(v, scratch[w]);
-    return v;
-}
-
-__device__ __forceinline__ u64 draw_block_key(u64 k, u64* scratch) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const u64 b = __shfl_xor_sync(0xffffffffu, k, o);
-        k = b > k ? b : k;
-    }
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = k;
-    __syncthreads();
-    k = scratch[0];
-    for (int w = 1; w < (int)(blockDim.x >> 5); w++) k = scratch[w] > k ? scratch[w] : k;
-    return k;
-}
-
 // Grid (runs, rows), DRAW_THREADS threads: run q of row r's largest logit, flag and likeliest key.
 extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_runs_max(const float* x, int width, u8* part) {
     __shared__ float smax[32];
@@ -748,8 +722,8 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_runs_max(const f
         key = k > key ? k : key;
     }
     bad = __syncthreads_or(bad);
-    m = draw_block_max(m, smax);
-    key = draw_block_key(key, skey);
+    m = block_max(m, smax);
+    key = block_max_key(key, skey);
     if (threadIdx.x == 0) {
         const DrawParts p = draw_parts(part, gridDim.y, runs);
         p.max[r * runs + q] = m;
@@ -769,7 +743,7 @@ __device__ __forceinline__ int draw_scale(const DrawParts& p, int r, int runs, f
         bad |= p.bad[r * runs + q];
     }
     bad = __syncthreads_or(bad);
-    m = draw_block_max(m, scratch);
+    m = block_max(m, scratch);
     if (bad) return 1;
     if (t == 0.0f) return 2;
     *mx = __fdiv_rn(m, t);
@@ -837,7 +811,7 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_vocabulary(const
                 best = k > best ? k : best;
             }
         }
-        best = draw_block_key(best, skey);
+        best = block_max_key(best, skey);
         if (t == 0) out[r] = (int)(0xffffffffu - (u32)best);
         return;
     }

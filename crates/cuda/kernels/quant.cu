@@ -970,16 +970,6 @@ __device__ __forceinline__ void group_out(const float (&acc)[ROWS][R], const int
     }
 }
 
-// The largest of the warp's 64-bit keys, in every lane.
-__device__ __forceinline__ u64 warp_max_key(u64 key) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        u64 v = __shfl_xor_sync(0xffffffffu, key, o);
-        key = v > key ? v : key;
-    }
-    return key;
-}
-
 // By the last warp of an argmax launch to arrive (after `acquire`): reduces the slots of each of
 // `rows` activation rows into aout (-1 where a flag says a product was not finite) and resets the
 // slots, the flags and the arrival counter `acnt`.
