@@ -251,6 +251,41 @@ __device__ __forceinline__ u64 block_max_key(u64 k, u64* scratch) {
 }
 
 
+// Sum of 64-bit integers over a block of at most 1024 threads; every thread gets it. `scratch`
+// holds 32 of them.
+__device__ __forceinline__ u64 block_sum_u64(u64 v, u64* scratch) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = 0;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) v += scratch[w];
+    return v;
+}
+
+// Inclusive prefix sum of 64-bit integers in thread order over a block of at most 1024 threads
+// (a multiple of 32), and in *total the block's sum. `scratch` holds 32 of them.
+__device__ __forceinline__ u64 block_scan_u64(u64 v, u64* scratch, u64* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const u64 up = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += up;
+    }
+    __syncthreads();
+    if (lane == 31) scratch[warp] = v;
+    __syncthreads();
+    u64 before = 0, all = 0;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) {
+        const u64 s = scratch[w];
+        before += w < warp ? s : 0;
+        all += s;
+    }
+    *total = all;
+    return v + before;
+}
+
 // Quantized activations (the matrix-vector kernels' input): a row of k floats (k a multiple of 32)
 // is stored as hi[k] and lo[k] (signed bytes), then one {float d, int sum} per 16 elements, with
 // x ≈ d * (254 * hi + lo): d = max|x| / 32258 per 32-element block (both of its 16-element

@@ -474,11 +474,21 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) top_k_part(const floa
     __syncthreads();
     int b = 0;
     u64 most = 0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const float v = row[j0 + i];
-        b |= !(fabsf(v) <= 3.402823466e38f);
-        keys[i] = top_key(v, j0 + i);
-        most = max(most, keys[i]);
+    // (Every load issued before the first is used: one round trip.)
+    float v[TOPK_SLICE / TOPK_THREADS];
+#pragma unroll
+    for (int q = 0; q < TOPK_SLICE / TOPK_THREADS; q++) {
+        const int i = threadIdx.x + q * TOPK_THREADS;
+        v[q] = i < n ? row[j0 + i] : 0.f;
+    }
+#pragma unroll
+    for (int q = 0; q < TOPK_SLICE / TOPK_THREADS; q++) {
+        const int i = threadIdx.x + q * TOPK_THREADS;
+        if (i < n) {
+            b |= !(fabsf(v[q]) <= 3.402823466e38f);
+            keys[i] = top_key(v[q], j0 + i);
+            most = max(most, keys[i]);
+        }
     }
     if (b) sbad = 1;
     // The threads' largest keys: the `count` largest of them are `count` keys at or above the
@@ -496,31 +506,44 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) top_k_part(const floa
 }
 
 // Grid (rows): a row's `count` largest of its slices' survivors, largest first: out[r] = the
-// values (cap > 0: soft-capped), then the indices as floats; every value NaN where a slice held
-// a non-finite value.
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS) top_k_final(const float* x, const u64* part, const int* bad, float* out, int width,
-                                                                       int slices, int count, float cap) {
+// values (cap > 0: soft-capped; each read back from its key), then the indices as floats; every
+// value NaN where a slice held a non-finite value.
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) top_k_final(const u64* part, const int* bad, float* out, int slices, int count,
+                                                                       float cap) {
     __shared__ u64 keys[TOPK_SLICE];
     __shared__ u64 top[TOPK_MAX], floor;
     __shared__ u32 hist[256 * (TOPK_THREADS / 32)], sel[3];
     __shared__ int sbad;
     pdl_wait();
-    const int r = blockIdx.x, n = slices * count;
+    const int r = blockIdx.x, n = slices * count, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (threadIdx.x == 0) {
         sbad = 0;
         floor = 0;
     }
-    __syncthreads();
+    // (Every load issued before the first is used: one round trip.)
+    u64 mine[TOPK_SLICE / TOPK_THREADS];
+#pragma unroll
+    for (int q = 0; q < TOPK_SLICE / TOPK_THREADS; q++) {
+        const int i = threadIdx.x + q * TOPK_THREADS;
+        mine[q] = i < n ? part[(u64)r * n + i] : 0;
+    }
     int b = 0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) keys[i] = part[(u64)r * n + i];
     for (int i = threadIdx.x; i < slices; i += blockDim.x) b |= bad[r * slices + i];
-    if (b) sbad = 1;
+#pragma unroll
+    for (int q = 0; q < TOPK_SLICE / TOPK_THREADS; q++) {
+        const int i = threadIdx.x + q * TOPK_THREADS;
+        if (i < n) keys[i] = mine[q];
+    }
     __syncthreads();
-    // Each slice's least kept key: `count` keys (its own) reach the largest of those.
-    for (int sl = threadIdx.x; sl < slices; sl += blockDim.x) {
+    if (b) sbad = 1;
+    // Each slice's least kept key (a warp a slice, its keys read across the lanes): `count`
+    // keys (its own) reach the largest of those.
+    for (int sl = warp; sl < slices; sl += TOPK_THREADS / 32) {
         u64 least = ~0ull;
-        for (int i = 0; i < count; i++) least = min(least, keys[sl * count + i]);
-        atomicMax(&floor, least);
+        for (int i = lane; i < count; i += 32) least = min(least, keys[sl * count + i]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) least = min(least, __shfl_xor_sync(0xffffffffu, least, o));
+        if (lane == 0) atomicMax(&floor, least);
     }
     __syncthreads();
     const int kept = top_keys_prune(keys, n, floor, sel);
@@ -531,8 +554,9 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) top_k_final(const flo
         const u64 key = top[t];
         int rank = 0;
         for (int i = 0; i < count; i++) rank += top[i] > key;
-        const u32 j = 0xffffffffu - (u32)key;
-        const float v = x[(u64)r * width + j];
+        // (The key's top half is the value's bits, ordered: top_key undone.)
+        const u32 h = (u32)(key >> 32), j = 0xffffffffu - (u32)key;
+        const float v = __uint_as_float((h & 0x80000000u) ? (h & 0x7fffffffu) : ~h);
         o[rank] = sbad ? __int_as_float(0x7fc00000) : cap > 0.f ? soft_cap(v, cap) : v;
         o[count + rank] = (float)j;
     }
@@ -540,13 +564,14 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) top_k_final(const flo
 
 // Draws (kiln_ir::Op::Draw; exec.rs `Kernel::Draw`): the token kiln_runtime::draw::draw_row draws,
 // bit for bit. Every float operation is rounded on its own (__fmul_rn and kin: no fused
-// multiply-add where the host has none), the divisions are IEEE ones, the sums are the host's
-// doubles in the host's order. A sequence's draw lies in the step buffer (DRAW_BYTES each, from
+// multiply-add where the host has none), the divisions are IEEE ones, the candidates' sums are
+// the host's doubles in the host's order, the vocabulary's are integers (any order). A sequence's draw lies in the step buffer (DRAW_BYTES each, from
 // `draws`): the generator's four words (xoshiro256**), then the temperature, top-k, top-p and
 // min-p. The generator is not advanced here: the host steps its own copy past each draw.
 #define DRAW_BYTES 48
 #define DRAW_THREADS 1024
 #define DRAW_RUN 1024
+static_assert(DRAW_RUN == DRAW_THREADS, "the draw's kernels take a token of a run a thread");
 
 struct DrawSpec {
     u64 s[4];
@@ -567,12 +592,18 @@ __device__ __forceinline__ DrawSpec draw_spec(const u8* draws, int seq) {
     return d;
 }
 
-// The generator's next output from state s as a double in [0, 1) (its top 53 bits): `Rng::next_f64`.
-__device__ __forceinline__ double draw_uniform(const DrawSpec& d) {
+// The top 53 bits of the generator's next output from state s.
+__device__ __forceinline__ u64 draw_bits(const DrawSpec& d) {
     u64 x = d.s[1] * 5;
     x = ((x << 7) | (x >> 57)) * 9;
-    return (double)(x >> 11) / 9007199254740992.0;
+    return x >> 11;
 }
+
+// Those bits as a double in [0, 1): `Rng::next_f64`.
+__device__ __forceinline__ double draw_uniform(const DrawSpec& d) { return (double)draw_bits(d) / 9007199254740992.0; }
+
+// A weight's share, w x 2^40 without its fraction (`draw::weight_share`).
+__device__ __forceinline__ u64 draw_share(float w) { return __float2ull_rz(__fmul_rn(w, 1099511627776.0f)); }
 
 // e^x for x <= 0: `draw::exp_nonpositive`, operation for operation.
 __device__ __forceinline__ float draw_exp(float x) {
@@ -679,15 +710,16 @@ extern "C" __global__ void draw_candidates(const float* x, int* out, int width, 
     out[r] = (int)sid[last];
 }
 
-// A draw among a row of `width` logits (`draw::draw_vocabulary`) in three launches,
-// over runs of DRAW_RUN tokens (the host's runs): `draw_runs_max` takes each run's largest logit,
-// whether it holds a value that is not finite, and its likeliest token's key (for temperature
-// 0); `draw_runs_sum` each run's sum of weights (its eight interleaved sums, then those in order:
-// `run_sum`); `draw_vocabulary`, a block a row, the total, the run the draw falls in, and the walk
-// through that run's tokens. The partials per (row, run) at `part`: sums (f64), keys (u64), maxima
-// (f32), flags (i32), each an array of rows x runs.
+// A draw among a row of `width` logits (`draw::draw_vocabulary`) in three launches, over runs of
+// DRAW_RUN tokens: `draw_runs_max` takes each run's largest logit, whether it holds a value that
+// is not finite, and its likeliest token's key (for temperature 0); `draw_runs_sum` each run's sum
+// of weight shares (`draw::weight_share`: integers, so any order of addition gives the host's
+// sum); `draw_vocabulary`, a block a row, the total, the point the draw picks (`draw::draw_point`),
+// the run it falls in and the token in that run, both by prefix sums over the block. The partials
+// per (row, run) at `part`: sums (u64), keys (u64), maxima (f32), flags (i32), each an array of
+// rows x runs.
 struct DrawParts {
-    double* sum;
+    u64* sum;
     u64* key;
     float* max;
     int* bad;
@@ -696,7 +728,7 @@ struct DrawParts {
 __device__ __forceinline__ DrawParts draw_parts(u8* part, int rows, int runs) {
     const u64 n = (u64)rows * runs;
     DrawParts p;
-    p.sum = (double*)part;
+    p.sum = (u64*)part;
     p.key = (u64*)(part + 8 * n);
     p.max = (float*)(part + 16 * n);
     p.bad = (int*)(part + 20 * n);
@@ -750,49 +782,36 @@ __device__ __forceinline__ int draw_scale(const DrawParts& p, int r, int runs, f
     return fabsf(*mx) <= 3.402823466e38f ? 0 : 2;
 }
 
-// Grid (runs, rows), DRAW_THREADS threads: run q of row r's sum of weights (`run_sum`).
+// Grid (runs, rows), DRAW_THREADS threads: run q of row r's sum of weight shares.
 extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_runs_sum(const float* x, int width, const u8* draws, u8* part) {
-    __shared__ float sw[DRAW_RUN];
     __shared__ float scratch[32];
-    __shared__ double acc[8];
+    __shared__ u64 ssum[32];
     pdl_wait();
     const int q = blockIdx.x, r = blockIdx.y, runs = gridDim.x, lo = q * DRAW_RUN, len = min(DRAW_RUN, width - lo);
     const DrawParts p = draw_parts(part, gridDim.y, runs);
     const float t = draw_spec(draws, r).t;
+    // (A token a thread, its logit loaded beside the runs' maxima: one round trip.)
+    const float l = (int)threadIdx.x < len ? x[(u64)r * width + lo + threadIdx.x] : 0.0f;
     float mx = 0.0f;
     if (draw_scale(p, r, runs, t, &mx, scratch) != 0) return;
-    const float* row = x + (u64)r * width + lo;
-    for (int i = threadIdx.x; i < len; i += blockDim.x) sw[i] = draw_weight(row[i], t, mx);
-    __syncthreads();
-    if (threadIdx.x < 8) {
-        const int j = threadIdx.x, whole = len & ~7;
-        double a = 0.0;
-        for (int i = j; i < whole; i += 8) a += (double)sw[i];
-        if (whole + j < len) a += (double)sw[whole + j];
-        acc[j] = a;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        double s = 0.0;
-        for (int j = 0; j < 8; j++) s += acc[j];
-        p.sum[r * runs + q] = s;
-    }
+    const u64 s = block_sum_u64((int)threadIdx.x < len ? draw_share(draw_weight(l, t, mx)) : 0, ssum);
+    if (threadIdx.x == 0) p.sum[r * runs + q] = s;
 }
 
 // One block (DRAW_THREADS) a row: the draw, from the runs' partials.
 extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_vocabulary(const float* x, int* out, int width, const u8* draws, u8* part) {
     __shared__ float scratch[32];
-    __shared__ u64 skey[32];
-    __shared__ __align__(16) float sw[DRAW_RUN];
-    __shared__ double ssum[DRAW_RUN];
+    __shared__ u64 skey[32], sshare[32];
     __shared__ int srun;
-    __shared__ double srem;
+    __shared__ u64 spoint;
     pdl_wait();
     const int r = blockIdx.x, t = threadIdx.x, runs = (width + DRAW_RUN - 1) / DRAW_RUN;
     const float* row = x + (u64)r * width;
     const DrawSpec d = draw_spec(draws, r);
     const DrawParts p = draw_parts(part, gridDim.x, runs);
     const float temp = d.t;
+    // (The first chunk of runs' sums loaded beside their maxima: one round trip.)
+    const u64 first = t < runs ? p.sum[r * runs + t] : 0;
     float mx = 0.0f;
     const int how = draw_scale(p, r, runs, temp, &mx, scratch);
     if (how == 1) {
@@ -815,79 +834,30 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS) draw_vocabulary(const
         if (t == 0) out[r] = (int)(0xffffffffu - (u32)best);
         return;
     }
-    // The total and the run the draw falls in: the runs' sums staged in shared memory a chunk at
-    // a time by every thread, then added and walked by thread 0 in the host's order (its f64
-    // additions chained on each other, not on loads).
-    double total = 0.0, rem = 0.0;
-    for (int pass = 0; pass < 2; pass++) {
-        for (int c0 = 0; c0 < runs; c0 += DRAW_RUN) {
-            const int n = min(DRAW_RUN, runs - c0);
-            __syncthreads();
-            for (int i = t; i < n; i += DRAW_THREADS) ssum[i] = p.sum[r * runs + c0 + i];
-            __syncthreads();
-            if (t == 0 && pass == 0) {
-                for (int i = 0; i < n; i++) total += ssum[i];
-            } else if (t == 0 && srun < 0) {
-                for (int i = 0; i < n; i++) {
-                    if (rem < ssum[i]) {
-                        srun = c0 + i;
-                        break;
-                    }
-                    rem -= ssum[i];
-                }
-            }
-        }
-        if (t == 0 && pass == 0) {
-            rem = __dmul_rn(draw_uniform(d), total);
-            srun = -1;
-        }
-    }
-    if (t == 0) {
-        // (Rounding may leave rem past every run: the walk starts after the last one, and falls
-        // through to the last token with any weight.)
-        if (srun < 0) srun = runs;
-        srem = rem;
-    }
-    __syncthreads();
-    // The walk, from that run's first token on (past it only where rounding carries it): thread 0
-    // subtracts the weights in order, 16 from registers at a time, and stops after the 16 that
-    // hold the token (what it subtracts past the token is not used).
-    rem = srem;
-    for (int q = srun; q < runs; q++) {
-        const int lo = q * DRAW_RUN, len = min(DRAW_RUN, width - lo);
-        for (int i = t; i < len; i += DRAW_THREADS) sw[i] = draw_weight(row[lo + i], temp, mx);
-        for (int i = len + t; i < DRAW_RUN; i += DRAW_THREADS) sw[i] = 0.0f;
-        __syncthreads();
-        if (t == 0) {
-            int got = -1;
-            for (int i0 = 0; i0 < len && got < 0; i0 += 16) {
-                float w[16];
-#pragma unroll
-                for (int v = 0; v < 4; v++) *(float4*)&w[4 * v] = *(const float4*)&sw[i0 + 4 * v];
-#pragma unroll
-                for (int k = 0; k < 16; k++) {
-                    if (got < 0 && i0 + k < len && rem < (double)w[k]) got = lo + i0 + k;
-                    rem -= (double)w[k];
-                }
-            }
-            srun = got;
+    // The total, the point the draw picks, and the run it falls in: the first whose prefix sum
+    // passes the point (a chunk of DRAW_THREADS runs at a time).
+    u64 sum = first, chunk = 0;
+    for (int q = t + DRAW_THREADS; q < runs; q += DRAW_THREADS) sum += p.sum[r * runs + q];
+    const u64 total = block_sum_u64(sum, sshare);
+    u64 point = __umul64hi(draw_bits(d) << 11, total);
+    if (t == 0) srun = -1;
+    for (int c0 = 0; c0 < runs; c0 += DRAW_THREADS) {
+        const int q = c0 + t;
+        const u64 v = c0 == 0 ? first : q < runs ? p.sum[r * runs + q] : 0;
+        const u64 incl = block_scan_u64(v, sshare, &chunk);
+        if (q < runs && incl - v <= point && point < incl) {
+            srun = q;
+            spoint = point - (incl - v);
         }
         __syncthreads();
-        if (srun >= 0) {
-            if (t == 0) out[r] = srun;
-            return;
-        }
-        __syncthreads();
+        if (srun >= 0) break;
+        point -= chunk;
     }
-    // (Rounding left rem at the end: the last token with any weight.)
-    if (t == 0) {
-        int last = 0;
-        for (int i = width - 1; i >= 0; i--) {
-            if (draw_weight(row[i], temp, mx) > 0.0f) {
-                last = i;
-                break;
-            }
-        }
-        out[r] = last;
-    }
+    // The token: the first of the run whose prefix sum passes what is left of the point. (The
+    // point lies below the total, so some run and token hold it.)
+    const int q = srun, lo = q * DRAW_RUN, len = min(DRAW_RUN, width - lo);
+    point = spoint;
+    const u64 v = t < len ? draw_share(draw_weight(row[lo + t], temp, mx)) : 0;
+    const u64 incl = block_scan_u64(v, sshare, &chunk);
+    if (t < len && incl - v <= point && point < incl) out[r] = lo + t;
 }

@@ -58,7 +58,7 @@ const DRAW_BYTES: usize = 48;
 const DRAW_THREADS: u32 = 1024;
 /// Tokens of a run, the unit of that draw's partial maxima and sums (`DRAW_RUN` in ops.cu).
 const DRAW_RUN: usize = 1024;
-/// 32-bit words of a run's partials (`DrawParts` in ops.cu): its sum (f64), its likeliest
+/// 32-bit words of a run's partials (`DrawParts` in ops.cu): its sum of weight shares (u64), its likeliest
 /// token's key (u64), its largest logit (f32) and its flag (i32).
 const DRAW_PART_WORDS: usize = 6;
 
@@ -2277,16 +2277,7 @@ impl CudaExecutable {
             "top_k_final",
             (rows as u32, 1),
             TOPK_THREADS,
-            &[
-                Arg::U64(x),
-                Arg::U64(part),
-                Arg::U64(bad),
-                Arg::U64(out),
-                Arg::I32(width as i32),
-                Arg::I32(slices as i32),
-                Arg::I32(count as i32),
-                Arg::F32(cap.unwrap_or(0.0)),
-            ],
+            &[Arg::U64(part), Arg::U64(bad), Arg::U64(out), Arg::I32(slices as i32), Arg::I32(count as i32), Arg::F32(cap.unwrap_or(0.0))],
         )
     }
 

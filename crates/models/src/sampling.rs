@@ -163,7 +163,7 @@ impl Sampler {
         let u = self.next_uniform();
         match kept {
             Kept::One(id) => id,
-            Kept::All(total) => draw_weighted(&self.weights, total, u),
+            Kept::All => draw_weighted(&self.weights, u),
             Kept::Listed(cand) => draw_listed(&cand, u),
         }
     }
@@ -196,10 +196,10 @@ impl Sampler {
         }
         let weights = &mut self.weights;
         fill_weights(weights, logits, t, max);
-        let total = sum(weights);
         if p.top_p >= 1.0 && p.min_p <= 0.0 {
-            return Kept::All(total);
+            return Kept::All;
         }
+        let total = sum(weights);
         // The tokens by bucket of their scaled logit's distance below the largest: the weight
         // and the least weight of each bucket.
         // (On the raw logits: no division a token; the order is the scaled logits'.)
@@ -240,7 +240,7 @@ impl Sampler {
             }
         }
         let Some(first) = first else {
-            return Kept::All(total);
+            return Kept::All;
         };
         let positive = weights.iter().filter(|&&w| w > 0.0).count();
         let mut cand: Vec<(u32, f32)> = Vec::new();
@@ -342,8 +342,8 @@ impl Sampler {
 enum Kept {
     /// This token, no draw.
     One(u32),
-    /// Every token, by the sampler's `weights` (of this sum).
-    All(f64),
+    /// Every token, by the sampler's `weights`.
+    All,
     /// These (id, weight).
     Listed(Vec<(u32, f32)>),
 }
@@ -568,7 +568,7 @@ mod tests {
                         let mut s = Sampler::new(p.clone()).unwrap();
                         let mut ids: Vec<u32> = match s.keep(&logits) {
                             Kept::One(id) => vec![id],
-                            Kept::All(_) => (0..n as u32).filter(|&i| s.weights[i as usize] > 0.0).collect(),
+                            Kept::All => (0..n as u32).filter(|&i| s.weights[i as usize] > 0.0).collect(),
                             Kept::Listed(c) => c.iter().map(|c| c.0).collect(),
                         };
                         ids.sort();

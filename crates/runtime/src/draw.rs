@@ -143,7 +143,7 @@ pub fn draw_vocabulary(logits: &[f32], spec: &DrawSpec, weights: &mut Vec<f32>) 
         return logits.iter().enumerate().map(|(i, &l)| order_key(l / t, i as u32)).max().map_or(0, key_id);
     }
     fill_weights(weights, logits, t, max);
-    draw_weighted(weights, sum(weights), spec.uniform())
+    draw_weighted(weights, spec.uniform())
 }
 
 /// The kept tokens of a top-k list (`top`: id and logit, most likely first; `max`: the largest
@@ -202,7 +202,7 @@ pub fn max_logit(logits: &[f32]) -> f32 {
     chunks.remainder().iter().chain(&m).fold(f32::NEG_INFINITY, |a, &b| a.max(b))
 }
 
-/// Tokens summed at a time by `sum` and walked past at a time by `draw_weighted`.
+/// Tokens summed at a time by [`sum`].
 pub const RUN: usize = 1024;
 
 /// Σ w over a run of weights, in f64: eight interleaved sums (a fixed order that vectorizes).
@@ -220,31 +220,40 @@ fn run_sum(w: &[f32]) -> f64 {
     acc.iter().fold(0.0, |s, &a| s + a)
 }
 
-/// Σ w over all weights, run by run.
+/// Σ w over all weights, run by run (the mass that top-p cuts).
 pub fn sum(w: &[f32]) -> f64 {
     w.chunks(RUN).map(run_sum).fold(0.0, |s, r| s + r)
 }
 
-/// The token of weight w (of `total`) that `u` in [0, 1) picks, walking the tokens in id order:
-/// whole runs first, then one by one.
-pub fn draw_weighted(w: &[f32], total: f64, u: f64) -> u32 {
-    let mut r = u * total;
-    let mut start = 0;
-    for run in w.chunks(RUN) {
-        let s = run_sum(run);
+/// A weight's share in a whole-vocabulary draw: w × 2^40 (w <= 1: exact in f32), its fraction
+/// dropped. Integer shares add up the same in any order, so the CUDA kernels find the drawn
+/// token with parallel sums, not a walk; weights below 2^-40 of the likeliest token's are never
+/// drawn (at most 2.4e-7 of the mass over 262,144 tokens). Their sum fits 64 bits for fewer
+/// than 2^24 tokens.
+pub fn weight_share(w: f32) -> u64 {
+    (w * (1u64 << 40) as f32) as u64
+}
+
+/// The point that `u` in [0, 1) (a multiple of 2^-53) picks in [0, `total`): ⌊u × total⌋,
+/// exactly.
+pub fn draw_point(u: f64, total: u64) -> u64 {
+    (((u * (1u64 << 53) as f64) as u64 as u128 * total as u128) >> 53) as u64
+}
+
+/// The token of weights `w` (the likeliest's weight 1) that `u` in [0, 1) picks: the first
+/// whose [`weight_share`]s, added in id order, pass [`draw_point`] of their total.
+pub fn draw_weighted(w: &[f32], u: f64) -> u32 {
+    debug_assert!(w.len() < 1 << 24, "the shares of {} tokens may not fit 64 bits", w.len());
+    let total: u64 = w.iter().map(|&x| weight_share(x)).sum();
+    let mut r = draw_point(u, total);
+    for (i, &x) in w.iter().enumerate() {
+        let s = weight_share(x);
         if r < s {
-            break;
-        }
-        r -= s;
-        start += run.len();
-    }
-    for (i, &x) in w.iter().enumerate().skip(start) {
-        if r < x as f64 {
             return i as u32;
         }
-        r -= x as f64;
+        r -= s;
     }
-    // (Rounding left r at the end: the last token with any weight.)
+    // (Only where no share is positive, which a likeliest token of weight 1 rules out.)
     w.iter().rposition(|&x| x > 0.0).unwrap_or(0) as u32
 }
 
@@ -367,6 +376,29 @@ mod tests {
         assert_eq!(got, [11520, 0, 1509978240, 1215971899390074240]);
         let spec = DrawSpec { rng: Rng([1, 2, 3, 4]), ..DrawSpec::greedy() };
         assert_eq!(spec.uniform(), (11520u64 >> 11) as f64 / (1u64 << 53) as f64);
+    }
+
+    #[test]
+    fn the_draw_point_is_exact() {
+        let last = 1.0 - 1.0 / (1u64 << 53) as f64;
+        assert_eq!(draw_point(0.0, 12345), 0);
+        assert_eq!(draw_point(last, 1 << 40), (1 << 40) - 1);
+        // ⌊(2^53 - 1) 2^60 / 2^53⌋ = 2^60 - 2^7: no f64 product could give it.
+        assert_eq!(draw_point(last, 1 << 60), (1 << 60) - (1 << 7));
+        assert_eq!(draw_point(0.5, 7), 3);
+    }
+
+    #[test]
+    fn a_draw_walks_the_shares_in_id_order() {
+        // Shares 2^39, 2^40, 2^38: the points below 2/7 of the total pick 0, then 1 up to 6/7.
+        let w = [0.5, 1.0, 0.25];
+        assert_eq!(weight_share(0.25), 1 << 38);
+        for (u, want) in [(0.0, 0), (0.28, 0), (0.29, 1), (0.85, 1), (0.86, 2), (1.0 - 1e-16, 2)] {
+            assert_eq!(draw_weighted(&w, u), want, "u {u}");
+        }
+        // A weight below 2^-40 has no share: never drawn, even by the last point.
+        assert_eq!(weight_share(5e-13), 0);
+        assert_eq!(draw_weighted(&[1.0, 5e-13], 1.0 - 1e-16), 0);
     }
 
     #[test]
