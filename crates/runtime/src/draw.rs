@@ -202,7 +202,7 @@ pub fn max_logit(logits: &[f32]) -> f32 {
     chunks.remainder().iter().chain(&m).fold(f32::NEG_INFINITY, |a, &b| a.max(b))
 }
 
-/// Tokens summed at a time by [`sum`].
+/// Tokens summed at a time by [`sum`] and [`draw_weighted`].
 pub const RUN: usize = 1024;
 
 /// Σ w over a run of weights, in f64: eight interleaved sums (a fixed order that vectorizes).
@@ -225,13 +225,59 @@ pub fn sum(w: &[f32]) -> f64 {
     w.chunks(RUN).map(run_sum).fold(0.0, |s, r| s + r)
 }
 
-/// A weight's share in a whole-vocabulary draw: w × 2^40 (w <= 1: exact in f32), its fraction
-/// dropped. Integer shares add up the same in any order, so the CUDA kernels find the drawn
-/// token with parallel sums, not a walk; weights below 2^-40 of the likeliest token's are never
-/// drawn (at most 2.4e-7 of the mass over 262,144 tokens). Their sum fits 64 bits for fewer
-/// than 2^24 tokens.
+/// A weight's share in a whole-vocabulary draw: w × 2^40 (w in [0, 1]) without its fraction.
+/// Integer shares add up the same in any order, so the CUDA kernels find the drawn token with
+/// parallel sums, not a walk; weights below 2^-40 of the likeliest token's are never drawn (at
+/// most 2.4e-7 of the mass over 262,144 tokens). Their sum fits 64 bits for fewer than 2^24
+/// tokens. (Computed as two 20-bit halves, each exact in f32 and converted as i32: a loop over
+/// it vectorizes, where f32 to 64-bit conversions do not.)
+#[inline(always)]
 pub fn weight_share(w: f32) -> u64 {
-    (w * (1u64 << 40) as f32) as u64
+    let (hi, lo) = share_halves(w);
+    ((hi as u64) << 20) + lo as u64
+}
+
+/// A weight's share as its high and low 20 bits (see [`weight_share`]).
+#[inline(always)]
+fn share_halves(w: f32) -> (i32, i32) {
+    const HALF: f32 = (1u32 << 20) as f32;
+    // (In [0, 2^20], NaN as 0: both conversions are in range, so they need no saturation and the
+    // loop vectorizes.)
+    let x = (w * HALF).max(0.0).min(HALF);
+    // SAFETY: x is finite and in [0, 2^20]; so is the fraction's 2^20 multiple, below 2^20.
+    let hi: i32 = unsafe { x.to_int_unchecked() };
+    (hi, unsafe { ((x - hi as f32) * HALF).to_int_unchecked() })
+}
+
+/// Σ [`weight_share`] over a run of at most [`RUN`] weights (each half's sum fits an i32: a loop
+/// over i32 lanes; with AVX2 where the CPU has it).
+fn share_sum(w: &[f32]) -> u64 {
+    debug_assert!(w.len() <= RUN);
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2.
+        return unsafe { share_sum_avx2(w) };
+    }
+    share_sum_in(w)
+}
+
+/// [`share_sum`]'s loop compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn share_sum_avx2(w: &[f32]) -> u64 {
+    share_sum_in(w)
+}
+
+/// [`share_sum`]'s loop.
+#[inline(always)]
+fn share_sum_in(w: &[f32]) -> u64 {
+    let (mut hi, mut lo) = (0i32, 0i32);
+    for &x in w {
+        let (h, l) = share_halves(x);
+        hi += h;
+        lo += l;
+    }
+    ((hi as u64) << 20) + lo as u64
 }
 
 /// The point that `u` in [0, 1) (a multiple of 2^-53) picks in [0, `total`): ⌊u × total⌋,
@@ -241,17 +287,24 @@ pub fn draw_point(u: f64, total: u64) -> u64 {
 }
 
 /// The token of weights `w` (the likeliest's weight 1) that `u` in [0, 1) picks: the first
-/// whose [`weight_share`]s, added in id order, pass [`draw_point`] of their total.
+/// whose [`weight_share`]s, added in id order, pass [`draw_point`] of their total (found run by
+/// run, then token by token).
 pub fn draw_weighted(w: &[f32], u: f64) -> u32 {
     debug_assert!(w.len() < 1 << 24, "the shares of {} tokens may not fit 64 bits", w.len());
-    let total: u64 = w.iter().map(|&x| weight_share(x)).sum();
-    let mut r = draw_point(u, total);
-    for (i, &x) in w.iter().enumerate() {
-        let s = weight_share(x);
-        if r < s {
-            return i as u32;
+    let runs: Vec<u64> = w.chunks(RUN).map(share_sum).collect();
+    let mut r = draw_point(u, runs.iter().sum());
+    for (q, (&s, run)) in runs.iter().zip(w.chunks(RUN)).enumerate() {
+        if r >= s {
+            r -= s;
+            continue;
         }
-        r -= s;
+        for (i, &x) in run.iter().enumerate() {
+            let s = weight_share(x);
+            if r < s {
+                return (q * RUN + i) as u32;
+            }
+            r -= s;
+        }
     }
     // (Only where no share is positive, which a likeliest token of weight 1 rules out.)
     w.iter().rposition(|&x| x > 0.0).unwrap_or(0) as u32
@@ -386,6 +439,16 @@ mod tests {
         // ⌊(2^53 - 1) 2^60 / 2^53⌋ = 2^60 - 2^7: no f64 product could give it.
         assert_eq!(draw_point(last, 1 << 60), (1 << 60) - (1 << 7));
         assert_eq!(draw_point(0.5, 7), 3);
+    }
+
+    #[test]
+    fn a_share_is_the_weight_times_2_to_the_40_truncated() {
+        let mut rng = Rng::new(5);
+        let edge = [1.0f32, 0.5, 0.999_999_94, 1e-38, 9.1e-13, 0.0, f32::MIN_POSITIVE, 3.3e-7];
+        let random = (0..100_000).map(|i| (rng.next_f64() as f32).powi(1 + i % 40));
+        for w in edge.into_iter().chain(random) {
+            assert_eq!(weight_share(w), (w as f64 * (1u64 << 40) as f64) as u64, "w {w:e}");
+        }
     }
 
     #[test]
