@@ -241,8 +241,9 @@ pub fn weight_share(w: f32) -> u64 {
 #[inline(always)]
 fn share_halves(w: f32) -> (i32, i32) {
     const HALF: f32 = (1u32 << 20) as f32;
-    // (In [0, 2^20], NaN as 0: both conversions are in range, so they need no saturation and the
-    // loop vectorizes.)
+    // (In [0, 2^20], NaN as 0, which `clamp` would keep: both conversions are in range, so they
+    // need no saturation and the loop vectorizes.)
+    #[allow(clippy::manual_clamp)]
     let x = (w * HALF).max(0.0).min(HALF);
     // SAFETY: x is finite and in [0, 2^20]; so is the fraction's 2^20 multiple, below 2^20.
     let hi: i32 = unsafe { x.to_int_unchecked() };
