@@ -445,7 +445,7 @@ mod tests {
     #[test]
     fn a_share_is_the_weight_times_2_to_the_40_truncated() {
         let mut rng = Rng::new(5);
-        let edge = [1.0f32, 0.5, 0.999_999_94, 1e-38, 9.1e-13, 0.0, f32::MIN_POSITIVE, 3.3e-7];
+        let edge = [1.0f32, 0.5, 0.999_999_94, 1e-38, 9.1e-13, 0.0, f32::MIN_POSITIVE, 3.3e-7, f32::NAN];
         let random = (0..100_000).map(|i| (rng.next_f64() as f32).powi(1 + i % 40));
         for w in edge.into_iter().chain(random) {
             assert_eq!(weight_share(w), (w as f64 * (1u64 << 40) as f64) as u64, "w {w:e}");
