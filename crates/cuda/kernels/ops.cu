@@ -565,9 +565,10 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) top_k_final(const u64
 // Draws (kiln_ir::Op::Draw; exec.rs `Kernel::Draw`): the token kiln_runtime::draw::draw_row draws,
 // bit for bit. Every float operation is rounded on its own (__fmul_rn and kin: no fused
 // multiply-add where the host has none), the divisions are IEEE ones, the candidates' sums are
-// the host's doubles in the host's order, the vocabulary's are integers (any order). A sequence's draw lies in the step buffer (DRAW_BYTES each, from
-// `draws`): the generator's four words (xoshiro256**), then the temperature, top-k, top-p and
-// min-p. The generator is not advanced here: the host steps its own copy past each draw.
+// the host's doubles in the host's order, the vocabulary's are integers (any order). A
+// sequence's draw lies in the step buffer (DRAW_BYTES each, from `draws`): the generator's four
+// words (xoshiro256**), then the temperature, top-k, top-p and min-p. The generator is not
+// advanced here: the host steps its own copy past each draw.
 #define DRAW_BYTES 48
 #define DRAW_THREADS 1024
 #define DRAW_RUN 1024
