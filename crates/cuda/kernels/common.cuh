@@ -189,14 +189,16 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// v folded by `op` over the warp's lanes (a butterfly), in every lane.
+template <class T, class Op> __device__ __forceinline__ T warp_fold(T v, Op op) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
 // The largest of the warp's 64-bit keys, in every lane.
 __device__ __forceinline__ u64 warp_max_key(u64 key) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        u64 v = __shfl_xor_sync(0xffffffffu, key, o);
-        key = v > key ? v : key;
-    }
-    return key;
+    return warp_fold(key, [](u64 a, u64 b) { return b > a ? b : a; });
 }
 
 // GELU with the tanh approximation (Gemma's MLP activation).
@@ -228,40 +230,27 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(v);
 }
 
-// Largest value (`block_max`) or 64-bit key (`block_max_key`) over a block of at most 1024
-// threads; every thread gets the result. `scratch` holds 32 of them.
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-    v = warp_max(v);
+// v folded by `op` over a block of at most 1024 threads (the warps' folds, then those in warp
+// order), in every thread; for exact folds (a float's sum is `block_sum`). `scratch` holds 32.
+template <class T, class Op> __device__ __forceinline__ T block_fold(T v, T* scratch, Op op) {
+    v = warp_fold(v, op);
     __syncthreads();
     if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
     __syncthreads();
     v = scratch[0];
-    for (int w = 1; w < (int)(blockDim.x >> 5); w++) v = fmaxf(v, scratch[w]);
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++) v = op(v, scratch[w]);
     return v;
 }
 
+// Largest value, largest 64-bit key, sum of 64-bit integers over a block (`block_fold`).
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    return block_fold(v, scratch, [](float a, float b) { return fmaxf(a, b); });
+}
 __device__ __forceinline__ u64 block_max_key(u64 k, u64* scratch) {
-    k = warp_max_key(k);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = k;
-    __syncthreads();
-    k = scratch[0];
-    for (int w = 1; w < (int)(blockDim.x >> 5); w++) k = scratch[w] > k ? scratch[w] : k;
-    return k;
+    return block_fold(k, scratch, [](u64 a, u64 b) { return b > a ? b : a; });
 }
-
-
-// Sum of 64-bit integers over a block of at most 1024 threads; every thread gets it. `scratch`
-// holds 32 of them.
 __device__ __forceinline__ u64 block_sum_u64(u64 v, u64* scratch) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = 0;
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++) v += scratch[w];
-    return v;
+    return block_fold(v, scratch, [](u64 a, u64 b) { return a + b; });
 }
 
 // Inclusive prefix sum of 64-bit integers in thread order over a block of at most 1024 threads

@@ -234,6 +234,12 @@ pub fn sum(w: &[f32]) -> f64 {
 #[inline(always)]
 pub fn weight_share(w: f32) -> u64 {
     let (hi, lo) = share_halves(w);
+    joined(hi, lo)
+}
+
+/// A share (or a sum of shares) from its high and low 20-bit parts.
+#[inline(always)]
+fn joined(hi: i32, lo: i32) -> u64 {
     ((hi as u64) << 20) + lo as u64
 }
 
@@ -278,7 +284,7 @@ fn share_sum_in(w: &[f32]) -> u64 {
         hi += h;
         lo += l;
     }
-    ((hi as u64) << 20) + lo as u64
+    joined(hi, lo)
 }
 
 /// The point that `u` in [0, 1) (a multiple of 2^-53) picks in [0, `total`): ⌊u × total⌋,
