@@ -73,6 +73,11 @@ pub fn supports(ty: GgmlType) -> bool {
 pub struct ActRow<'a> {
     /// Levels, `k` of them.
     pub qs: &'a [i16],
+    /// A lone K-quant row on AVX2: each level's high byte, `q >> 8` (so `q = 256 · hi + lo`), the
+    /// signed operand of `maddubs`; empty otherwise.
+    pub hi: &'a [i8],
+    /// Each level's low byte, `q & 255` (unsigned), beside [`ActRow::hi`]; empty otherwise.
+    pub lo: &'a [u8],
     /// One scale per block.
     pub d: &'a [f32],
     /// Sums of the levels of every 16 elements (K-quant rows; empty for 32-block rows).

@@ -16,6 +16,11 @@ pub struct QuantizedRows {
     rows: usize,
     block: usize,
     qs: Vec<i16>,
+    /// A single K-quant row's levels split into bytes for AVX2's one-row products (see
+    /// [`ActRow::hi`]); empty for several rows, other families and instruction sets.
+    hi: Vec<i8>,
+    /// The low bytes (see [`ActRow::lo`]).
+    lo: Vec<u8>,
     d: Vec<f32>,
     sums: Vec<f32>,
     /// The scales again, block-major per group of [`ROW_GROUP`] rows (see [`ActGroup::d_t`]).
@@ -40,9 +45,22 @@ impl QuantizedRows {
         assert!(k.is_multiple_of(block) && x.len() >= rows * k);
         let nb = k / block;
         let ng = if fam == Family::KQuant { k / 16 } else { 0 };
-        let mut q =
-            QuantizedRows { k, rows, block, qs: vec![0; rows * k], d: vec![0.0; rows * nb], sums: vec![0.0; rows * ng], d_t: Vec::new() };
+        // (One row only: several rows multiply each weight row in groups, whose 16-bit products
+        // share each level vector's widening.)
+        let split = if fam == Family::KQuant && isa == Isa::Avx2Fma && rows == 1 { k } else { 0 };
+        let mut q = QuantizedRows {
+            k,
+            rows,
+            block,
+            qs: vec![0; rows * k],
+            hi: vec![0; split],
+            lo: vec![0; split],
+            d: vec![0.0; rows * nb],
+            sums: vec![0.0; rows * ng],
+            d_t: Vec::new(),
+        };
         let (qp, dp, sp) = (SharedMut(q.qs.as_mut_ptr()), SharedMut(q.d.as_mut_ptr()), SharedMut(q.sums.as_mut_ptr()));
+        let (hp, lp) = (SharedMut(q.hi.as_mut_ptr()), SharedMut(q.lo.as_mut_ptr()));
         let each = |r: usize| {
             // SAFETY: row r of each buffer is written by this call only.
             let (qs, d, sums) = unsafe {
@@ -55,6 +73,13 @@ impl QuantizedRows {
             quantize_row(isa, &x[r * k..(r + 1) * k], block, fam.act_max(), qs, d);
             for (g, s) in sums.iter_mut().enumerate() {
                 *s = qs[g * 16..(g + 1) * 16].iter().map(|&v| i32::from(v)).sum::<i32>() as f32;
+            }
+            if split > 0 {
+                // SAFETY: as above.
+                let (hi, lo) = unsafe {
+                    (std::slice::from_raw_parts_mut(hp.ptr().add(r * k), k), std::slice::from_raw_parts_mut(lp.ptr().add(r * k), k))
+                };
+                split_bytes(qs, hi, lo);
             }
         };
         if rows * k < 32768 {
@@ -75,7 +100,14 @@ impl QuantizedRows {
     pub fn row(&self, r: usize) -> ActRow<'_> {
         let (k, nb) = (self.k, self.k / self.block);
         let ng = self.sums.len() / self.rows.max(1);
-        ActRow { qs: &self.qs[r * k..(r + 1) * k], d: &self.d[r * nb..(r + 1) * nb], sums: &self.sums[r * ng..(r + 1) * ng] }
+        let split = if self.hi.is_empty() { 0..0 } else { r * k..(r + 1) * k };
+        ActRow {
+            qs: &self.qs[r * k..(r + 1) * k],
+            hi: &self.hi[split.clone()],
+            lo: &self.lo[split],
+            d: &self.d[r * nb..(r + 1) * nb],
+            sums: &self.sums[r * ng..(r + 1) * ng],
+        }
     }
 
     /// Rows `r0..r0 + len` (`r0` a multiple of [`ROW_GROUP`], `len` at most that), the last
@@ -96,6 +128,8 @@ impl QuantizedRows {
             rows: 1,
             block: self.block,
             qs: a.qs.to_vec(),
+            hi: a.hi.to_vec(),
+            lo: a.lo.to_vec(),
             d: a.d.to_vec(),
             sums: a.sums.to_vec(),
             d_t: group_scales(a.d, 1, nb),
@@ -124,6 +158,20 @@ fn group_scales(d: &[f32], rows: usize, nb: usize) -> Vec<f32> {
         }
     }
     t
+}
+
+/// Levels `qs` (in ±8191, a multiple of 32 of them) as `q = 256 · hi + lo`: `hi` the arithmetic
+/// shift (-32..=31), `lo` the low byte; each 32 in the paired order of AVX2's one-row K-quant
+/// products (`avx2::k_row_bytes`): elements 2j and 2j + 1 of the first 16, then the same of the
+/// second 16, for j = 0..8.
+fn split_bytes(qs: &[i16], hi: &mut [i8], lo: &mut [u8]) {
+    for ((q, h), l) in qs.chunks_exact(32).zip(hi.chunks_exact_mut(32)).zip(lo.chunks_exact_mut(32)) {
+        for j in 0..8 {
+            for (o, e) in [(0, 2 * j), (1, 2 * j + 1), (2, 16 + 2 * j), (3, 17 + 2 * j)] {
+                (h[4 * j + o], l[4 * j + o]) = ((q[e] >> 8) as i8, q[e] as u8);
+            }
+        }
+    }
 }
 
 /// Quantizes one row: per block `d = max|x| / max_level`, `q = round(x / d)` (`d` NaN when the

@@ -250,13 +250,13 @@ unsafe fn widen_u8(v: __m256i) -> [__m256i; 2] {
     [_mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1))]
 }
 
-/// The levels of elements `64c..64c + 64` of the super-block at `p` (format `T`) as four vectors of
-/// 16 `i16`: unsigned for Q4_K, Q5_K and the stack-unpacked formats (`w.q`), `q - 32` for Q6_K.
+/// The levels of elements `64c..64c + 64` of the super-block at `p` (format `T`) as two vectors of
+/// 32 unsigned bytes (`w.q` for the stack-unpacked formats; Q6_K's offset by 32).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn k_levels<const T: u8>(p: *const u8, c: usize, w: &KBlock) -> [__m256i; 4] {
+unsafe fn k_bytes<const T: u8>(p: *const u8, c: usize, w: &KBlock) -> [__m256i; 2] {
     let m4 = _mm256_set1_epi8(15);
-    let (a, b) = match T {
+    match T {
         DEC_Q4_K | DEC_Q5_K => {
             let qs = if T == DEC_Q5_K { 48 } else { 16 };
             let v = _mm256_loadu_si256(p.add(qs + 32 * c) as *const __m256i);
@@ -269,7 +269,7 @@ unsafe fn k_levels<const T: u8>(p: *const u8, c: usize, w: &KBlock) -> [__m256i;
                 lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bl), bl), sixteen));
                 hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bh), bh), sixteen));
             }
-            (lo, hi)
+            [lo, hi]
         }
         DEC_Q6_K => {
             let n = c / 2;
@@ -278,29 +278,105 @@ unsafe fn k_levels<const T: u8>(p: *const u8, c: usize, w: &KBlock) -> [__m256i;
             let h = _mm256_loadu_si256(p.add(128 + 32 * n) as *const __m256i);
             if c.is_multiple_of(2) {
                 let (m2, m2b) = (_mm256_set1_epi8(3), _mm256_set1_epi8(12));
-                (
+                [
                     _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4)),
                     _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2b), 2)),
-                )
+                ]
             } else {
                 let m30 = _mm256_set1_epi8(0x30);
-                (
+                [
                     _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(h, m30)),
                     _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(h, 2), m30)),
-                )
+                ]
             }
         }
-        _ => (
+        _ => [
             _mm256_loadu_si256(w.q.as_ptr().add(64 * c) as *const __m256i),
             _mm256_loadu_si256(w.q.as_ptr().add(64 * c + 32) as *const __m256i),
-        ),
-    };
+        ],
+    }
+}
+
+/// [`k_bytes`] as four vectors of 16 `i16`: unsigned, `q - 32` for Q6_K.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn k_levels<const T: u8>(p: *const u8, c: usize, w: &KBlock) -> [__m256i; 4] {
+    let [a, b] = k_bytes::<T>(p, c, w);
     let ([a0, a1], [b0, b1]) = (widen_u8(a), widen_u8(b));
     if T == DEC_Q6_K {
         let off = _mm256_set1_epi16(32);
         [_mm256_sub_epi16(a0, off), _mm256_sub_epi16(a1, off), _mm256_sub_epi16(b0, off), _mm256_sub_epi16(b1, off)]
     } else {
         [a0, a1, b0, b1]
+    }
+}
+
+/// One activation row's integer products with super-block `p`, per 32-bit lane the same integers
+/// as the 16-bit `madd` of [`k_levels`] (so a row's product does not depend on its group), from the
+/// row's level bytes (`q = 256 · hi + lo`, in `act::split_bytes`' paired order): `maddubs` of the
+/// level bytes with `hi` and of `lo` with the level bytes, 32 products an instruction with no
+/// widening (Q6_K's signed levels multiply `hi` through `sign`), then `madd` by the scales. Every
+/// pair sum fits 16 bits (at most 2 · 255 · 63).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn k_row_bytes<const T: u8>(p: *const u8, w: &KBlock, hi: *const i8, lo: *const u8) -> __m256i {
+    // 32 levels of two 16-element groups a, b in the paired order: 32-bit lane j holds a's and b's
+    // elements 2j and 2j + 1, the lane `madd` gives them in `k_levels`' order.
+    let pairs =
+        _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+    let (mut ih, mut il) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+    for c in 0..4 {
+        for (i, v) in k_bytes::<T>(p, c, w).into_iter().enumerate() {
+            let e = 64 * c + 32 * i;
+            let v = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(v, 0b11_01_10_00), pairs);
+            // The two groups' scales alternating, a's in the low 16 bits of each lane.
+            let sc = _mm256_set1_epi32((w.sc.as_ptr().add(e / 16) as *const i32).read_unaligned());
+            let (h, l) = (_mm256_loadu_si256(hi.add(e) as *const __m256i), _mm256_loadu_si256(lo.add(e) as *const __m256i));
+            let (ph, pl) = if T == DEC_Q6_K {
+                let s = _mm256_sub_epi8(v, _mm256_set1_epi8(32));
+                (_mm256_maddubs_epi16(_mm256_abs_epi8(s), _mm256_sign_epi8(h, s)), _mm256_maddubs_epi16(l, s))
+            } else {
+                (_mm256_maddubs_epi16(v, h), _mm256_maddubs_epi16(l, v))
+            };
+            ih = _mm256_add_epi32(ih, _mm256_madd_epi16(ph, sc));
+            il = _mm256_add_epi32(il, _mm256_madd_epi16(pl, sc));
+        }
+    }
+    _mm256_add_epi32(_mm256_slli_epi32(ih, 8), il)
+}
+
+/// [`KBlock::read`] of super-block `p` (format `ty`, decoder `T`) with F16C conversions and vector
+/// unpacking of Q4_K/Q5_K's and Q6_K's scales: the same values (the portable read's conversions and
+/// per-scale loops took as many instructions as a one-row product's arithmetic).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn read_k<const T: u8>(w: &mut KBlock, ty: GgmlType, p: *const u8) {
+    let f16x2 = |at: usize| _mm_cvtph_ps(_mm_cvtsi32_si128((p.add(at) as *const i32).read_unaligned()));
+    match T {
+        DEC_Q4_K | DEC_Q5_K => {
+            let dd = f16x2(0);
+            (w.d, w.dcorr) = (_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
+            // `kiln_quant::unpack_scale_min_k4` a word at a time: bytes j of the results are
+            // scales (mins) j and j + 4.
+            let u = [0, 1, 2].map(|i| (p.add(4 + 4 * i) as *const u32).read_unaligned());
+            let (low6, low4, top2) = (0x3f3f_3f3fu32, 0x0f0f_0f0fu32, 0x0303_0303u32);
+            let sc = u64::from(u[0] & low6) | u64::from((u[2] & low4) | (((u[0] >> 6) & top2) << 4)) << 32;
+            let mn = u64::from(u[1] & low6) | u64::from(((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4)) << 32;
+            // Each 6-bit value twice (one per 16 elements), widened to i16.
+            let twice = |v: u64| {
+                let b = _mm_cvtsi64_si128(v as i64);
+                _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(b, b))
+            };
+            _mm256_storeu_si256(w.sc.as_mut_ptr() as *mut __m256i, twice(sc));
+            _mm256_storeu_si256(w.corr.as_mut_ptr() as *mut __m256i, twice(mn));
+        }
+        DEC_Q6_K => {
+            // (d is the block's last two bytes: read with the scales' last two.)
+            w.d = _mm_cvtss_f32(_mm_movehdup_ps(f16x2(206)));
+            let sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(192) as *const __m128i));
+            _mm256_storeu_si256(w.sc.as_mut_ptr() as *mut __m256i, sc);
+        }
+        _ => w.read(ty, std::slice::from_raw_parts(p, ty.type_size())),
     }
 }
 
@@ -314,19 +390,26 @@ unsafe fn k_rows_of<const T: u8, const R: usize>(ty: GgmlType, src: &[u8], a: &[
     let nb = src.len() / bytes;
     assert!(src.len() == bytes * nb);
     assert!(a.iter().all(|a| a.qs.len() == 256 * nb && a.d.len() == nb && a.sums.len() == 16 * nb));
+    // One row with its level bytes: `maddubs` without widening (k_row_bytes); several rows share
+    // each 16-bit level vector's widening and scaling, so they keep `madd`.
+    let bytes_path = R == 1 && a[0].hi.len() == 256 * nb;
     let mut w = KBlock::default();
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..nb {
         let p = src.as_ptr().add(b * bytes);
-        w.read(ty, std::slice::from_raw_parts(p, bytes));
+        read_k::<T>(&mut w, ty, p);
         let mut iacc = [_mm256_setzero_si256(); R];
-        for c in 0..4 {
-            let lv = k_levels::<T>(p, c, &w);
-            for (i, &l) in lv.iter().enumerate() {
-                let wv = _mm256_mullo_epi16(l, _mm256_set1_epi16(w.sc[4 * c + i]));
-                for r in 0..R {
-                    let aq = _mm256_loadu_si256(a[r].qs.as_ptr().add(256 * b + 64 * c + 16 * i) as *const __m256i);
-                    iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(wv, aq));
+        if bytes_path {
+            iacc[0] = k_row_bytes::<T>(p, &w, a[0].hi.as_ptr().add(256 * b), a[0].lo.as_ptr().add(256 * b));
+        } else {
+            for c in 0..4 {
+                let lv = k_levels::<T>(p, c, &w);
+                for (i, &l) in lv.iter().enumerate() {
+                    let wv = _mm256_mullo_epi16(l, _mm256_set1_epi16(w.sc[4 * c + i]));
+                    for r in 0..R {
+                        let aq = _mm256_loadu_si256(a[r].qs.as_ptr().add(256 * b + 64 * c + 16 * i) as *const __m256i);
+                        iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(wv, aq));
+                    }
                 }
             }
         }

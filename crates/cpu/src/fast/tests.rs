@@ -241,7 +241,7 @@ fn screened_argmax_equals_the_full_one() {
 }
 
 /// The largest products the integer cores can meet (every level and integer scale at its extreme,
-/// activations at the top level) still sum without overflow.
+/// activations at the top level; one row, so AVX2's byte products too) still sum without overflow.
 #[test]
 fn extreme_levels_and_scales_do_not_overflow() {
     let pool = ThreadPool::new(1);
@@ -250,10 +250,18 @@ fn extreme_levels_and_scales_do_not_overflow() {
     let mut q6 = vec![0xffu8; 192];
     q6.extend([0x80u8; 16]);
     q6.extend(one_f16);
+    // Q6_K: level 0 (-32), scales 127.
+    let mut q6_low = vec![0u8; 192];
+    q6_low.extend([0x7fu8; 16]);
+    q6_low.extend(one_f16);
+    // Q5_K: d = 1, dmin = 0, scales 63, levels 31.
+    let mut q5 = one_f16.to_vec();
+    q5.extend([0u8; 2]);
+    q5.extend([0xffu8; 12 + 32 + 128]);
     // Q8_0: d = 1, levels -128.
     let mut q8 = one_f16.to_vec();
     q8.extend([0x80u8; 32]);
-    for (ty, block) in [(GgmlType::Q6_K, q6), (GgmlType::Q8_0, q8)] {
+    for (ty, block) in [(GgmlType::Q6_K, q6), (GgmlType::Q6_K, q6_low), (GgmlType::Q5_K, q5), (GgmlType::Q8_0, q8)] {
         let k = ty.block_size();
         let mut deq = vec![0f32; k];
         dequantize(ty, &block, &mut deq).unwrap();
