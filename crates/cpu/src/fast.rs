@@ -195,20 +195,18 @@ fn products(isa: Isa, w: &PackedMatrix<'_>, acts: &QuantizedRows, cols: std::ops
     let fam = family(w.ty).expect("a fast format");
     let tr = tile_rows(w.row(0).len());
     let rows = acts.rows();
+    let groups: Vec<(usize, ActGroup<'_>)> =
+        (0..rows).step_by(ROW_GROUP).map(|r0| (r0, acts.group(r0, ROW_GROUP.min(rows - r0)))).collect();
     let mut c0 = cols.start;
     while c0 < cols.end {
         let tile = c0..(c0 + tr).min(cols.end);
-        let mut r0 = 0;
-        while r0 < rows {
-            let rc = ROW_GROUP.min(rows - r0);
-            let group = acts.group(r0, rc);
+        for (r0, group) in &groups {
             for j in tile.clone() {
-                let res = row_dot(isa, w.ty, fam, w.row(j), &group);
-                for (i, &v) in res[..rc].iter().enumerate() {
+                let res = row_dot(isa, w.ty, fam, w.row(j), group);
+                for (i, &v) in res[..group.len].iter().enumerate() {
                     emit(r0 + i, j, v);
                 }
             }
-            r0 += rc;
         }
         c0 = tile.end;
     }

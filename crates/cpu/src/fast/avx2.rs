@@ -250,26 +250,39 @@ unsafe fn widen_u8(v: __m256i) -> [__m256i; 2] {
     [_mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)), _mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1))]
 }
 
-/// The levels of elements `64c..64c + 64` of the super-block at `p` (format `T`) as two vectors of
-/// 32 unsigned bytes (`w.q` for the stack-unpacked formats; Q6_K's offset by 32).
+/// 32 bytes of two 16-byte groups a, b in the paired order: 32-bit lane j holds a's and b's bytes
+/// 2j and 2j + 1 (see [`k_row_bytes`]).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn k_bytes<const T: u8>(p: *const u8, c: usize, w: &KBlock) -> [__m256i; 2] {
+unsafe fn paired(v: __m256i) -> __m256i {
+    let pairs =
+        _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+    _mm256_shuffle_epi8(_mm256_permute4x64_epi64(v, 0b11_01_10_00), pairs)
+}
+
+/// The levels of elements `64c..64c + 64` of the super-block at `p` (format `T`) as two vectors of
+/// 32 unsigned bytes (`w.q` for the stack-unpacked formats; Q6_K's offset by 32), in element order
+/// or, with `PAIRED`, each in the [`paired`] order (Q4_K and Q5_K order their packed bytes, which
+/// orders both vectors at once).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn k_bytes<const T: u8, const PAIRED: bool>(p: *const u8, c: usize, w: &KBlock) -> [__m256i; 2] {
     let m4 = _mm256_set1_epi8(15);
-    match T {
+    let order = |v: __m256i| if PAIRED { paired(v) } else { v };
+    let [a, b] = match T {
         DEC_Q4_K | DEC_Q5_K => {
             let qs = if T == DEC_Q5_K { 48 } else { 16 };
-            let v = _mm256_loadu_si256(p.add(qs + 32 * c) as *const __m256i);
+            let v = order(_mm256_loadu_si256(p.add(qs + 32 * c) as *const __m256i));
             let (mut lo, mut hi) = (_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
             if T == DEC_Q5_K {
                 // Fifth bits: bit 2c of qh[l] for element 64c + l, bit 2c + 1 for 64c + 32 + l.
-                let qh = _mm256_loadu_si256(p.add(16) as *const __m256i);
+                let qh = order(_mm256_loadu_si256(p.add(16) as *const __m256i));
                 let sixteen = _mm256_set1_epi8(16);
                 let (bl, bh) = (_mm256_set1_epi8((1u8 << (2 * c)) as i8), _mm256_set1_epi8((2u8 << (2 * c)) as i8));
                 lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bl), bl), sixteen));
                 hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bh), bh), sixteen));
             }
-            [lo, hi]
+            return [lo, hi];
         }
         DEC_Q6_K => {
             let n = c / 2;
@@ -294,14 +307,15 @@ unsafe fn k_bytes<const T: u8>(p: *const u8, c: usize, w: &KBlock) -> [__m256i; 
             _mm256_loadu_si256(w.q.as_ptr().add(64 * c) as *const __m256i),
             _mm256_loadu_si256(w.q.as_ptr().add(64 * c + 32) as *const __m256i),
         ],
-    }
+    };
+    [order(a), order(b)]
 }
 
 /// [`k_bytes`] as four vectors of 16 `i16`: unsigned, `q - 32` for Q6_K.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn k_levels<const T: u8>(p: *const u8, c: usize, w: &KBlock) -> [__m256i; 4] {
-    let [a, b] = k_bytes::<T>(p, c, w);
+    let [a, b] = k_bytes::<T, false>(p, c, w);
     let ([a0, a1], [b0, b1]) = (widen_u8(a), widen_u8(b));
     if T == DEC_Q6_K {
         let off = _mm256_set1_epi16(32);
@@ -320,15 +334,12 @@ unsafe fn k_levels<const T: u8>(p: *const u8, c: usize, w: &KBlock) -> [__m256i;
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn k_row_bytes<const T: u8>(p: *const u8, w: &KBlock, hi: *const i8, lo: *const u8) -> __m256i {
-    // 32 levels of two 16-element groups a, b in the paired order: 32-bit lane j holds a's and b's
-    // elements 2j and 2j + 1, the lane `madd` gives them in `k_levels`' order.
-    let pairs =
-        _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
     let (mut ih, mut il) = (_mm256_setzero_si256(), _mm256_setzero_si256());
     for c in 0..4 {
-        for (i, v) in k_bytes::<T>(p, c, w).into_iter().enumerate() {
+        // (The paired order: 32-bit lane j holds both groups' elements 2j and 2j + 1, the lane
+        // `madd` gives them in `k_levels`' order.)
+        for (i, v) in k_bytes::<T, true>(p, c, w).into_iter().enumerate() {
             let e = 64 * c + 32 * i;
-            let v = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(v, 0b11_01_10_00), pairs);
             // The two groups' scales alternating, a's in the low 16 bits of each lane.
             let sc = _mm256_set1_epi32((w.sc.as_ptr().add(e / 16) as *const i32).read_unaligned());
             let (h, l) = (_mm256_loadu_si256(hi.add(e) as *const __m256i), _mm256_loadu_si256(lo.add(e) as *const __m256i));
