@@ -524,6 +524,61 @@ fn drawn_tokens_are_the_host_draws() {
     }
 }
 
+/// The draw among all logits over more runs than `draw_vocabulary` takes in one chunk (1,100,003
+/// tokens: 1,075 runs of 1,024, the last short) draws what the host draws from the same plan's
+/// logits, bit for bit: greedy and tempered, one sequence and batched. Some tempered draws fall past
+/// the first chunk (the test fails if none does).
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --include-ignored on the device machine"]
+fn draws_over_more_than_a_chunk_of_runs() {
+    let vocab = 1_100_003;
+    let shape = Gemma3Shape { hidden: 256, layers: 1, q_heads: 2, kv_heads: 1, ffn: 512, vocab, ..small_shape() };
+    let g = load(&gemma3(&shape, FormatMix::Q4KM, 31), cuda());
+    let spec =
+        |i: usize, seed: u64| DrawSpec { temperature: [1.0, 0.0, 2.5][i % 3], top_k: 0, top_p: 1.0, min_p: 0.0, rng: DrawRng::new(seed) };
+    let mut weights = Vec::new();
+    let logits_of = |out: StepOutput| match out {
+        StepOutput::Logits(l) => l,
+        other => panic!("expected logits, got {other:?}"),
+    };
+    let token = |out: StepOutput| match out {
+        StepOutput::Token(t) => t,
+        other => panic!("expected a drawn token, got {other:?}"),
+    };
+    let drawn = OutputMode::Drawn(Among::Vocabulary);
+    let mut past_first_chunk = 0;
+    for i in 0..3 {
+        let (mut a, mut b) = (g.new_session().unwrap(), g.new_session().unwrap());
+        let mut d = spec(i, 70 + i as u64);
+        let mut feed = prompt(9, vocab);
+        for step in 0..24 {
+            let got = token(a.forward_with(&feed, drawn, Some(&d)).unwrap());
+            let want = draw::draw_row(&logits_of(b.forward(&feed, OutputMode::Logits).unwrap()), Among::Vocabulary, &d, &mut weights);
+            assert_eq!(got as i32, want, "draw {i}, step {step}");
+            past_first_chunk += (got >= 1 << 20) as usize;
+            d.rng.next_u64();
+            feed = vec![got];
+        }
+    }
+    let mut seqs: Vec<(Session<'_>, Session<'_>)> = (0..3).map(|_| (g.new_session().unwrap(), g.new_session().unwrap())).collect();
+    let mut tokens: Vec<u32> = vec![5, 700_001, 1_100_002];
+    let mut draws: Vec<DrawSpec> = (0..3).map(|i| spec(i, 80 + i as u64)).collect();
+    for step in 0..12 {
+        let (mut la, mut lb): (Vec<&mut Session<'_>>, Vec<&mut Session<'_>>) = seqs.iter_mut().map(|(x, y)| (x, y)).unzip();
+        let got = g.decode_batch(&mut la, &tokens, drawn, &draws).unwrap();
+        let rows = g.decode_batch(&mut lb, &tokens, OutputMode::Logits, &[]).unwrap();
+        for (i, (got, row)) in got.into_iter().zip(rows).enumerate() {
+            let (got, row) = (token(got.unwrap()), logits_of(row.unwrap()));
+            let want = draw::draw_row(&row, Among::Vocabulary, &draws[i], &mut weights);
+            assert_eq!(got as i32, want, "batched step {step}, sequence {i}");
+            past_first_chunk += (got >= 1 << 20) as usize;
+            draws[i].rng.next_u64();
+            tokens[i] = got;
+        }
+    }
+    assert!(past_first_chunk > 0, "no draw fell past the first chunk of runs: pick other seeds");
+}
+
 /// `steps` batched decode steps of `gpu_seqs` from `tokens`, each sequence's logits within relative
 /// L2 1e-3 of its CPU twin decoding alone; greedy tokens fed back. Returns the last step's tokens.
 fn batched_decode_steps(
