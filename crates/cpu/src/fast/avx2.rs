@@ -393,7 +393,8 @@ unsafe fn read_k<const T: u8>(w: &mut KBlock, ty: GgmlType, p: *const u8) {
 
 /// [`k_rows`] for decoder `T`: per super-block the scales (and corrections) are read into `w`,
 /// every 16 levels times their integer scale (at most 4096 in magnitude: Q6_K) are multiplied with the
-/// activations by `madd`, and the corrections are applied with the activations' 16-sums.
+/// activations by `madd` (a lone row with its level bytes: [`k_row_bytes`], the same lane sums),
+/// and the corrections are applied with the activations' 16-sums.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn k_rows_of<const T: u8, const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R]) -> [f32; R] {
@@ -499,6 +500,54 @@ pub unsafe fn screen_groups<const R: usize>(groups: &[u8], nb: usize, a: [(&[u8]
         let base = _mm256_loadu_ps(grp as *const f32);
         for r in 0..R {
             _mm256_storeu_ps(o[r].as_mut_ptr(), _mm256_mul_ps(_mm256_mul_ps(base, _mm256_set1_ps(a[r].1)), total[r]));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `read_k` reads what the portable `KBlock::read` reads, bit for bit, from blocks of random
+    /// bytes (their f16 scales include NaNs, infinities and subnormals).
+    #[test]
+    fn read_k_equals_the_portable_read() {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")) {
+            eprintln!("no AVX2/FMA/F16C on this CPU: read_k cannot run here");
+            return;
+        }
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut byte = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 56) as u8
+        };
+        for ty in [GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K] {
+            for _ in 0..2000 {
+                let b: Vec<u8> = (0..ty.type_size()).map(|_| byte()).collect();
+                let (mut want, mut got) = (KBlock::default(), KBlock::default());
+                want.read(ty, &b);
+                // SAFETY: the CPU has the features (checked above); `b` is one whole block.
+                unsafe {
+                    match ty {
+                        GgmlType::Q4_K => read_k::<DEC_Q4_K>(&mut got, ty, b.as_ptr()),
+                        GgmlType::Q5_K => read_k::<DEC_Q5_K>(&mut got, ty, b.as_ptr()),
+                        _ => read_k::<DEC_Q6_K>(&mut got, ty, b.as_ptr()),
+                    }
+                }
+                let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+                assert!(
+                    same(got.d, want.d) && same(got.dcorr, want.dcorr),
+                    "{ty} {b:?}: d {} {} want {} {}",
+                    got.d,
+                    got.dcorr,
+                    want.d,
+                    want.dcorr
+                );
+                assert_eq!(got.sc, want.sc, "{ty} {b:?}");
+                assert_eq!(got.corr, want.corr, "{ty} {b:?}");
+            }
         }
     }
 }
