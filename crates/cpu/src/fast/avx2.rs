@@ -391,6 +391,9 @@ unsafe fn read_k<const T: u8>(w: &mut KBlock, ty: GgmlType, p: *const u8) {
     }
 }
 
+/// How many super-blocks ahead a one-row K-quant product prefetches its weights (24: 3.5-5 KiB).
+const PREFETCH_BLOCKS: usize = 24;
+
 /// [`k_rows`] for decoder `T`: per super-block the scales (and corrections) are read into `w`,
 /// every 16 levels times their integer scale (at most 4096 in magnitude: Q6_K) are multiplied with the
 /// activations by `madd` (a lone row with its level bytes: [`k_row_bytes`], the same lane sums),
@@ -409,6 +412,14 @@ unsafe fn k_rows_of<const T: u8, const R: usize>(ty: GgmlType, src: &[u8], a: &[
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..nb {
         let p = src.as_ptr().add(b * bytes);
+        if R == 1 {
+            // One row streams each weight once: ask for the super-block PREFETCH_BLOCKS ahead
+            // (past the row's end, the next row's: a tile's rows lie back to back). Several rows
+            // reuse a tile from L2, and the prefetches would crowd out their levels in L1.
+            for line in (0..bytes).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BLOCKS * bytes + line) as *const i8);
+            }
+        }
         read_k::<T>(&mut w, ty, p);
         let mut iacc = [_mm256_setzero_si256(); R];
         if bytes_path {
