@@ -79,6 +79,14 @@ fn logits(s: &mut Session<'_>, tokens: &[u32]) -> Vec<f32> {
     }
 }
 
+/// The token a drawing step drew.
+fn drawn_token(out: StepOutput) -> u32 {
+    match out {
+        StepOutput::Token(t) => t,
+        other => panic!("expected a drawn token, got {other:?}"),
+    }
+}
+
 fn next_token(s: &mut Session<'_>, tokens: &[u32]) -> u32 {
     match s.forward(tokens, OutputMode::NextToken).unwrap() {
         StepOutput::Token(t) => t,
@@ -473,10 +481,6 @@ fn drawn_tokens_are_the_host_draws() {
         StepOutput::Logits(l) => l,
         other => panic!("expected candidates or logits, got {other:?}"),
     };
-    let token = |out: StepOutput| match out {
-        StepOutput::Token(t) => t,
-        other => panic!("expected a drawn token, got {other:?}"),
-    };
     let spec = |i: usize, seed: u64| DrawSpec {
         temperature: [0.8, 1.0, 1.7, 0.6, 0.0][i],
         top_k: [20, 40, 63, 5, 1][i],
@@ -496,7 +500,7 @@ fn drawn_tokens_are_the_host_draws() {
                     let mut d = spec(i, 40 + i as u64);
                     let mut feed = prompt(21, vocab);
                     for step in 0..16 {
-                        let got = token(a.forward_with(&feed, OutputMode::Drawn(among), Some(&d)).unwrap());
+                        let got = drawn_token(a.forward_with(&feed, OutputMode::Drawn(among), Some(&d)).unwrap());
                         let want = draw::draw_row(&row_of(b.forward(&feed, plain).unwrap()), among, &d, &mut weights);
                         assert_eq!(got as i32, want, "vocabulary {vocab}, {among:?}, draw {i}, step {step}");
                         d.rng.next_u64();
@@ -512,7 +516,7 @@ fn drawn_tokens_are_the_host_draws() {
                     let got = g.decode_batch(&mut la, &tokens, OutputMode::Drawn(among), &draws).unwrap();
                     let rows = g.decode_batch(&mut lb, &tokens, plain, &[]).unwrap();
                     for (i, (got, row)) in got.into_iter().zip(rows).enumerate() {
-                        let (got, row) = (token(got.unwrap()), row_of(row.unwrap()));
+                        let (got, row) = (drawn_token(got.unwrap()), row_of(row.unwrap()));
                         let want = draw::draw_row(&row, among, &draws[i], &mut weights);
                         assert_eq!(got as i32, want, "vocabulary {vocab}, {among:?}, batched step {step}, sequence {i}");
                         draws[i].rng.next_u64();
@@ -537,14 +541,6 @@ fn draws_over_more_than_a_chunk_of_runs() {
     let spec =
         |i: usize, seed: u64| DrawSpec { temperature: [1.0, 0.0, 2.5][i % 3], top_k: 0, top_p: 1.0, min_p: 0.0, rng: DrawRng::new(seed) };
     let mut weights = Vec::new();
-    let logits_of = |out: StepOutput| match out {
-        StepOutput::Logits(l) => l,
-        other => panic!("expected logits, got {other:?}"),
-    };
-    let token = |out: StepOutput| match out {
-        StepOutput::Token(t) => t,
-        other => panic!("expected a drawn token, got {other:?}"),
-    };
     let drawn = OutputMode::Drawn(Among::Vocabulary);
     let mut past_first_chunk = 0;
     for i in 0..3 {
@@ -552,8 +548,8 @@ fn draws_over_more_than_a_chunk_of_runs() {
         let mut d = spec(i, 70 + i as u64);
         let mut feed = prompt(9, vocab);
         for step in 0..24 {
-            let got = token(a.forward_with(&feed, drawn, Some(&d)).unwrap());
-            let want = draw::draw_row(&logits_of(b.forward(&feed, OutputMode::Logits).unwrap()), Among::Vocabulary, &d, &mut weights);
+            let got = drawn_token(a.forward_with(&feed, drawn, Some(&d)).unwrap());
+            let want = draw::draw_row(&logits(&mut b, &feed), Among::Vocabulary, &d, &mut weights);
             assert_eq!(got as i32, want, "draw {i}, step {step}");
             past_first_chunk += (got >= 1 << 20) as usize;
             d.rng.next_u64();
@@ -568,7 +564,8 @@ fn draws_over_more_than_a_chunk_of_runs() {
         let got = g.decode_batch(&mut la, &tokens, drawn, &draws).unwrap();
         let rows = g.decode_batch(&mut lb, &tokens, OutputMode::Logits, &[]).unwrap();
         for (i, (got, row)) in got.into_iter().zip(rows).enumerate() {
-            let (got, row) = (token(got.unwrap()), logits_of(row.unwrap()));
+            let StepOutput::Logits(row) = row.unwrap() else { panic!("batched step gave no logits") };
+            let got = drawn_token(got.unwrap());
             let want = draw::draw_row(&row, Among::Vocabulary, &draws[i], &mut weights);
             assert_eq!(got as i32, want, "batched step {step}, sequence {i}");
             past_first_chunk += (got >= 1 << 20) as usize;

@@ -60,7 +60,6 @@ impl QuantizedRows {
             d_t: Vec::new(),
         };
         let (qp, dp, sp) = (SharedMut(q.qs.as_mut_ptr()), SharedMut(q.d.as_mut_ptr()), SharedMut(q.sums.as_mut_ptr()));
-        let (hp, lp) = (SharedMut(q.hi.as_mut_ptr()), SharedMut(q.lo.as_mut_ptr()));
         let each = |r: usize| {
             // SAFETY: row r of each buffer is written by this call only.
             let (qs, d, sums) = unsafe {
@@ -74,18 +73,14 @@ impl QuantizedRows {
             for (g, s) in sums.iter_mut().enumerate() {
                 *s = qs[g * 16..(g + 1) * 16].iter().map(|&v| i32::from(v)).sum::<i32>() as f32;
             }
-            if split > 0 {
-                // SAFETY: as above.
-                let (hi, lo) = unsafe {
-                    (std::slice::from_raw_parts_mut(hp.ptr().add(r * k), k), std::slice::from_raw_parts_mut(lp.ptr().add(r * k), k))
-                };
-                split_bytes(qs, hi, lo);
-            }
         };
         if rows * k < 32768 {
             (0..rows).for_each(each);
         } else {
             pool.for_chunks(rows, 1, &|range| range.for_each(each));
+        }
+        if split > 0 {
+            split_bytes(&q.qs, &mut q.hi, &mut q.lo);
         }
         q.d_t = group_scales(&q.d, rows, nb);
         q
@@ -100,11 +95,11 @@ impl QuantizedRows {
     pub fn row(&self, r: usize) -> ActRow<'_> {
         let (k, nb) = (self.k, self.k / self.block);
         let ng = self.sums.len() / self.rows.max(1);
-        let split = if self.hi.is_empty() { 0..0 } else { r * k..(r + 1) * k };
         ActRow {
             qs: &self.qs[r * k..(r + 1) * k],
-            hi: &self.hi[split.clone()],
-            lo: &self.lo[split],
+            // (Split only where there is one row: row 0's, or empty.)
+            hi: &self.hi,
+            lo: &self.lo,
             d: &self.d[r * nb..(r + 1) * nb],
             sums: &self.sums[r * ng..(r + 1) * ng],
         }
