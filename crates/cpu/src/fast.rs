@@ -159,6 +159,12 @@ fn row_dot(isa: Isa, ty: GgmlType, fam: Family, src: &[u8], acts: &ActGroup<'_>)
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
                 (Family::KQuant, Isa::Avx2Fma) => unsafe { avx2::k_rows(ty, src, a) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: Avx512 is only chosen on CPUs that have it (and AVX2); row lengths agree.
+                (Family::Legacy, Isa::Avx512) => unsafe { avx2::legacy_rows_avx512(ty, src, a, acts.d_t) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
+                (Family::KQuant, Isa::Avx512) => unsafe { avx2::k_rows_avx512(ty, src, a) },
                 #[cfg(target_arch = "aarch64")]
                 // SAFETY: NEON is part of every aarch64 CPU; row lengths agree.
                 (Family::Legacy, Isa::Neon) => unsafe { neon::legacy_rows(ty, src, a) },

@@ -9,6 +9,10 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 with FMA (and F16C, which every AVX2 CPU has).
     Avx2Fma,
+    /// x86-64 AVX-512 (F, BW, VL) beside AVX2: the integer product kernels built with its 32 vector
+    /// registers (the same operations and bits as [`Isa::Avx2Fma`]); the f32 primitives are
+    /// AVX2's.
+    Avx512,
     /// aarch64 Advanced SIMD (NEON, present on every aarch64 CPU).
     #[cfg(target_arch = "aarch64")]
     Neon,
@@ -19,7 +23,9 @@ impl Isa {
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
-            return Isa::Avx2Fma;
+            let avx512 =
+                is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl");
+            return if avx512 { Isa::Avx512 } else { Isa::Avx2Fma };
         }
         // NEON is part of every aarch64 CPU: no run-time check.
         #[cfg(target_arch = "aarch64")]
@@ -32,8 +38,10 @@ impl Isa {
     /// Every variant this CPU can run (for tests that force each one).
     pub fn supported() -> Vec<Isa> {
         let mut v = vec![Isa::Scalar];
-        if Isa::detect() == Isa::Avx2Fma {
-            v.push(Isa::Avx2Fma);
+        match Isa::detect() {
+            Isa::Avx2Fma => v.push(Isa::Avx2Fma),
+            Isa::Avx512 => v.extend([Isa::Avx2Fma, Isa::Avx512]),
+            _ => {}
         }
         #[cfg(target_arch = "aarch64")]
         v.push(Isa::Neon);
@@ -53,8 +61,8 @@ pub fn dot4(isa: Isa, w: [&[f32]; 4], x: &[f32]) -> [f32; 4] {
     assert!(w.iter().all(|r| r.len() >= n));
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: Avx2Fma is only selected when the CPU has both features; lengths checked above.
-        Isa::Avx2Fma => unsafe { avx2::dot4(w, x) },
+        // SAFETY: Avx2Fma and Avx512 are only selected when the CPU has AVX2 and FMA; lengths checked above.
+        Isa::Avx2Fma | Isa::Avx512 => unsafe { avx2::dot4(w, x) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: NEON is part of every aarch64 CPU; lengths checked above.
         Isa::Neon => unsafe { neon::dot4(w, x) },
@@ -74,7 +82,7 @@ pub fn dots(isa: Isa, queries: &[&[f32]], keys: &[&[f32]], out: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in dot4; lengths checked above.
-        Isa::Avx2Fma => unsafe {
+        Isa::Avx2Fma | Isa::Avx512 => unsafe {
             match queries.len() {
                 1 => avx2::dots::<1>(queries, keys, out),
                 2 => avx2::dots::<2>(queries, keys, out),
@@ -98,7 +106,7 @@ pub fn exp_shifted(isa: Isa, x: &mut [f32], shift: f32) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in dot4.
-        Isa::Avx2Fma => unsafe { avx2::exp_shifted(x, shift) },
+        Isa::Avx2Fma | Isa::Avx512 => unsafe { avx2::exp_shifted(x, shift) },
         _ => x.iter_mut().for_each(|v| *v = (*v - shift).exp()),
     }
 }
@@ -114,7 +122,7 @@ pub fn weighted_sum(isa: Isa, acc: &mut [f32], alpha: &[f32], weights: &[f32], v
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in dot4; lengths checked above.
-        Isa::Avx2Fma => unsafe {
+        Isa::Avx2Fma | Isa::Avx512 => unsafe {
             match nq {
                 1 => avx2::weighted_sum::<1>(acc, alpha, weights, values),
                 2 => avx2::weighted_sum::<2>(acc, alpha, weights, values),
@@ -141,8 +149,8 @@ pub fn f16_to_f32(isa: Isa, src: &[u16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len());
     let done = match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: Avx2Fma is only selected on CPUs with F16C (`Isa::detect`); lengths checked.
-        Isa::Avx2Fma => unsafe { avx2::f16_to_f32(src, dst) },
+        // SAFETY: Avx2Fma and Avx512 are only selected on CPUs with F16C (`Isa::detect`); lengths checked.
+        Isa::Avx2Fma | Isa::Avx512 => unsafe { avx2::f16_to_f32(src, dst) },
         _ => 0,
     };
     dst[done..].iter_mut().zip(&src[done..]).for_each(|(d, &h)| *d = kiln_quant::f16_to_f32(h));
@@ -155,7 +163,7 @@ pub fn f32_to_f16(isa: Isa, src: &[f32], dst: &mut [u16]) {
     let done = match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in f16_to_f32.
-        Isa::Avx2Fma => unsafe { avx2::f32_to_f16(src, dst) },
+        Isa::Avx2Fma | Isa::Avx512 => unsafe { avx2::f32_to_f16(src, dst) },
         _ => 0,
     };
     dst[done..].iter_mut().zip(&src[done..]).for_each(|(d, &x)| *d = kiln_quant::f32_to_f16(x));
@@ -179,7 +187,7 @@ pub fn gelu_mul_fast(isa: Isa, gate: &[f32], up: &[f32], out: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in dot4.
-        Isa::Avx2Fma => unsafe { avx2::gelu_mul(gate, up, out) },
+        Isa::Avx2Fma | Isa::Avx512 => unsafe { avx2::gelu_mul(gate, up, out) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: NEON is part of every aarch64 CPU; lengths checked above.
         Isa::Neon => unsafe { neon::gelu_mul(gate, up, out) },

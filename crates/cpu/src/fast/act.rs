@@ -47,7 +47,7 @@ impl QuantizedRows {
         let ng = if fam == Family::KQuant { k / 16 } else { 0 };
         // (One row only: several rows multiply each weight row in groups, whose 16-bit products
         // share each level vector's widening.)
-        let split = if fam == Family::KQuant && isa == Isa::Avx2Fma && rows == 1 { k } else { 0 };
+        let split = if fam == Family::KQuant && matches!(isa, Isa::Avx2Fma | Isa::Avx512) && rows == 1 { k } else { 0 };
         let mut q = QuantizedRows {
             k,
             rows,
@@ -174,8 +174,8 @@ fn split_bytes(qs: &[i16], hi: &mut [i8], lo: &mut [u8]) {
 fn quantize_row(isa: Isa, x: &[f32], block: usize, max_level: f32, qs: &mut [i16], d: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: Avx2Fma is only chosen on CPUs that have it; lengths agree.
-        Isa::Avx2Fma => unsafe { super::avx2::quantize_row(x, block, max_level, qs, d) },
+        // SAFETY: Avx2Fma and Avx512 are only chosen on CPUs with AVX2 and FMA; lengths agree.
+        Isa::Avx2Fma | Isa::Avx512 => unsafe { super::avx2::quantize_row(x, block, max_level, qs, d) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: NEON is part of every aarch64 CPU; lengths are checked inside.
         Isa::Neon => unsafe { super::neon::quantize_row(x, block, max_level, qs, d) },

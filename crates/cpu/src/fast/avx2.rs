@@ -8,6 +8,26 @@ use kiln_quant::GgmlType;
 use super::screen::{group_len, header_len, GROUP, GROUP_BLOCK_BYTES, WINDOW_BLOCKS};
 use super::{ActRow, KBlock};
 
+/// A product kernel's two entry points over one `#[inline(always)]` body: `$avx2`, built for AVX2,
+/// and `$avx512`, the same body built for AVX-512 (F, BW, VL), whose 32 vector registers hold the
+/// accumulators that AVX2's 16 spill to the stack. Both run the same operations, so they give the
+/// same bits (`avx512_products_equal_avx2_bit_for_bit`).
+macro_rules! avx2_and_avx512 {
+    ($(#[$doc:meta])* $avx2:ident, $avx512:ident = $body:ident($($arg:ident: $ty:ty),*) -> $ret:ty) => {
+        $(#[$doc])*
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn $avx2<const R: usize>($($arg: $ty),*) -> $ret {
+            $body::<R>($($arg),*)
+        }
+
+        #[doc = concat!("[`", stringify!($avx2), "`] built for AVX-512 (F, BW, VL): the same bits.")]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+        pub unsafe fn $avx512<const R: usize>($($arg: $ty),*) -> $ret {
+            $body::<R>($($arg),*)
+        }
+    };
+}
+
 /// `x`'s Q4_0 blocks into `out` (18 bytes a block), as `kiln_quant::quantize` encodes them (ggml's
 /// reference rounding: the same float operations in the same order, so the same bytes); false,
 /// with `out` partly written, if a value is not finite or a scale overflows f16.
@@ -162,10 +182,15 @@ unsafe fn f16_splat(p: *const u8) -> __m256 {
     _mm256_cvtph_ps(_mm_set1_epi16(std::ptr::read_unaligned(p as *const i16)))
 }
 
-/// Products of one packed Q4_0, Q5_0 or Q8_0 row with `R` activation rows (32-element blocks);
-/// `d_t` holds their block scales block-major ([`super::ActGroup::d_t`]).
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn legacy_rows<const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R], d_t: &[f32]) -> [f32; R] {
+avx2_and_avx512! {
+    /// Products of one packed Q4_0, Q5_0 or Q8_0 row with `R` activation rows (32-element blocks);
+    /// `d_t` holds their block scales block-major ([`super::ActGroup::d_t`]).
+    legacy_rows, legacy_rows_avx512 = legacy_rows_any(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R], d_t: &[f32]) -> [f32; R]
+}
+
+/// The body of [`legacy_rows`] and [`legacy_rows_avx512`].
+#[inline(always)]
+unsafe fn legacy_rows_any<const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R], d_t: &[f32]) -> [f32; R] {
     match ty {
         GgmlType::Q4_0 => legacy_rows_of::<DEC_Q4_0, R>(src, ty.type_size(), a, d_t),
         GgmlType::Q5_0 => legacy_rows_of::<DEC_Q5_0, R>(src, ty.type_size(), a, d_t),
@@ -180,8 +205,7 @@ pub unsafe fn legacy_rows<const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<
 /// 128-bit half in lane `i`, over the other in lane `i + 4`), which is converted and scaled once.
 /// A single row takes the same steps with itself in every slot, so a row's product is the same
 /// bits whichever rows it is batched with.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
+#[inline(always)]
 unsafe fn legacy_rows_of<const T: u8, const R: usize>(src: &[u8], bytes: usize, a: &[ActRow<'_>; R], d_t: &[f32]) -> [f32; R] {
     let nb = src.len() / bytes;
     assert!(src.len() == bytes * nb && a.iter().all(|a| a.qs.len() == 32 * nb && a.d.len() == nb));
@@ -232,9 +256,14 @@ const DEC_Q5_K: u8 = 1;
 const DEC_Q6_K: u8 = 2;
 const DEC_STACK: u8 = 3;
 
-/// Products of one packed K-quant row with `R` activation rows.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn k_rows<const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R]) -> [f32; R] {
+avx2_and_avx512! {
+    /// Products of one packed K-quant row with `R` activation rows.
+    k_rows, k_rows_avx512 = k_rows_any(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R]) -> [f32; R]
+}
+
+/// The body of [`k_rows`] and [`k_rows_avx512`].
+#[inline(always)]
+unsafe fn k_rows_any<const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R]) -> [f32; R] {
     match ty {
         GgmlType::Q4_K => k_rows_of::<DEC_Q4_K, R>(ty, src, a),
         GgmlType::Q5_K => k_rows_of::<DEC_Q5_K, R>(ty, src, a),
@@ -398,8 +427,7 @@ const PREFETCH_BLOCKS: usize = 24;
 /// every 16 levels times their integer scale (at most 4096 in magnitude: Q6_K) are multiplied with the
 /// activations by `madd` (a lone row with its level bytes: [`k_row_bytes`], the same lane sums),
 /// and the corrections are applied with the activations' 16-sums.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
+#[inline(always)]
 unsafe fn k_rows_of<const T: u8, const R: usize>(ty: GgmlType, src: &[u8], a: &[ActRow<'_>; R]) -> [f32; R] {
     let bytes = ty.type_size();
     let nb = src.len() / bytes;
@@ -463,15 +491,20 @@ unsafe fn k_rows_of<const T: u8, const R: usize>(ty: GgmlType, src: &[u8], a: &[
     out
 }
 
-/// The 8 scores of each of `out.len()` consecutive groups of the screening copy (`nb` blocks
-/// each; see `screen`) for `R` activation rows (offset 8-bit levels and their scale), in row order.
-/// One 32-bit lane per row: `maddubs` of the offset activations (4 elements broadcast) with the
-/// signed levels, seven 16-bit additions (at most 8 · 4080 = 32640 per lane) and one `madd` with
-/// the block's multipliers give each row's block sum times its multiplier, accumulated in 32 bits
-/// per window (exact modulo 2³², and the window's true sum fits); the offset term `K` is
-/// subtracted before the conversion to f32.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn screen_groups<const R: usize>(groups: &[u8], nb: usize, a: [(&[u8], f32); R], out: &mut [[[f32; 8]; R]]) {
+avx2_and_avx512! {
+    /// The 8 scores of each of `out.len()` consecutive groups of the screening copy (`nb` blocks
+    /// each; see `screen`) for `R` activation rows (offset 8-bit levels and their scale), in row order.
+    /// One 32-bit lane per row: `maddubs` of the offset activations (4 elements broadcast) with the
+    /// signed levels, seven 16-bit additions (at most 8 · 4080 = 32640 per lane) and one `madd` with
+    /// the block's multipliers give each row's block sum times its multiplier, accumulated in 32 bits
+    /// per window (exact modulo 2³², and the window's true sum fits); the offset term `K` is
+    /// subtracted before the conversion to f32.
+    screen_groups, screen_groups_avx512 = screen_groups_any(groups: &[u8], nb: usize, a: [(&[u8], f32); R], out: &mut [[[f32; 8]; R]]) -> ()
+}
+
+/// The body of [`screen_groups`] and [`screen_groups_avx512`].
+#[inline(always)]
+unsafe fn screen_groups_any<const R: usize>(groups: &[u8], nb: usize, a: [(&[u8], f32); R], out: &mut [[[f32; 8]; R]]) {
     let (head, glen) = (header_len(nb), group_len(nb));
     assert!(groups.len() == out.len() * glen && a.iter().all(|(q, _)| q.len() == 32 * nb));
     let (m4, eight, low16) = (_mm256_set1_epi8(15), _mm256_set1_epi8(8), _mm256_set1_epi32(0xffff));

@@ -146,8 +146,9 @@ pub fn make_copy(pool: &ThreadPool, isa: Isa, w: &PackedMatrix<'_>, release: &(d
 pub(super) fn q4_0_row(isa: Isa, x: &[f32], q: &mut [u8]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: Avx2Fma is only selected when the CPU has the features; `q` holds x's blocks.
-        Isa::Avx2Fma if unsafe { super::avx2::q4_0_blocks(x, q) } => {}
+        // SAFETY: Avx2Fma and Avx512 are only selected when the CPU has AVX2 and FMA; `q` holds
+        // x's blocks.
+        Isa::Avx2Fma | Isa::Avx512 if unsafe { super::avx2::q4_0_blocks(x, q) } => {}
         // Weights are finite and small, so Q4_0 cannot overflow its f16 scale.
         _ => q.copy_from_slice(&quantize(GgmlType::Q4_0, x).expect("finite weights quantize")),
     }
@@ -191,6 +192,9 @@ pub fn group_scores<const R: usize>(isa: Isa, groups: &[u8], nb: usize, a: [(&[u
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Avx2Fma is only chosen on CPUs that have it; lengths are checked above.
         Isa::Avx2Fma => unsafe { super::avx2::screen_groups(groups, nb, a, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Avx512 is only chosen on CPUs that have it (and AVX2); lengths are checked above.
+        Isa::Avx512 => unsafe { super::avx2::screen_groups_avx512(groups, nb, a, out) },
         #[cfg(target_arch = "aarch64")]
         // SAFETY: NEON is part of every aarch64 CPU; lengths are checked above.
         Isa::Neon => unsafe { super::neon::screen_groups(groups, nb, a, out) },

@@ -190,6 +190,35 @@ fn simd_unpack_and_cores_equal_the_scalar_ones() {
     }
 }
 
+/// The product kernels built for AVX-512 run AVX2's operations with more registers: every fast
+/// format's products are the same bits as AVX2's, for one row (decode, with its level bytes) and for
+/// groups of every size (prefill, batched decode), over rows of one and of several blocks.
+#[test]
+fn avx512_products_equal_avx2_bit_for_bit() {
+    if !Isa::supported().contains(&Isa::Avx512) {
+        eprintln!("no AVX-512 (F, BW, VL) on this CPU: its kernels cannot run here");
+        return;
+    }
+    let mut rng = Rng(0x0a5c_512b);
+    let pool = ThreadPool::new(2);
+    for ty in FAST {
+        for k in [ty.block_size().max(256), 7 * ty.block_size().max(256)] {
+            let n = 19;
+            let packed = quantize(ty, &rng.vec(k * n)).unwrap();
+            let m = PackedMatrix::from_bytes(&packed, ty, k, n);
+            for rows in [1, 2, 3, 5, 8, 9, 17] {
+                let x = rng.vec(rows * k);
+                let [avx2, avx512] = [Isa::Avx2Fma, Isa::Avx512].map(|isa| {
+                    let mut out = vec![0f32; rows * n];
+                    matmul(&pool, isa, &x, rows, &m, &mut out);
+                    out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                });
+                assert_eq!(avx512, avx2, "{ty} k={k} rows={rows}");
+            }
+        }
+    }
+}
+
 #[test]
 fn non_finite_products_give_minus_one() {
     let pool = ThreadPool::new(2);
