@@ -1,5 +1,6 @@
 //! AVX2 block decoders and integer dot cores (`maddubs` of unsigned weights by signed
-//! activations, `madd` by the scales), and the AVX2 activation quantizer.
+//! activations, `madd` by the scales), and the AVX2 activation quantizer. The product kernels are
+//! also built for AVX-512 (`avx2_and_avx512!`): the same operations with 32 vector registers.
 
 use std::arch::x86_64::*;
 
