@@ -9,9 +9,9 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 with FMA (and F16C, which every AVX2 CPU has).
     Avx2Fma,
-    /// x86-64 AVX-512 (F, BW, VL) beside AVX2: the integer product kernels built with its 32 vector
-    /// registers (the same operations and bits as [`Isa::Avx2Fma`]); the f32 primitives are
-    /// AVX2's.
+    /// x86-64 AVX-512 (F, BW, VL, VNNI) beside AVX2: the integer product kernels built with its 32
+    /// vector registers and `vpdpwssd` (the same integers, so the same bits as [`Isa::Avx2Fma`]);
+    /// the f32 primitives are AVX2's.
     Avx512,
     /// aarch64 Advanced SIMD (NEON, present on every aarch64 CPU).
     #[cfg(target_arch = "aarch64")]
@@ -23,8 +23,10 @@ impl Isa {
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
-            let avx512 =
-                is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl");
+            let avx512 = is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni");
             return if avx512 { Isa::Avx512 } else { Isa::Avx2Fma };
         }
         // NEON is part of every aarch64 CPU: no run-time check.

@@ -1,6 +1,7 @@
 //! AVX2 block decoders and integer dot cores (`maddubs` of unsigned weights by signed
 //! activations, `madd` by the scales), and the AVX2 activation quantizer. The product kernels are
-//! also built for AVX-512 (`avx2_and_avx512!`): the same operations with 32 vector registers.
+//! also built for AVX-512 (`avx2_and_avx512!`): the same integers and bits, with 32 vector
+//! registers and `vpdpwssd`.
 
 use std::arch::x86_64::*;
 
@@ -10,9 +11,10 @@ use super::screen::{group_len, header_len, GROUP, GROUP_BLOCK_BYTES, WINDOW_BLOC
 use super::{ActRow, KBlock};
 
 /// A product kernel's two entry points over one `#[inline(always)]` body: `$avx2`, built for AVX2,
-/// and `$avx512`, the same body built for AVX-512 (F, BW, VL), whose 32 vector registers hold the
-/// accumulators that AVX2's 16 spill to the stack. Both run the same operations, so they give the
-/// same bits (`avx512_products_equal_avx2_bit_for_bit`).
+/// and `$avx512`, the same body built for AVX-512 (F, BW, VL, VNNI), whose 32 vector registers hold
+/// the accumulators that AVX2's 16 spill to the stack, and where the compiler fuses a `madd` and
+/// its addition into one `vpdpwssd` (the same integers). Both give the same bits
+/// (`avx512_products_equal_avx2_bit_for_bit`).
 macro_rules! avx2_and_avx512 {
     ($(#[$doc:meta])* $avx2:ident, $avx512:ident = $body:ident($($arg:ident: $ty:ty),*) -> $ret:ty) => {
         $(#[$doc])*
@@ -21,8 +23,8 @@ macro_rules! avx2_and_avx512 {
             $body::<R>($($arg),*)
         }
 
-        #[doc = concat!("[`", stringify!($avx2), "`] built for AVX-512 (F, BW, VL): the same bits.")]
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+        #[doc = concat!("[`", stringify!($avx2), "`] built for AVX-512 (F, BW, VL, VNNI): the same bits.")]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
         pub unsafe fn $avx512<const R: usize>($($arg: $ty),*) -> $ret {
             $body::<R>($($arg),*)
         }

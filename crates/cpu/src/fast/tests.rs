@@ -190,13 +190,13 @@ fn simd_unpack_and_cores_equal_the_scalar_ones() {
     }
 }
 
-/// The product kernels built for AVX-512 run AVX2's operations with more registers: every fast
+/// The product kernels built for AVX-512 compute AVX2's integers with more registers: every fast
 /// format's products are the same bits as AVX2's, for one row (decode, with its level bytes) and for
 /// groups of every size (prefill, batched decode), over rows of one and of several blocks.
 #[test]
 fn avx512_products_equal_avx2_bit_for_bit() {
     if !Isa::supported().contains(&Isa::Avx512) {
-        eprintln!("no AVX-512 (F, BW, VL) on this CPU: its kernels cannot run here");
+        eprintln!("no AVX-512 (F, BW, VL, VNNI) on this CPU: its kernels cannot run here");
         return;
     }
     let mut rng = Rng(0x0a5c_512b);
