@@ -6,17 +6,28 @@
 // the producer asks for the block's tiles in order, each once its stage is free and while fewer
 // than `lim` of the block's tiles are in flight, whatever matrix or layer it belongs to, so the
 // stream goes on while the consumers wait at a dependency, as far as the ring reaches; 4 groups
-// of 4 consumer warps take alternate tiles (each its own stages). The blocks meet at an arrival
-// counter in global memory after each of a layer's 5 stages (q/k/v, attention, o, gate/up, down);
-// each block computes the norms and the quantized input itself. Modes: full; no dependency waits
-// (what the same work costs without them; results wrong); stream only (the copies alone); no
-// copies (the consumers compute on the ring as they find it, with the dependency waits: what the
-// work costs without the stream beside it). The full mode is checked against a chain of plain
-// kernels (kiln's norm_row, quantize32 and chunk decoders); block 0's clock at 15 points of each
-// layer shows where a layer goes. Results: bench/RESULTS.md, 2026-12-02, issue 4q (consumers
-// refilling their own stages, all NS in flight), and 2026-12-05, issue 4ag (the producer, `lim`
-// 2-8 and the no-copies mode). Build and run on the device machine from the checkout's root
-// (arguments: layers, past):
+// of 4 consumer warps take alternate tiles (each its own stages).
+//
+// Dependencies (the second design, issue 4ba; the first, 4q/4ag, spent most of a layer in its
+// dependent steps, each a chain of round trips): q/k/v's rows are grouped by kv head (the two
+// query heads, the key, the value: 1,024 rows), and each tile's group counts its arrival, so a
+// kv head's attention starts once its own rows are done; attention is split into 16 shares of the
+// past per kv head (blocks 0..127), every cached row of a share loaded in one round trip, the
+// share's partial softmax merged over the block's warps in shared memory; the last share of a kv
+// head merges the shares and writes its two heads' output quantized for o, whose consumers load
+// their activations from there (no per-block quantization); the blocks meet at arrival counters
+// after o, gate/up and down (the norms need whole rows), and each computes the norm pairs itself
+// with every input of a norm loaded in one round trip (its weights before the wait) and keeps its
+// own copy of the residual in shared memory; the down projection's activations are read from
+// shared memory per tile (not held in registers for the whole matrix).
+//
+// Modes: full; no dependency waits (what the same work costs without them; results wrong); stream
+// only (the copies alone); no copies (the consumers compute on the ring as they find it, with the
+// dependency waits: what the work costs without the stream beside it). The full mode is checked
+// against a chain of plain kernels (kiln's norm_row, quantize32 and chunk decoders); block 0's
+// clock at 15 points of each layer shows where a layer goes. Results: bench/RESULTS.md,
+// 2026-12-02, issue 4q, 2026-12-05, issue 4ag (the first design), and issue 4ba (this one). Build
+// and run on the device machine from the checkout's root (arguments: layers, past):
 //   bench/cuda/prep.sh /tmp/pk && nvcc -O3 -arch=sm_90 -std=c++17 -I/tmp/pk -o /tmp/pk/persistent bench/cuda/persistent.cu && /tmp/pk/persistent 8 512
 #include "common.cuh"
 #include "quant_f.cu"
@@ -24,12 +35,29 @@
 #include "kiln_ref.cuh"
 
 constexpr int D = 3840, QD = 4096, KVD = 2048, QKV = QD + 2 * KVD, FF = 15360, HD = 256, NH = 16, NKV = 8;
-constexpr int NC = 16, CT = NC * 32;  // consumer warps and threads
-constexpr int NSTG = 5;               // dependency counters per layer: qkv, attention, o, gate/up, down
-constexpr int SHARES = 16;            // attention: position shares per kv head (blocks 0..127)
-constexpr int SLOT = 18432;           // ring stage bytes (8 rows of o's 4096 Q4_K columns)
-constexpr int XQ_MAX = FF * 5 / 2;    // quantized input of the down projection
+constexpr int GROWS = QKV / NKV;        // q/k/v rows of one kv head: q 2g, q 2g + 1, k g, v g
+constexpr int NC = 16, CT = NC * 32;    // consumer warps and threads
+constexpr int SHARES = 16;              // attention: position shares per kv head (blocks 0..127)
+constexpr int SLOT = 18432;             // ring stage bytes (8 rows of o's 4096 Q4_K columns)
+constexpr int XQ_MAX = FF * 5 / 2;      // quantized input of the down projection
+constexpr int PD = (D / 4 + CT - 1) / CT, PF = (FF / 4 + CT - 1) / CT;  // float4 a thread: rows of D, FF
 constexpr int MAXL = 8;
+// A producer warp asks for every tile (1), or each consumer group's thread 0 refills the stage its
+// group has just left (0: no 17th warp, so 128 registers a thread where the producer's warp
+// leaves 96; the producer's in-flight limit `lim` is then NS).
+#ifndef PRODUCER
+#define PRODUCER 1
+#endif
+constexpr int BT = CT + 32 * PRODUCER;
+// A consumer group loads its whole tile into registers and frees the stage before its arithmetic
+// (the stage busy only while it is read, so more of the ring in flight): 2 in every matrix, 1 in
+// the down projection only (whose activations are not held in registers), 0 in none.
+#ifndef EARLY
+#define EARLY 1
+#endif
+// Arrival counters of a layer: o, gate/up, down (blocks), merged kv heads, then q/k/v tiles per kv
+// head, then attention shares per kv head.
+constexpr int C_O = 0, C_GU = 1, C_DN = 2, C_ATT = 3, C_QKV = 4, C_SH = 4 + NKV, NCNT = 4 + 2 * NKV;
 
 struct Layer {
     const u8 *wqkv, *wo, *wg, *wu, *wd;
@@ -39,10 +67,11 @@ struct Layer {
 struct Prm {
     Layer ly[MAXL];
     const float* x0;
-    float *qkv, *att, *o, *glu, *dn, *res_a, *res_in, *part;  // per layer
-    u32* cnt;                                                 // [L][NSTG], then [L][NKV]
-    long long* stamps;                                        // block 0's clock at 15 points a layer
-    int L, P, mode, lim;                                      // lim: most tiles in flight per block
+    float *qkv, *att, *o, *glu, *dn, *res, *part;  // per layer (res: the residual after the last layer)
+    u8* xqa;                                      // per layer: attention's output quantized for o
+    u32* cnt;                                     // [L][NCNT]
+    long long* stamps;                            // block 0's clock at 15 points a layer
+    int L, P, mode, lim;                          // lim: most tiles in flight per block
 };
 
 // One arrival on a shared-memory barrier.
@@ -122,23 +151,27 @@ __device__ void issue(const Prm& p, const Order& o, u8* ring, u64* full, u32 sq)
 // The block's tiles of matrix M (consumers): group gi of 4 warps takes the block's tiles whose
 // sequence number is gi mod 4 (4 tiles in flight per block, as 4 blocks of 4 warps would); in a
 // tile, lane li of a set of LANES lanes takes the 64-element chunks li, li + LANES, ... of the
-// set's ROWS rows (their activations held for the whole matrix), then the group meets, its warp 0
-// writes the sums, its thread 0 refills the stage with the group's tile NS / 4 later (sq + NS).
+// set's ROWS rows, then the group meets, its warp 0 writes the sums, its thread 0 frees the stage
+// (with EARLY, once the group has loaded the tile into registers, before its arithmetic).
+// The activations xq (shared or global memory) are held in registers for the whole matrix, except
+// the down projection's (15,360 columns: read from shared memory per tile). q/k/v's tiles count
+// their arrivals per kv head on qcnt (tile t: rows 8t..8t+7, kv head t / 128).
 template <int NS, int M>
 __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* empty, u32& seq, const u8* xq, float* out, float (*red)[2][GW][8],
-                        bool compute) {
+                        bool compute, u32* qcnt) {
     constexpr Geo g = geo(M);
     constexpr int CHUNKS = g.k / 64, SETS = CHUNKS <= 64 ? 2 : 1, ROWS = g.tr / SETS, LANES = GT / SETS;
     constexpr int CH = (CHUNKS + LANES - 1) / LANES;
+    constexpr bool HOLD = M != 3, ER = EARLY == 2 || (EARLY == 1 && !HOLD);
     const int gi = threadIdx.x / GT, tig = threadIdx.x % GT, wg = tig >> 5, lane = threadIdx.x & 31;
     const int set = tig / LANES, li = tig % LANES;
-    XGroup xg[CH][4];
-    if (compute)
+    XGroup xg[HOLD ? CH : 1][4];
+    if (HOLD && compute)
 #pragma unroll
         for (int q = 0; q < CH; q++)
             if (li + q * LANES < CHUNKS)
 #pragma unroll
-                for (int e = 0; e < 4; e++) xg[q][e] = xgroup(xq, g.k, 64 * (li + q * LANES) + 16 * e);
+                for (int e = 0; e < 4; e++) xg[HOLD ? q : 0][e] = xgroup(xq, g.k, 64 * (li + q * LANES) + 16 * e);
     const u32 s0 = seq;
     const int mine = o.n[M];
     int par = 0;
@@ -146,24 +179,44 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
         const u32 sq = s0 + j, slot = slot_of<NS>(sq);
         const int t = blockIdx.x + j * gridDim.x;
         if (p.mode != 3) bar_wait(&full[slot], phase_of<NS>(sq));
+        // The stage back to the ring: to the producer, or asked for again with the group's tile
+        // NS later.
+        auto release = [&] {
+            if (tig == 0) {
+                if (PRODUCER)
+                    bar_arrive(&empty[slot]);
+                else if (p.mode != 3)
+                    issue<NS>(p, o, ring, full, sq + NS);
+            }
+        };
         float acc[ROWS];
 #pragma unroll
         for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
+        const Mat st{ring + slot * SLOT, g.rb, 0};
+        typename RingChunk<F_Q4_K>::Raw raw[CH][ROWS];
+        auto load = [&](int q) {
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) raw[q][r] = RingChunk<F_Q4_K>::load(st, set * ROWS + r, li + q * LANES);
+        };
+        if (compute && ER) {
+#pragma unroll
+            for (int q = 0; q < CH; q++)
+                if (li + q * LANES < CHUNKS) load(q);
+            gbar(gi);
+            release();
+        }
         if (compute) {
-            const Mat st{ring + slot * SLOT, g.rb, 0};
 #pragma unroll
             for (int q = 0; q < CH; q++) {
                 const int c = li + q * LANES;
                 if (c < CHUNKS) {
-                    constexpr int GR = ROWS < 4 ? ROWS : 4;
+                    const int qh = HOLD ? q : 0;
+                    if (!HOLD)
 #pragma unroll
-                    for (int r0 = 0; r0 < ROWS; r0 += GR) {
-                        typename RingChunk<F_Q4_K>::Raw raw[GR];
+                        for (int e = 0; e < 4; e++) xg[0][e] = xgroup(xq, g.k, 64 * c + 16 * e);
+                    if (!ER) load(q);
 #pragma unroll
-                        for (int r = 0; r < GR; r++) raw[r] = RingChunk<F_Q4_K>::load(st, set * ROWS + r0 + r, c);
-#pragma unroll
-                        for (int r = 0; r < GR; r++) acc[r0 + r] += RingChunk<F_Q4_K>::dot(st, raw[r], c, xg[q]);
-                    }
+                    for (int r = 0; r < ROWS; r++) acc[r] += RingChunk<F_Q4_K>::dot(st, raw[q][r], c, xg[qh]);
                 }
             }
 #pragma unroll
@@ -173,7 +226,7 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
             }
         }
         gbar(gi);
-        if (tig == 0) bar_arrive(&empty[slot]);
+        if (!compute || !ER) release();
         if (!compute || wg != 0) continue;
         // Row r of the tile: set r / ROWS, the sums of that set's warps.
         auto sum = [&](int r) {
@@ -186,131 +239,211 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
             if (lane < 4) out[t * 4 + lane] = gelu_tanh(sum(lane)) * sum(lane + 4);
         } else if (lane < g.tr)
             out[t * g.tr + lane] = sum(lane);
+        if (M == 0) {
+            __syncwarp();
+            if (lane == 0) arrive(qcnt + t * 8 / GROWS, 1);
+        }
     }
     seq = s0 + mine;
 }
 
-// y = (res + a / rms(a) * w1) / rms(.) * w2 (res null: y = a / rms(a) * w1; w1 null: y = a),
-// quantized into xq; h (the residual after a) written by block 0 when given.
-template <int PER>
-__device__ void prologue(const float* a, const float* res, const float* w1, const float* w2, float* h, u8* xq, int k, float* scr) {
-    if (!w1) {
-#pragma unroll 6
-        for (int j = 0; j < PER; j++) {
-            const int i = threadIdx.x + j * CT;
-            if (i - (threadIdx.x & 31) < k) quantize32(i < k ? __ldcg(a + i) : 0.f, xq, k, i);
-        }
-        cbar();
-        return;
-    }
-    float v[PER];
+// A norm's weights, loaded before its dependency wait.
+struct NormW {
+    float4 w1[PD], w2[PD];
+};
+__device__ __forceinline__ NormW norm_weights(const float* w1, const float* w2) {
+    NormW n;
 #pragma unroll
-    for (int j = 0; j < PER; j++) {
-        const int i = threadIdx.x + j * CT;
-        v[j] = i < k ? __ldcg(a + i) : 0.f;
+    for (int j = 0; j < PD; j++) {
+        const int i4 = threadIdx.x + j * CT;
+        const bool ok = i4 < D / 4;
+        n.w1[j] = ok && w1 ? ((const float4*)w1)[i4] : make_float4(0.f, 0.f, 0.f, 0.f);
+        n.w2[j] = ok ? ((const float4*)w2)[i4] : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    if (w1) {
+    return n;
+}
+__device__ __forceinline__ float dot4(float4 a, float4 b) { return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w; }
+__device__ __forceinline__ float4 fma4(float4 a, float s, float4 w, float4 c) {
+    return make_float4(c.x + a.x * s * w.x, c.y + a.y * s * w.y, c.z + a.z * s * w.z, c.w + a.w * s * w.w);
+}
+
+// The block's residual (resid, shared memory) and the next matrix's input: FIRST: resid = a,
+// xq = quantize(a / rms(a) * w2); else resid += a / rms(a) * w1, xq = quantize(resid / rms(resid)
+// * w2). Every input is loaded at once (a from L2: other blocks wrote it); block 0 writes resid to
+// `keep` when given.
+template <bool FIRST>
+__device__ void norm_pair(const float* a, float* resid, const NormW& nw, u8* xq, float* keep, float* scr) {
+    float4 v[PD];
+#pragma unroll
+    for (int j = 0; j < PD; j++) {
+        const int i4 = threadIdx.x + j * CT;
+        v[j] = i4 < D / 4 ? __ldcg((const float4*)a + i4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    if (!FIRST) {
         float ss = 0.f;
 #pragma unroll
-        for (int j = 0; j < PER; j++) ss += v[j] * v[j];
-        float inv = 1.f / sqrtf(csum(ss, scr) / (float)k + 1e-6f);
+        for (int j = 0; j < PD; j++) ss += dot4(v[j], v[j]);
+        const float inv = 1.f / sqrtf(csum(ss, scr) / (float)D + 1e-6f);
 #pragma unroll
-        for (int j = 0; j < PER; j++) {
-            const int i = threadIdx.x + j * CT;
-            v[j] = i < k ? (res ? __ldcg(res + i) : 0.f) + v[j] * inv * w1[i] : 0.f;
-        }
-        if (w2) {
-            ss = 0.f;
-#pragma unroll
-            for (int j = 0; j < PER; j++) ss += v[j] * v[j];
-            inv = 1.f / sqrtf(csum(ss, scr) / (float)k + 1e-6f);
-#pragma unroll
-            for (int j = 0; j < PER; j++) {
-                const int i = threadIdx.x + j * CT;
-                if (h && blockIdx.x == 0 && i < k) h[i] = v[j];
-                v[j] = i < k ? v[j] * inv * w2[i] : 0.f;
-            }
+        for (int j = 0; j < PD; j++) {
+            const int i4 = threadIdx.x + j * CT;
+            if (i4 < D / 4) v[j] = fma4(v[j], inv, nw.w1[j], ((float4*)resid)[i4]);
         }
     }
+    float ss = 0.f;
 #pragma unroll
-    for (int j = 0; j < PER; j++) {
-        const int i = threadIdx.x + j * CT;
-        if (i - (threadIdx.x & 31) < k) quantize32(v[j], xq, k, i);
+    for (int j = 0; j < PD; j++) {
+        const int i4 = threadIdx.x + j * CT;
+        ss += dot4(v[j], v[j]);
+        if (i4 < D / 4) {
+            ((float4*)resid)[i4] = v[j];
+            if (keep && blockIdx.x == 0) ((float4*)keep)[i4] = v[j];
+        }
+    }
+    const float inv = 1.f / sqrtf(csum(ss, scr) / (float)D + 1e-6f);
+#pragma unroll
+    for (int j = 0; j < PD; j++) {
+        const int i4 = threadIdx.x + j * CT;
+        if (i4 - (threadIdx.x & 31) < D / 4) quantize32x4(fma4(v[j], inv, nw.w2[j], make_float4(0.f, 0.f, 0.f, 0.f)), xq, D, 4 * i4);
     }
     cbar();
 }
 
-// Attention of layer l for block b < 128: kv head b % 8, positions of share b / 8, both of its
-// query heads; the last share of a kv head merges the shares.
-__device__ void attention(const Prm& p, int l, float* scr, float (*sc)[64], u32* flag) {
+// xq = quantize(a) over FF elements (the down projection's input), every element loaded at once.
+__device__ void quantize_ff(const float* a, u8* xq) {
+    float4 v[PF];
+#pragma unroll
+    for (int j = 0; j < PF; j++) {
+        const int i4 = threadIdx.x + j * CT;
+        v[j] = i4 < FF / 4 ? __ldcg((const float4*)a + i4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < PF; j++) {
+        const int i4 = threadIdx.x + j * CT;
+        if (i4 - (threadIdx.x & 31) < FF / 4) quantize32x4(v[j], xq, FF, 4 * i4);
+    }
+    cbar();
+}
+
+// Attention of layer l for block b < 128: kv head g = b % 8 (its two query heads), the np = P / 16
+// positions of share b / 8; warp w takes positions w and w + 16 (every cached key and value row
+// loaded in one round trip, before the wait), the warps' partial softmaxes merged in shared
+// memory (scr: NC x 2 x (HD + 2) floats); the last share of a kv head to arrive merges the shares
+// and writes its two heads' output (att, and quantized for o into xqa), then counts the head.
+__device__ void attention(const Prm& p, int l, float* scr, u32* flag, bool waits) {
     const int b = blockIdx.x, g = b % NKV, s = b / NKV, np = p.P / SHARES, p0 = s * np;
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const float* q = p.qkv + (u64)l * QKV;
+    u32* cnt = p.cnt + l * NCNT;
+    const float* q = p.qkv + (u64)l * QKV + g * GROWS;
     const Layer& y = p.ly[l];
-    float qa[2][8];
+    // At most 2 positions a warp (P <= 512): every cached key and value row the warp needs loaded
+    // at once, before the wait.
+    float4 kr[2][2], vr[2][2];
 #pragma unroll
-    for (int h = 0; h < 2; h++)
-#pragma unroll
-        for (int e = 0; e < 8; e++) qa[h][e] = __ldcg(q + (2 * g + h) * HD + lane * 8 + e);
-    for (int j = w; j < np; j += NC) {
-        const float4* kr = (const float4*)(y.kc + ((u64)g * p.P + p0 + j) * HD + lane * 8);
-        const float4 k0 = kr[0], k1 = kr[1];
-        const float kk[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            float d = 0.f;
-#pragma unroll
-            for (int e = 0; e < 8; e++) d += qa[h][e] * kk[e];
-            d = warp_sum(d);
-            if (lane == 0) sc[h][j] = d * 0.0625f;
+    for (int t = 0; t < 2; t++) {
+        const int j = w + NC * t;
+        if (j < np) {
+            const u64 row = ((u64)g * p.P + p0 + j) * HD + lane * 8;
+            kr[t][0] = *(const float4*)(y.kc + row), kr[t][1] = *(const float4*)(y.kc + row + 4);
+            vr[t][0] = *(const float4*)(y.vc + row), vr[t][1] = *(const float4*)(y.vc + row + 4);
         }
     }
+    if (waits && threadIdx.x == 0)
+        while (ld_acquire(cnt + C_QKV + g) < GROWS / 8) {
+        }
     cbar();
+    float4 qa[2][2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) qa[h][0] = __ldcg((const float4*)(q + h * HD + lane * 8)), qa[h][1] = __ldcg((const float4*)(q + h * HD + lane * 8 + 4));
+    float m[2], sum[2], acc[2][8];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float sc[2];
+        m[h] = -INFINITY;
+#pragma unroll
+        for (int t = 0; t < 2; t++) {
+            sc[t] = -INFINITY;
+            if (w + NC * t < np) {
+                sc[t] = warp_sum(dot4(qa[h][0], kr[t][0]) + dot4(qa[h][1], kr[t][1])) * 0.0625f;
+                m[h] = fmaxf(m[h], sc[t]);
+            }
+        }
+        sum[h] = 0.f;
+#pragma unroll
+        for (int e8 = 0; e8 < 8; e8++) acc[h][e8] = 0.f;
+#pragma unroll
+        for (int t = 0; t < 2; t++)
+            if (w + NC * t < np) {
+                const float e = __expf(sc[t] - m[h]);
+                sum[h] += e;
+                const float vv[8] = {vr[t][0].x, vr[t][0].y, vr[t][0].z, vr[t][0].w, vr[t][1].x, vr[t][1].y, vr[t][1].z, vr[t][1].w};
+#pragma unroll
+                for (int e8 = 0; e8 < 8; e8++) acc[h][e8] += e * vv[e8];
+            }
+    }
+    float* part = scr;  // [NC][2][HD + 2]
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float* pw = part + (w * 2 + h) * (HD + 2);
+        if (lane == 0) pw[0] = m[h], pw[1] = sum[h];
+#pragma unroll
+        for (int e8 = 0; e8 < 8; e8++) pw[2 + lane * 8 + e8] = acc[h][e8];
+    }
+    cbar();
+    // Thread (h, d): the share's softmax over its warps (a warp with no position has m = -inf).
     const int h = threadIdx.x >> 8, d = threadIdx.x & 255, head = 2 * g + h;
-    float m = -INFINITY;
-    for (int j = 0; j < np; j++) m = fmaxf(m, sc[h][j]);
-    float sum = 0.f, acc = 0.f;
-    for (int j = 0; j < np; j++) {
-        const float e = __expf(sc[h][j] - m);
-        sum += e;
-        acc += e * y.vc[((u64)g * p.P + p0 + j) * HD + d];
+    float mm = -INFINITY;
+#pragma unroll
+    for (int v = 0; v < NC; v++) mm = fmaxf(mm, part[(v * 2 + h) * (HD + 2)]);
+    float ls = 0.f, as = 0.f;
+#pragma unroll
+    for (int v = 0; v < NC; v++) {
+        const float* pw = part + (v * 2 + h) * (HD + 2);
+        const float f = pw[0] == -INFINITY ? 0.f : __expf(pw[0] - mm);
+        ls += f * pw[1];
+        as += f * pw[2 + d];
     }
     float* pt = p.part + (((u64)l * NH + head) * SHARES + s) * (HD + 2);
-    if (d == 0) {
-        pt[0] = m;
-        pt[1] = sum;
-    }
-    pt[2 + d] = acc;
+    if (d == 0) pt[0] = mm, pt[1] = ls;
+    pt[2 + d] = as;
     cbar();
     if (threadIdx.x == 0) {
-        const bool last = arrive(p.cnt + p.L * NSTG + l * NKV + g, 1) == SHARES - 1;
+        const bool last = arrive(cnt + C_SH + g, 1) == SHARES - 1;
         if (last) acquire();
         *flag = last;
     }
     cbar();
     if (!*flag) return;
     const float* ph = p.part + ((u64)l * NH + head) * SHARES * (HD + 2);
-    float mm = -INFINITY;
-    for (int t = 0; t < SHARES; t++) mm = fmaxf(mm, __ldcg(ph + t * (HD + 2)));
-    float ls = 0.f, as = 0.f;
+    float ms[SHARES], lv[SHARES], av[SHARES];
+#pragma unroll
+    for (int t = 0; t < SHARES; t++) ms[t] = __ldcg(ph + t * (HD + 2)), lv[t] = __ldcg(ph + t * (HD + 2) + 1), av[t] = __ldcg(ph + t * (HD + 2) + 2 + d);
+    mm = -INFINITY;
+#pragma unroll
+    for (int t = 0; t < SHARES; t++) mm = fmaxf(mm, ms[t]);
+    ls = 0.f, as = 0.f;
+#pragma unroll
     for (int t = 0; t < SHARES; t++) {
-        const float f = __expf(__ldcg(ph + t * (HD + 2)) - mm);
-        ls += f * __ldcg(ph + t * (HD + 2) + 1);
-        as += f * __ldcg(ph + t * (HD + 2) + 2 + d);
+        const float f = __expf(ms[t] - mm);
+        ls += f * lv[t];
+        as += f * av[t];
     }
-    p.att[(u64)l * QD + head * HD + d] = as / ls;
+    const float out = as / ls;
+    p.att[(u64)l * QD + head * HD + d] = out;
+    quantize32(out, p.xqa + (u64)l * (QD * 5 / 2), QD, head * HD + d);
     cbar();
-    if (threadIdx.x == 0) arrive(p.cnt + l * NSTG + 1, 1);
+    if (threadIdx.x == 0) arrive(cnt + C_ATT, 1);
 }
 
 template <int NS>
-__global__ void __launch_bounds__(CT + 32, 1) layers(const __grid_constant__ Prm p) {
+__global__ void __launch_bounds__(BT, 1) layers(const __grid_constant__ Prm p) {
     extern __shared__ __align__(128) u8 dyn[];
     __shared__ __align__(8) u64 full[NS], empty[NS];
-    __shared__ float red[GROUPS][2][GW][8], scr[32], sc[2][64];
+    __shared__ float red[GROUPS][2][GW][8], scr[32];
+    __shared__ __align__(16) float resid[D];
     __shared__ u32 flag;
     u8* ring = dyn;
-    u8* xq = dyn + NS * SLOT;
+    u8* xq = dyn + NS * SLOT;  // also attention's scratch (NC x 2 x (HD + 2) floats)
     const Order o = order();
     if (threadIdx.x == 0) {
         for (int s = 0; s < NS; s++) bar_init(&full[s], 1), bar_init(&empty[s], 1);
@@ -320,7 +453,7 @@ __global__ void __launch_bounds__(CT + 32, 1) layers(const __grid_constant__ Prm
     // The producer (warp NC, one lane): the block's tiles in order, tile sq once its stage is free
     // (tile sq - NS consumed) and fewer than p.lim of the block's tiles are in flight (tile sq -
     // lim landed).
-    if (threadIdx.x >= CT) {
+    if (PRODUCER && threadIdx.x >= CT) {
         if (threadIdx.x == CT && p.mode != 3) {
             const u32 total = (u32)o.per * p.L;
             for (u32 sq = 0; sq < total; sq++) {
@@ -331,6 +464,10 @@ __global__ void __launch_bounds__(CT + 32, 1) layers(const __grid_constant__ Prm
         }
         return;
     }
+    // Without a producer: each group's thread 0 asks for the group's first tiles (then refills
+    // each stage as the group leaves it, in consume).
+    if (!PRODUCER && p.mode != 3 && threadIdx.x % GT == 0)
+        for (u32 sq = threadIdx.x / GT; sq < NS; sq += GROUPS) issue<NS>(p, o, ring, full, sq);
     const bool compute = p.mode != 2, waits = p.mode == 0 || p.mode == 3;
     const u32 G = gridDim.x;
     auto wait_for = [&](const u32* c, u32 n) {
@@ -346,53 +483,52 @@ __global__ void __launch_bounds__(CT + 32, 1) layers(const __grid_constant__ Prm
     u32 seq = 0;
     for (int l = 0; l < p.L; l++) {
         const Layer& y = p.ly[l];
-        u32* cnt = p.cnt + l * NSTG;
+        u32* cnt = p.cnt + l * NCNT;
+        float* keep = l == p.L - 1 ? p.res : nullptr;
         auto stamp = [&](int i) {
             if (blockIdx.x == 0 && threadIdx.x == 0) p.stamps[l * 16 + i] = clock64();
         };
         // q/k/v: the residual into the layer (the last layer's down projection after its norm),
         // its input norm.
         stamp(0);
-        if (l > 0) wait_for(cnt - NSTG + 4, G);
-        stamp(1);
-        if (compute) {
-            if (l == 0)
-                prologue<8>(p.x0, nullptr, y.n_in, nullptr, nullptr, xq, D, scr);
-            else
-                prologue<8>(p.dn + (u64)(l - 1) * D, p.res_a + (u64)(l - 1) * D, p.ly[l - 1].n_po, y.n_in, p.res_in + (u64)l * D, xq, D,
-                            scr);
+        if (l == 0) {
+            stamp(1);
+            if (compute) norm_pair<true>(p.x0, resid, norm_weights(nullptr, y.n_in), xq, keep, scr);
+        } else {
+            const NormW nw = norm_weights(p.ly[l - 1].n_po, y.n_in);
+            wait_for(cnt - NCNT + C_DN, G);
+            stamp(1);
+            if (compute) norm_pair<false>(p.dn + (u64)(l - 1) * D, resid, nw, xq, keep, scr);
         }
         stamp(2);
-        consume<NS, 0>(p, o, ring, full, empty, seq, xq, p.qkv + (u64)l * QKV, red, compute);
-        done(cnt + 0);
+        consume<NS, 0>(p, o, ring, full, empty, seq, xq, p.qkv + (u64)l * QKV, red, compute, cnt + C_QKV);
+        cbar();
         stamp(3);
-        if (compute && blockIdx.x < NKV * SHARES) {
-            wait_for(cnt + 0, G);
-            stamp(4);
-            attention(p, l, scr, sc, &flag);
-        }
+        stamp(4);
+        if (compute && blockIdx.x < NKV * SHARES) attention(p, l, (float*)xq, &flag, waits);
         stamp(5);
-        wait_for(cnt + 1, NKV);
+        wait_for(cnt + C_ATT, NKV);
         stamp(6);
-        if (compute) prologue<8>(p.att + (u64)l * QD, nullptr, nullptr, nullptr, nullptr, xq, QD, scr);
         stamp(7);
-        consume<NS, 1>(p, o, ring, full, empty, seq, xq, p.o + (u64)l * D, red, compute);
-        done(cnt + 2);
+        consume<NS, 1>(p, o, ring, full, empty, seq, p.xqa + (u64)l * (QD * 5 / 2), p.o + (u64)l * D, red, compute, nullptr);
+        done(cnt + C_O);
         stamp(8);
-        wait_for(cnt + 2, G);
-        stamp(9);
-        if (compute)
-            prologue<8>(p.o + (u64)l * D, l == 0 ? p.x0 : p.res_in + (u64)l * D, y.n_pa, y.n_pf, p.res_a + (u64)l * D, xq, D, scr);
+        {
+            const NormW nw = norm_weights(y.n_pa, y.n_pf);
+            wait_for(cnt + C_O, G);
+            stamp(9);
+            if (compute) norm_pair<false>(p.o + (u64)l * D, resid, nw, xq, nullptr, scr);
+        }
         stamp(10);
-        consume<NS, 2>(p, o, ring, full, empty, seq, xq, p.glu + (u64)l * FF, red, compute);
-        done(cnt + 3);
+        consume<NS, 2>(p, o, ring, full, empty, seq, xq, p.glu + (u64)l * FF, red, compute, nullptr);
+        done(cnt + C_GU);
         stamp(11);
-        wait_for(cnt + 3, G);
+        wait_for(cnt + C_GU, G);
         stamp(12);
-        if (compute) prologue<FF / CT>(p.glu + (u64)l * FF, nullptr, nullptr, nullptr, nullptr, xq, FF, scr);
+        if (compute) quantize_ff(p.glu + (u64)l * FF, xq);
         stamp(13);
-        consume<NS, 3>(p, o, ring, full, empty, seq, xq, p.dn + (u64)l * D, red, compute);
-        done(cnt + 4);
+        consume<NS, 3>(p, o, ring, full, empty, seq, xq, p.dn + (u64)l * D, red, compute, nullptr);
+        done(cnt + C_DN);
         stamp(14);
     }
 }
@@ -406,13 +542,14 @@ __global__ void r_glu(const float* g, const float* u, float* out, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = gelu_tanh(g[i]) * u[i];
 }
-// One block per query head, one thread per dimension.
-__global__ void r_attn(const float* q, const float* kc, const float* vc, int P, float* out) {
+// One block per query head, one thread per dimension (q/k/v's rows grouped by kv head).
+__global__ void r_attn(const float* qkv, const float* kc, const float* vc, int P, float* out) {
     extern __shared__ float s[];
     const int head = blockIdx.x, g = head / 2, d = threadIdx.x;
+    const float* q = qkv + g * GROWS + (head % 2) * HD;
     for (int j = d; j < P; j += blockDim.x) {
         float a = 0.f;
-        for (int e = 0; e < HD; e++) a += q[head * HD + e] * kc[((u64)g * P + j) * HD + e];
+        for (int e = 0; e < HD; e++) a += q[e] * kc[((u64)g * P + j) * HD + e];
         s[j] = a * 0.0625f;
     }
     __syncthreads();
@@ -441,8 +578,8 @@ static double rel_l2(const float* a, const float* b, int n) {
 
 int main(int argc, char** argv) {
     const int L = argc > 1 ? atoi(argv[1]) : 8, P = argc > 2 ? atoi(argv[2]) : 512;
-    if (L < 1 || L > MAXL || P % SHARES || P / SHARES > 64) {
-        fprintf(stderr, "usage: persistent [layers 1-8] [past: a multiple of 16, at most 1024]\n");
+    if (L < 1 || L > MAXL || P % SHARES || P / SHARES > 2 * NC) {
+        fprintf(stderr, "usage: persistent [layers 1-8] [past: a multiple of 16, at most 512]\n");
         return 2;
     }
     cudaDeviceProp dp;
@@ -480,10 +617,12 @@ int main(int argc, char** argv) {
         return v;
     };
     p.qkv = buf((u64)L * QKV), p.att = buf((u64)L * QD), p.o = buf((u64)L * D), p.glu = buf((u64)L * FF), p.dn = buf((u64)L * D);
-    p.res_a = buf((u64)L * D), p.res_in = buf((u64)L * D), p.part = buf((u64)L * NH * SHARES * (HD + 2));
-    const size_t ncnt = (size_t)L * (NSTG + NKV);
+    p.res = buf(D), p.part = buf((u64)L * NH * SHARES * (HD + 2));
+    CK(cudaMalloc(&p.xqa, (size_t)L * QD * 5 / 2));
+    const size_t ncnt = (size_t)L * NCNT;
     CK(cudaMalloc(&p.cnt, 4 * ncnt));
     CK(cudaMalloc(&p.stamps, 8 * 16 * L));
+    CK(cudaMemset(p.stamps, 0, 8 * 16 * L));
     CK(cudaDeviceSynchronize());
 
     auto run = [&](auto kern, int ns, int mode) {
@@ -492,7 +631,7 @@ int main(int argc, char** argv) {
         const size_t smem = (size_t)ns * SLOT + XQ_MAX;
         CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         CK(cudaMemsetAsync(p.cnt, 0, 4 * ncnt, st));
-        kern<<<sms, CT + 32, smem, st>>>(p);
+        kern<<<sms, BT, smem, st>>>(p);
     };
     // The reference chain, into its own buffers.
     float *r_x = buf(D), *r_h = buf(D), *r_qkv = buf(QKV), *r_att = buf(QD), *r_o = buf(D), *r_g = buf(FF), *r_u = buf(FF), *r_gl = buf(FF),
@@ -523,8 +662,10 @@ int main(int argc, char** argv) {
         run(ns == 8 ? layers<8> : layers<4>, ns, 0);
         CK(cudaStreamSynchronize(st));
         CK(cudaGetLastError());
-        printf("ring %d stages: last layer q/k/v rel L2 %.2e, down %.2e against the chain of plain kernels\n", ns,
-               rel_l2(p.qkv + (u64)(L - 1) * QKV, r_qkv, QKV), rel_l2(p.dn + (u64)(L - 1) * D, r_dn, D));
+        printf("ring %d stages, last layer against the chain of plain kernels (rel L2): residual in %.2e, q/k/v %.2e, attention %.2e, o %.2e, "
+               "glu %.2e, down %.2e\n",
+               ns, rel_l2(p.res, r_x, D), rel_l2(p.qkv + (u64)(L - 1) * QKV, r_qkv, QKV), rel_l2(p.att + (u64)(L - 1) * QD, r_att, QD),
+               rel_l2(p.o + (u64)(L - 1) * D, r_o, D), rel_l2(p.glu + (u64)(L - 1) * FF, r_gl, FF), rel_l2(p.dn + (u64)(L - 1) * D, r_dn, D));
     }
     printf("read bandwidth %.0f GB/s; %d layers, %.1f MB of weights each, past %d (KV %.1f MB a layer), %d blocks of %d warps\n",
            bw / 1e9, L, wbytes / 1e6 / L, P, 2.0 * NKV * P * HD * 4 / 1e6, sms, NC);
@@ -533,6 +674,7 @@ int main(int argc, char** argv) {
     for (int pass = 0; pass < 2; pass++)
         for (int lim : {8, 2})
             for (int mode : {0, 1, 2, 3}) {
+                if (!PRODUCER && lim != ns) continue;
                 auto k = layers<8>;
                 p.lim = lim;
                 std::vector<double> ts;
@@ -545,7 +687,7 @@ int main(int argc, char** argv) {
                     CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
                     CK(cudaMemsetAsync(p.cnt, 0, 4 * ncnt, st));
                     CK(cudaEventRecord(e0, st));
-                    k<<<sms, CT + 32, smem, st>>>(p);
+                    k<<<sms, BT, smem, st>>>(p);
                     CK(cudaEventRecord(e1, st));
                     CK(cudaEventSynchronize(e1));
                     float ms;
@@ -562,7 +704,7 @@ int main(int argc, char** argv) {
                     std::vector<long long> h(16 * L);
                     CK(cudaMemcpy(h.data(), p.stamps, 8 * 16 * L, cudaMemcpyDeviceToHost));
                     const double clk = (double)(h[16 * (L - 1) + 14] - h[16 * 1 + 0]) / (L - 1) / us;
-                    const char* what[14] = {"wait", "norm", "q/k/v", "wait", "attention", "wait", "quantize", "o",
+                    const char* what[14] = {"wait", "norm", "q/k/v", "-", "attention", "wait", "-", "o",
                                             "wait", "norm pair", "gate/up", "wait", "quantize", "down"};
                     printf("    block 0 (µs, at %.2f GHz):", clk / 1e3);
                     for (int i = 0; i < 14; i++) {
