@@ -51,9 +51,11 @@ constexpr int MAXL = 8;
 constexpr int BT = CT + 32 * PRODUCER;
 // A consumer group loads its whole tile into registers and frees the stage before its arithmetic
 // (the stage busy only while it is read, so more of the ring in flight): 2 in every matrix, 1 in
-// the down projection only (whose activations are not held in registers), 0 in none.
+// the down projection only (whose activations are not held in registers), 0 in none (what issue
+// 4ba measured; 1 and 2 built, not run: ptxas reports 112 and 992 bytes of spills without a
+// producer warp).
 #ifndef EARLY
-#define EARLY 1
+#define EARLY 0
 #endif
 // Arrival counters of a layer: o, gate/up, down (blocks), merged kv heads, then q/k/v tiles per kv
 // head, then attention shares per kv head.
