@@ -23,7 +23,9 @@ pub struct QuantizedRows {
     lo: Vec<u8>,
     d: Vec<f32>,
     sums: Vec<f32>,
-    /// The scales again, block-major per group of [`ROW_GROUP`] rows (see [`ActGroup::d_t`]).
+    /// The scales again, block-major per group of [`ROW_GROUP`] rows (see [`ActGroup::d_t`]; only
+    /// x86's legacy kernels read them).
+    #[cfg(target_arch = "x86_64")]
     d_t: Vec<f32>,
 }
 
@@ -57,6 +59,7 @@ impl QuantizedRows {
             lo: vec![0; split],
             d: vec![0.0; rows * nb],
             sums: vec![0.0; rows * ng],
+            #[cfg(target_arch = "x86_64")]
             d_t: Vec::new(),
         };
         let (qp, dp, sp) = (SharedMut(q.qs.as_mut_ptr()), SharedMut(q.d.as_mut_ptr()), SharedMut(q.sums.as_mut_ptr()));
@@ -82,7 +85,10 @@ impl QuantizedRows {
         if split > 0 {
             split_bytes(&q.qs, &mut q.hi, &mut q.lo);
         }
-        q.d_t = group_scales(&q.d, rows, nb);
+        #[cfg(target_arch = "x86_64")]
+        {
+            q.d_t = group_scales(&q.d, rows, nb);
+        }
         q
     }
 
@@ -109,15 +115,20 @@ impl QuantizedRows {
     /// repeated to fill the group.
     pub fn group(&self, r0: usize, len: usize) -> ActGroup<'_> {
         assert!(r0.is_multiple_of(ROW_GROUP) && (1..=ROW_GROUP).contains(&len) && r0 + len <= self.rows);
-        let nb = self.k / self.block;
-        let at = r0 / ROW_GROUP * nb * ROW_GROUP;
-        ActGroup { rows: std::array::from_fn(|i| self.row(r0 + i.min(len - 1))), len, d_t: &self.d_t[at..at + nb * ROW_GROUP] }
+        ActGroup {
+            rows: std::array::from_fn(|i| self.row(r0 + i.min(len - 1))),
+            len,
+            #[cfg(target_arch = "x86_64")]
+            d_t: {
+                let per = self.k / self.block * ROW_GROUP;
+                &self.d_t[r0 / ROW_GROUP * per..(r0 / ROW_GROUP + 1) * per]
+            },
+        }
     }
 
     /// Row `r` alone.
     pub fn select(&self, r: usize) -> QuantizedRows {
         let a = self.row(r);
-        let nb = self.k / self.block;
         QuantizedRows {
             k: self.k,
             rows: 1,
@@ -127,7 +138,8 @@ impl QuantizedRows {
             lo: a.lo.to_vec(),
             d: a.d.to_vec(),
             sums: a.sums.to_vec(),
-            d_t: group_scales(a.d, 1, nb),
+            #[cfg(target_arch = "x86_64")]
+            d_t: group_scales(a.d, 1, self.k / self.block),
         }
     }
 
@@ -141,6 +153,7 @@ impl QuantizedRows {
 /// The scales `d` (`rows × nb`, row-major) block-major per group of [`ROW_GROUP`] rows: entry
 /// `(g · nb + b) · ROW_GROUP + i` is the scale of block `b` of row `g · ROW_GROUP + i`, where a last
 /// group short of rows repeats its last row.
+#[cfg(target_arch = "x86_64")]
 fn group_scales(d: &[f32], rows: usize, nb: usize) -> Vec<f32> {
     let groups = rows.div_ceil(ROW_GROUP);
     let mut t = vec![0f32; groups * nb * ROW_GROUP];

@@ -308,11 +308,12 @@ pub unsafe fn screen_groups<const R: usize>(groups: &[u8], nb: usize, a: [(&[u8]
                 // w[i][h]: rows 4h..4h + 4 (4 bytes each) of elements 4i.. (low nibbles, i < 4) or
                 // 16 + 4(i - 4).. (high nibbles).
                 let mut w = [[vdupq_n_s8(0); 2]; 8];
-                for i in 0..4 {
-                    for h in 0..2 {
+                let (low, high) = w.split_at_mut(4);
+                for (i, (wl, wh)) in low.iter_mut().zip(high.iter_mut()).enumerate() {
+                    for (h, (l, hg)) in wl.iter_mut().zip(wh.iter_mut()).enumerate() {
                         let v = vld1q_u8(p.add(GROUP + 32 * i + 16 * h));
-                        w[i][h] = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(v, m4)), eight);
-                        w[i + 4][h] = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8::<4>(v)), eight);
+                        *l = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(v, m4)), eight);
+                        *hg = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8::<4>(v)), eight);
                     }
                 }
                 for r in 0..R {
@@ -338,9 +339,9 @@ pub unsafe fn screen_groups<const R: usize>(groups: &[u8], nb: usize, a: [(&[u8]
             }
         }
         for r in 0..R {
-            for h in 0..2 {
+            for (h, t) in total[r].iter().enumerate() {
                 let base = vld1q_f32(grp.add(16 * h) as *const f32);
-                vst1q_f32(o[r].as_mut_ptr().add(4 * h), vmulq_f32(vmulq_n_f32(base, a[r].1), total[r][h]));
+                vst1q_f32(o[r].as_mut_ptr().add(4 * h), vmulq_f32(vmulq_n_f32(base, a[r].1), *t));
             }
         }
     }
