@@ -92,7 +92,8 @@ pub struct ActGroup<'a> {
     /// Rows that count.
     pub len: usize,
     /// The rows' block scales block-major: `d_t[ROW_GROUP · b + i]` is row `i`'s scale of block `b`
-    /// (so a kernel scales several rows' sums with one vector load; x86's legacy kernels).
+    /// (so a kernel scales several rows' sums with one vector load). Only x86's legacy kernels
+    /// read them.
     #[cfg(target_arch = "x86_64")]
     pub d_t: &'a [f32],
 }
