@@ -25,7 +25,7 @@
 // only (the copies alone); no copies (the consumers compute on the ring as they find it, with the
 // dependency waits: what the work costs without the stream beside it). The full mode is checked
 // against a chain of plain kernels (kiln's norm_row, quantize32 and chunk decoders); block 0's
-// clock at 15 points of each layer shows where a layer goes. Results: bench/RESULTS.md,
+// clock at 13 points of each layer shows where a layer goes. Results: bench/RESULTS.md,
 // 2026-12-02, issue 4q, 2026-12-05, issue 4ag (the first design), and issue 4ba (this one). Build
 // and run on the device machine from the checkout's root (arguments: layers, past):
 //   bench/cuda/prep.sh /tmp/pk && nvcc -O3 -arch=sm_90 -std=c++17 -I/tmp/pk -o /tmp/pk/persistent bench/cuda/persistent.cu && /tmp/pk/persistent 8 512
@@ -72,7 +72,7 @@ struct Prm {
     float *qkv, *att, *o, *glu, *dn, *res, *part;  // per layer (res: the residual after the last layer)
     u8* xqa;                                      // per layer: attention's output quantized for o
     u32* cnt;                                     // [L][NCNT]
-    long long* stamps;                            // block 0's clock at 15 points a layer
+    long long* stamps;                            // block 0's clock at 13 points a layer
     int L, P, mode, lim;                          // lim: most tiles in flight per block
 };
 
@@ -87,6 +87,13 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     u32 v;
     asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
+}
+// The consumers wait until *c reaches n (thread 0 polls, with acquire; `waits` false: the barrier only).
+__device__ __forceinline__ void wait_count(const u32* c, u32 n, bool waits) {
+    if (waits && threadIdx.x == 0)
+        while (ld_acquire(c) < n) {
+        }
+    cbar();
 }
 // Sum over the consumer threads (every one gets it).
 __device__ __forceinline__ float csum(float v, float* scr) {
@@ -350,10 +357,7 @@ __device__ void attention(const Prm& p, int l, float* scr, u32* flag, bool waits
             vr[t][0] = *(const float4*)(y.vc + row), vr[t][1] = *(const float4*)(y.vc + row + 4);
         }
     }
-    if (waits && threadIdx.x == 0)
-        while (ld_acquire(cnt + C_QKV + g) < GROWS / 8) {
-        }
-    cbar();
+    wait_count(cnt + C_QKV + g, GROWS / 8, waits);
     float4 qa[2][2];
 #pragma unroll
     for (int h = 0; h < 2; h++) qa[h][0] = __ldcg((const float4*)(q + h * HD + lane * 8)), qa[h][1] = __ldcg((const float4*)(q + h * HD + lane * 8 + 4));
@@ -472,12 +476,6 @@ __global__ void __launch_bounds__(BT, 1) layers(const __grid_constant__ Prm p) {
         for (u32 sq = threadIdx.x / GT; sq < NS; sq += GROUPS) issue<NS>(p, o, ring, full, sq);
     const bool compute = p.mode != 2, waits = p.mode == 0 || p.mode == 3;
     const u32 G = gridDim.x;
-    auto wait_for = [&](const u32* c, u32 n) {
-        if (waits && threadIdx.x == 0)
-            while (ld_acquire(c) < n) {
-            }
-        cbar();
-    };
     auto done = [&](u32* c) {
         cbar();
         if (threadIdx.x == 0) arrive(c, 1);
@@ -498,7 +496,7 @@ __global__ void __launch_bounds__(BT, 1) layers(const __grid_constant__ Prm p) {
             if (compute) norm_pair<true>(p.x0, resid, norm_weights(nullptr, y.n_in), xq, keep, scr);
         } else {
             const NormW nw = norm_weights(p.ly[l - 1].n_po, y.n_in);
-            wait_for(cnt - NCNT + C_DN, G);
+            wait_count(cnt - NCNT + C_DN, G, waits);
             stamp(1);
             if (compute) norm_pair<false>(p.dn + (u64)(l - 1) * D, resid, nw, xq, keep, scr);
         }
@@ -506,32 +504,30 @@ __global__ void __launch_bounds__(BT, 1) layers(const __grid_constant__ Prm p) {
         consume<NS, 0>(p, o, ring, full, empty, seq, xq, p.qkv + (u64)l * QKV, red, compute, cnt + C_QKV);
         cbar();
         stamp(3);
-        stamp(4);
         if (compute && blockIdx.x < NKV * SHARES) attention(p, l, (float*)xq, &flag, waits);
+        stamp(4);
+        wait_count(cnt + C_ATT, NKV, waits);
         stamp(5);
-        wait_for(cnt + C_ATT, NKV);
-        stamp(6);
-        stamp(7);
         consume<NS, 1>(p, o, ring, full, empty, seq, p.xqa + (u64)l * (QD * 5 / 2), p.o + (u64)l * D, red, compute, nullptr);
         done(cnt + C_O);
-        stamp(8);
+        stamp(6);
         {
             const NormW nw = norm_weights(y.n_pa, y.n_pf);
-            wait_for(cnt + C_O, G);
-            stamp(9);
+            wait_count(cnt + C_O, G, waits);
+            stamp(7);
             if (compute) norm_pair<false>(p.o + (u64)l * D, resid, nw, xq, nullptr, scr);
         }
-        stamp(10);
+        stamp(8);
         consume<NS, 2>(p, o, ring, full, empty, seq, xq, p.glu + (u64)l * FF, red, compute, nullptr);
         done(cnt + C_GU);
-        stamp(11);
-        wait_for(cnt + C_GU, G);
-        stamp(12);
+        stamp(9);
+        wait_count(cnt + C_GU, G, waits);
+        stamp(10);
         if (compute) quantize_ff(p.glu + (u64)l * FF, xq);
-        stamp(13);
+        stamp(11);
         consume<NS, 3>(p, o, ring, full, empty, seq, xq, p.dn + (u64)l * D, red, compute, nullptr);
         done(cnt + C_DN);
-        stamp(14);
+        stamp(12);
     }
 }
 
@@ -705,14 +701,13 @@ int main(int argc, char** argv) {
                     // that makes layers 1..L-1 take the measured time per layer.
                     std::vector<long long> h(16 * L);
                     CK(cudaMemcpy(h.data(), p.stamps, 8 * 16 * L, cudaMemcpyDeviceToHost));
-                    const double clk = (double)(h[16 * (L - 1) + 14] - h[16 * 1 + 0]) / (L - 1) / us;
-                    const char* what[14] = {"wait", "norm", "q/k/v", "-", "attention", "wait", "-", "o",
-                                            "wait", "norm pair", "gate/up", "wait", "quantize", "down"};
+                    const double clk = (double)(h[16 * (L - 1) + 12] - h[16 * 1 + 0]) / (L - 1) / us;
+                    const char* what[12] = {"wait", "norm", "q/k/v", "attention", "wait", "o", "wait", "norm pair", "gate/up", "wait", "quantize", "down"};
                     printf("    block 0 (µs, at %.2f GHz):", clk / 1e3);
-                    for (int i = 0; i < 14; i++) {
+                    for (int i = 0; i < 12; i++) {
                         std::vector<double> d;
                         for (int l = 1; l < L; l++) d.push_back((h[16 * l + i + 1] - h[16 * l + i]) / clk);
-                        printf(" %s %.1f%s", what[i], median(d), i == 13 ? "\n" : ",");
+                        printf(" %s %.1f%s", what[i], median(d), i == 11 ? "\n" : ",");
                     }
                 }
                 printf("pass %d, ring %d stages, at most %d in flight, %-20s %6.1f us a layer = %5.0f GB/s of weights (%2.0f%% of the read bandwidth)\n", pass, ns, lim,
