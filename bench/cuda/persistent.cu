@@ -25,9 +25,11 @@
 // only (the copies alone); no copies (the consumers compute on the ring as they find it, with the
 // dependency waits: what the work costs without the stream beside it). The full mode is checked
 // against a chain of plain kernels (kiln's norm_row, quantize32 and chunk decoders); block 0's
-// clock at 13 points of each layer shows where a layer goes. Results: bench/RESULTS.md,
-// 2026-12-02, issue 4q, 2026-12-05, issue 4ag (the first design), and issue 4ba (this one). Build
-// and run on the device machine from the checkout's root (arguments: layers, past):
+// clock at 13 points of each layer shows where a layer goes, and at 4 points of each of its tiles
+// (asked for, its group at the wait, past it, the stage freed) what the tiles wait for. Switches
+// (-D): PRODUCER, DOWN4 (see each). Results: bench/RESULTS.md, 2026-12-02, issue 4q,
+// 2026-12-05, issue 4ag (the first design), issues 4ba and 4bb (this one). Build and run on the
+// device machine from the checkout's root (arguments: layers, past):
 //   bench/cuda/prep.sh /tmp/pk && nvcc -O3 -arch=sm_90 -std=c++17 -I/tmp/pk -o /tmp/pk/persistent bench/cuda/persistent.cu && /tmp/pk/persistent 8 512
 #include "common.cuh"
 #include "quant_f.cu"
@@ -49,13 +51,13 @@ constexpr int MAXL = 8;
 #define PRODUCER 1
 #endif
 constexpr int BT = CT + 32 * PRODUCER;
-// A consumer group loads its whole tile into registers and frees the stage before its arithmetic
-// (the stage busy only while it is read, so more of the ring in flight): 2 in every matrix, 1 in
-// the down projection only (whose activations are not held in registers), 0 in none (what issue
-// 4ba measured; 1 and 2 built, not run: ptxas reports 112 and 992 bytes of spills without a
-// producer warp).
-#ifndef EARLY
-#define EARLY 0
+// The down projection's tiles: 0 two whole rows (15,360 columns; the activations read from shared
+// memory per tile), 1 eight rows by a quarter of the columns (3,840: the shape of the other
+// matrices' tiles), group g taking quarter g of each 8-row block (its quarter of the activations
+// held in registers, as the other matrices' are), the last of the 4 to finish adding the 4 partial
+// sums in a fixed order (deterministic).
+#ifndef DOWN4
+#define DOWN4 0
 #endif
 // Arrival counters of a layer: o, gate/up, down (blocks), merged kv heads, then q/k/v tiles per kv
 // head, then attention shares per kv head.
@@ -73,6 +75,7 @@ struct Prm {
     u8* xqa;                                      // per layer: attention's output quantized for o
     u32* cnt;                                     // [L][NCNT]
     long long* stamps;                            // block 0's clock at 13 points a layer
+    long long* trace;                             // block 0's clock at 4 points of each tile (see consume)
     int L, P, mode, lim;                          // lim: most tiles in flight per block
 };
 
@@ -81,7 +84,16 @@ __device__ __forceinline__ void bar_arrive(u64* bar) {
     asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(smem_addr(bar)) : "memory");
 }
 __device__ __forceinline__ void cbar() { asm volatile("bar.sync 1, %0;" ::"n"(CT) : "memory"); }
-constexpr int GROUPS = 4, GW = NC / GROUPS, GT = GW * 32;  // consumer groups: warps, threads each
+// Consumer groups (each takes one tile at a time and owns NS / GROUPS stages: 4; 2 and 1 measured
+// no faster, issue 4bb): warps, threads each.
+constexpr int GROUPS = 4, GW = NC / GROUPS, GT = GW * 32;
+// Sets of a tile's tr rows that a group's lanes walk side by side: the most (a power of two) that
+// leave each lane at most one of the row's chunks.
+__host__ __device__ constexpr int sets_of(int chunks, int tr) {
+    int s = 1;
+    while (2 * s <= tr && GT / (2 * s) >= chunks) s *= 2;
+    return s;
+}
 __device__ __forceinline__ void gbar(int g) { asm volatile("bar.sync %0, %1;" ::"r"(2 + g), "n"(GT) : "memory"); }
 __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     u32 v;
@@ -104,6 +116,25 @@ __device__ __forceinline__ float csum(float v, float* scr) {
     return warp_sum((threadIdx.x & 31) < NC ? scr[threadIdx.x & 31] : 0.f);
 }
 
+// Sums each of N values (a power of two, at most 32) over the warp's lanes: lane l gets the sum of
+// a[l / (32 / N)], the values halved at each exchange (N = 8: kiln's rows_sum8).
+template <int N> __device__ __forceinline__ float rows_sum(float (&a)[N], int lane) {
+    int sh = 16;
+#pragma unroll
+    for (int n = N; n > 1; n /= 2, sh /= 2) {
+        const bool b = (lane & sh) != 0;
+#pragma unroll
+        for (int i = 0; i < n / 2; i++) {
+            const float send = b ? a[i] : a[i + n / 2], keep = b ? a[i + n / 2] : a[i];
+            a[i] = keep + __shfl_xor_sync(0xffffffffu, send, sh);
+        }
+    }
+    float v = a[0];
+#pragma unroll
+    for (; sh >= 1; sh /= 2) v += __shfl_xor_sync(0xffffffffu, v, sh);
+    return v;
+}
+
 // Matrix m of a layer: 0 q/k/v, 1 o, 2 gate/up (tiles of 4 gate rows then the same 4 up rows), 3 down.
 struct Geo {
     int tiles, tr, k;
@@ -113,8 +144,10 @@ __host__ __device__ constexpr Geo geo(int m) {
     return m == 0 ? Geo{QKV / 8, 8, D, (u32)(D / 256 * 144)}
          : m == 1 ? Geo{D / 8, 8, QD, (u32)(QD / 256 * 144)}
          : m == 2 ? Geo{FF / 4, 8, D, (u32)(D / 256 * 144)}
+         : DOWN4  ? Geo{D / 8 * 4, 8, FF / 4, (u32)(FF / 4 / 256 * 144)}
                   : Geo{D / 2, 2, FF, (u32)(FF / 256 * 144)};
 }
+constexpr int DRB = D / 8;  // DOWN4: the down projection's 8-row blocks
 
 // The block's tiles of each matrix in a layer (block b: tiles b, b + gridDim.x, ...): its tile
 // sequence, the same every layer, is what the ring streams.
@@ -125,8 +158,8 @@ __device__ Order order() {
     Order o;
     o.per = 0;
     for (int m = 0; m < 4; m++) {
-        const int tiles = geo(m).tiles;
-        o.n[m] = (int)blockIdx.x < tiles ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
+        const int tiles = DOWN4 && m == 3 ? DRB : geo(m).tiles, per = DOWN4 && m == 3 ? 4 : 1;
+        o.n[m] = per * ((int)blockIdx.x < tiles ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0);
         o.per += o.n[m];
     }
     return o;
@@ -147,8 +180,13 @@ __device__ void issue(const Prm& p, const Order& o, u8* ring, u64* full, u32 sq)
     const int t = blockIdx.x + j * gridDim.x;
     const u32 slot = slot_of<NS>(sq), bytes = g.tr * g.rb;
     u8* dst = ring + slot * SLOT;
+    if (blockIdx.x == 0) p.trace[4 * sq] = clock64();
     bar_expect(&full[slot], bytes);
-    if (m == 2) {
+    if (DOWN4 && m == 3) {
+        // 8-row block b + (j / 4) G, column quarter sq mod 4 (the group that takes it).
+        const u64 row0 = (u64)(blockIdx.x + (j / 4) * gridDim.x) * 8, rbf = FF / 256 * 144;
+        for (int r = 0; r < 8; r++) bulk_copy(dst + r * g.rb, y.wd + (row0 + r) * rbf + (sq % 4) * g.rb, g.rb, &full[slot]);
+    } else if (m == 2) {
         bulk_copy(dst, y.wg + (u64)t * 4 * g.rb, 4 * g.rb, &full[slot]);
         bulk_copy(dst + 4 * g.rb, y.wu + (u64)t * 4 * g.rb, 4 * g.rb, &full[slot]);
     } else {
@@ -160,44 +198,42 @@ __device__ void issue(const Prm& p, const Order& o, u8* ring, u64* full, u32 sq)
 // The block's tiles of matrix M (consumers): group gi of 4 warps takes the block's tiles whose
 // sequence number is gi mod 4 (4 tiles in flight per block, as 4 blocks of 4 warps would); in a
 // tile, lane li of a set of LANES lanes takes the 64-element chunks li, li + LANES, ... of the
-// set's ROWS rows, then the group meets, its warp 0 writes the sums, its thread 0 frees the stage
-// (with EARLY, once the group has loaded the tile into registers, before its arithmetic).
-// The activations xq (shared or global memory) are held in registers for the whole matrix, except
-// the down projection's (15,360 columns: read from shared memory per tile). q/k/v's tiles count
+// set's ROWS rows, then the group meets, its warp 0 writes the sums, its thread 0 frees the stage.
+// (Freeing it before the arithmetic, the tile loaded into registers first, was slower: spills,
+// issue 4bb.) The activations xq (shared or global memory) are held in registers for the whole
+// matrix, except the down projection's without DOWN4 (15,360 columns: read from shared memory per
+// tile). Each warp's row sums go out in one butterfly (rows_sum). q/k/v's tiles count
 // their arrivals per kv head on qcnt (tile t: rows 8t..8t+7, kv head t / 128).
 template <int NS, int M>
 __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* empty, u32& seq, const u8* xq, float* out, float (*red)[2][GW][8],
-                        bool compute, u32* qcnt) {
+                        bool compute, u32* qcnt, float (*dpart)[4][8] = nullptr, u32* dcnt = nullptr) {
     constexpr Geo g = geo(M);
-    constexpr int CHUNKS = g.k / 64, SETS = CHUNKS <= 64 ? 2 : 1, ROWS = g.tr / SETS, LANES = GT / SETS;
+    // The activations' row length and the group's first column (DOWN4: its quarter).
+    constexpr bool QUARTER = DOWN4 && M == 3;
+    constexpr int XK = QUARTER ? FF : g.k;
+    constexpr int CHUNKS = g.k / 64, SETS = sets_of(CHUNKS, g.tr), ROWS = g.tr / SETS, LANES = GT / SETS;
     constexpr int CH = (CHUNKS + LANES - 1) / LANES;
-    constexpr bool HOLD = M != 3, ER = EARLY == 2 || (EARLY == 1 && !HOLD);
+    constexpr bool HOLD = M != 3 || QUARTER;
     const int gi = threadIdx.x / GT, tig = threadIdx.x % GT, wg = tig >> 5, lane = threadIdx.x & 31;
-    const int set = tig / LANES, li = tig % LANES;
+    const int set = tig / LANES, li = tig % LANES, x0 = QUARTER ? gi * g.k : 0;
     XGroup xg[HOLD ? CH : 1][4];
     if (HOLD && compute)
 #pragma unroll
         for (int q = 0; q < CH; q++)
             if (li + q * LANES < CHUNKS)
 #pragma unroll
-                for (int e = 0; e < 4; e++) xg[HOLD ? q : 0][e] = xgroup(xq, g.k, 64 * (li + q * LANES) + 16 * e);
+                for (int e = 0; e < 4; e++) xg[HOLD ? q : 0][e] = xgroup(xq, XK, x0 + 64 * (li + q * LANES) + 16 * e);
     const u32 s0 = seq;
     const int mine = o.n[M];
     int par = 0;
     for (int j = (int)((gi - s0 % GROUPS + GROUPS) % GROUPS); j < mine; j += GROUPS, par ^= 1) {
         const u32 sq = s0 + j, slot = slot_of<NS>(sq);
         const int t = blockIdx.x + j * gridDim.x;
+        // Block 0's trace of the tile: asked for (issue), its group at the wait, past the wait
+        // (landed), its stage freed.
+        const long long at = clock64();
         if (p.mode != 3) bar_wait(&full[slot], phase_of<NS>(sq));
-        // The stage back to the ring: to the producer, or asked for again with the group's tile
-        // NS later.
-        auto release = [&] {
-            if (tig == 0) {
-                if (PRODUCER)
-                    bar_arrive(&empty[slot]);
-                else if (p.mode != 3)
-                    issue<NS>(p, o, ring, full, sq + NS);
-            }
-        };
+        if (blockIdx.x == 0 && tig == 0) p.trace[4 * sq + 1] = at, p.trace[4 * sq + 2] = clock64();
         float acc[ROWS];
 #pragma unroll
         for (int r = 0; r < ROWS; r++) acc[r] = 0.f;
@@ -207,13 +243,6 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
 #pragma unroll
             for (int r = 0; r < ROWS; r++) raw[q][r] = RingChunk<F_Q4_K>::load(st, set * ROWS + r, li + q * LANES);
         };
-        if (compute && ER) {
-#pragma unroll
-            for (int q = 0; q < CH; q++)
-                if (li + q * LANES < CHUNKS) load(q);
-            gbar(gi);
-            release();
-        }
         if (compute) {
 #pragma unroll
             for (int q = 0; q < CH; q++) {
@@ -222,20 +251,25 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
                     const int qh = HOLD ? q : 0;
                     if (!HOLD)
 #pragma unroll
-                        for (int e = 0; e < 4; e++) xg[0][e] = xgroup(xq, g.k, 64 * c + 16 * e);
-                    if (!ER) load(q);
+                        for (int e = 0; e < 4; e++) xg[0][e] = xgroup(xq, XK, x0 + 64 * c + 16 * e);
+                    load(q);
 #pragma unroll
                     for (int r = 0; r < ROWS; r++) acc[r] += RingChunk<F_Q4_K>::dot(st, raw[q][r], c, xg[qh]);
                 }
             }
-#pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                const float v = warp_sum(acc[r]);
-                if (lane == 0) red[gi][par][wg][r] = v;
-            }
+            const float v = rows_sum<ROWS>(acc, lane);
+            if (lane % (32 / ROWS) == 0) red[gi][par][wg][lane / (32 / ROWS)] = v;
         }
         gbar(gi);
-        if (!compute || !ER) release();
+        // The stage back to the ring: to the producer, or asked for again with the group's tile
+        // NS later.
+        if (tig == 0) {
+            if (blockIdx.x == 0) p.trace[4 * sq + 3] = clock64();
+            if (PRODUCER)
+                bar_arrive(&empty[slot]);
+            else if (p.mode != 3)
+                issue<NS>(p, o, ring, full, sq + NS);
+        }
         if (!compute || wg != 0) continue;
         // Row r of the tile: set r / ROWS, the sums of that set's warps.
         auto sum = [&](int r) {
@@ -244,7 +278,20 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
             for (int w = 0; w < GW / SETS; w++) s += red[gi][par][(r / ROWS) * (GW / SETS) + w][r % ROWS];
             return s;
         };
-        if (M == 2) {
+        if constexpr (QUARTER) {
+            // The block's 8-row block j / 4: this quarter's sums, then the last quarter adds all 4.
+            const int k = j / 4;
+            if (lane < 8) dpart[k][gi][lane] = sum(lane);
+            __syncwarp();
+            bool last = false;
+            if (lane == 0) {
+                __threadfence_block();
+                last = atomicAdd(&dcnt[k], 1u) % 4 == 3;
+                if (last) __threadfence_block();
+            }
+            if (__shfl_sync(0xffffffffu, last, 0) && lane < 8)
+                out[(blockIdx.x + k * gridDim.x) * 8 + lane] = dpart[k][0][lane] + dpart[k][1][lane] + dpart[k][2][lane] + dpart[k][3][lane];
+        } else if (M == 2) {
             if (lane < 4) out[t * 4 + lane] = gelu_tanh(sum(lane)) * sum(lane + 4);
         } else if (lane < g.tr)
             out[t * g.tr + lane] = sum(lane);
@@ -447,12 +494,14 @@ __global__ void __launch_bounds__(BT, 1) layers(const __grid_constant__ Prm p) {
     __shared__ __align__(8) u64 full[NS], empty[NS];
     __shared__ float red[GROUPS][2][GW][8], scr[32];
     __shared__ __align__(16) float resid[D];
-    __shared__ u32 flag;
+    __shared__ u32 flag, dcnt[4];
+    __shared__ float dpart[4][4][8];  // DOWN4: partial sums [8-row block][quarter][row]
     u8* ring = dyn;
     u8* xq = dyn + NS * SLOT;  // also attention's scratch (NC x 2 x (HD + 2) floats)
     const Order o = order();
     if (threadIdx.x == 0) {
         for (int s = 0; s < NS; s++) bar_init(&full[s], 1), bar_init(&empty[s], 1);
+        for (int k = 0; k < 4; k++) dcnt[k] = 0;
         bar_init_fence();
     }
     __syncthreads();
@@ -525,7 +574,7 @@ __global__ void __launch_bounds__(BT, 1) layers(const __grid_constant__ Prm p) {
         stamp(10);
         if (compute) quantize_ff(p.glu + (u64)l * FF, xq);
         stamp(11);
-        consume<NS, 3>(p, o, ring, full, empty, seq, xq, p.dn + (u64)l * D, red, compute, nullptr);
+        consume<NS, 3>(p, o, ring, full, empty, seq, xq, p.dn + (u64)l * D, red, compute, nullptr, dpart, dcnt);
         done(cnt + C_DN);
         stamp(12);
     }
@@ -621,6 +670,14 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&p.cnt, 4 * ncnt));
     CK(cudaMalloc(&p.stamps, 8 * 16 * L));
     CK(cudaMemset(p.stamps, 0, 8 * 16 * L));
+    // Block 0's tiles of each matrix (as order() counts them) and of a layer.
+    int n0[4], per0 = 0;
+    for (int m = 0; m < 4; m++) {
+        const int tiles = DOWN4 && m == 3 ? DRB : geo(m).tiles;
+        n0[m] = (DOWN4 && m == 3 ? 4 : 1) * ((tiles - 1) / sms + 1);
+        per0 += n0[m];
+    }
+    CK(cudaMalloc(&p.trace, 8 * 4 * (size_t)per0 * L));
     CK(cudaDeviceSynchronize());
 
     auto run = [&](auto kern, int ns, int mode) {
@@ -708,6 +765,33 @@ int main(int argc, char** argv) {
                         std::vector<double> d;
                         for (int l = 1; l < L; l++) d.push_back((h[16 * l + i + 1] - h[16 * l + i]) / clk);
                         printf(" %s %.1f%s", what[i], median(d), i == 11 ? "\n" : ",");
+                    }
+                    // Block 0's tiles, layers 1..L-1, per matrix, µs: asked for -> past the wait
+                    // (the bytes' latency where the group waited), the group's wait, its work
+                    // (past the wait -> stage freed), tiles of the block in flight when one is
+                    // asked for (asked for, not yet past their wait).
+                    if (mode == 0) {
+                        std::vector<long long> tr(4 * (size_t)per0 * L);
+                        CK(cudaMemcpy(tr.data(), p.trace, 8 * tr.size(), cudaMemcpyDeviceToHost));
+                        const char* mat[4] = {"q/k/v", "o", "gate/up", "down"};
+                        printf("    block 0's tiles (µs: asked -> landed where waited, wait, work; in flight when asked):");
+                        for (int m = 0, off = 0; m < 4; off += n0[m++]) {
+                            std::vector<double> lat, wt, wk, fl;
+                            for (int l = 1; l < L; l++)
+                                for (int j = 0; j < n0[m]; j++) {
+                                    const size_t sq = (size_t)l * per0 + off + j;
+                                    const long long* q = &tr[4 * sq];
+                                    wt.push_back((q[2] - q[1]) / clk);
+                                    wk.push_back((q[3] - q[2]) / clk);
+                                    if (q[2] - q[1] > clk / 10) lat.push_back((q[2] - q[0]) / clk);
+                                    int n = 0;
+                                    for (size_t s2 = sq > 16 ? sq - 16 : 0; s2 < sq; s2++)
+                                        if (tr[4 * s2] <= q[0] && tr[4 * s2 + 2] > q[0]) n++;
+                                    fl.push_back(n);
+                                }
+                            printf(" %s %.1f (%zu of %zu waited), %.2f, %.2f; %.1f%s", mat[m], lat.empty() ? 0.0 : median(lat), lat.size(), wt.size(),
+                                   median(wt), median(wk), median(fl), m == 3 ? "\n" : " |");
+                        }
                     }
                 }
                 printf("pass %d, ring %d stages, at most %d in flight, %-20s %6.1f us a layer = %5.0f GB/s of weights (%2.0f%% of the read bandwidth)\n", pass, ns, lim,
