@@ -93,7 +93,7 @@ pub struct ActGroup<'a> {
     pub len: usize,
     /// The rows' block scales block-major: `d_t[ROW_GROUP · b + i]` is row `i`'s scale of block `b`
     /// (so a kernel scales several rows' sums with one vector load). Only x86's legacy kernels
-    /// read them.
+    /// read them: empty for K-quant activations.
     #[cfg(target_arch = "x86_64")]
     pub d_t: &'a [f32],
 }

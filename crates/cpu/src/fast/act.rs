@@ -24,7 +24,7 @@ pub struct QuantizedRows {
     d: Vec<f32>,
     sums: Vec<f32>,
     /// The scales again, block-major per group of [`ROW_GROUP`] rows (see [`ActGroup::d_t`]; only
-    /// x86's legacy kernels read them).
+    /// x86's legacy kernels read them, so empty for K-quant activations).
     #[cfg(target_arch = "x86_64")]
     d_t: Vec<f32>,
 }
@@ -86,7 +86,7 @@ impl QuantizedRows {
             split_bytes(&q.qs, &mut q.hi, &mut q.lo);
         }
         #[cfg(target_arch = "x86_64")]
-        {
+        if fam == Family::Legacy {
             q.d_t = group_scales(&q.d, rows, nb);
         }
         q
@@ -119,7 +119,9 @@ impl QuantizedRows {
             rows: std::array::from_fn(|i| self.row(r0 + i.min(len - 1))),
             len,
             #[cfg(target_arch = "x86_64")]
-            d_t: {
+            d_t: if self.d_t.is_empty() {
+                &[]
+            } else {
                 let per = self.k / self.block * ROW_GROUP;
                 &self.d_t[r0 / ROW_GROUP * per..(r0 / ROW_GROUP + 1) * per]
             },
@@ -139,7 +141,7 @@ impl QuantizedRows {
             d: a.d.to_vec(),
             sums: a.sums.to_vec(),
             #[cfg(target_arch = "x86_64")]
-            d_t: group_scales(a.d, 1, self.k / self.block),
+            d_t: if self.d_t.is_empty() { Vec::new() } else { group_scales(a.d, 1, self.k / self.block) },
         }
     }
 

@@ -83,6 +83,21 @@ fn activation_quantization_rounds_to_nearest_level() {
                         assert!(row.sums.is_empty());
                     }
                 }
+                #[cfg(target_arch = "x86_64")]
+                {
+                    // Block-major scales for x86's legacy kernels; none for K-quant rows.
+                    let len = rows.min(ROW_GROUP);
+                    let g = q.group(0, len);
+                    if fam == Family::Legacy {
+                        for b in 0..k / block {
+                            for i in 0..ROW_GROUP {
+                                assert_eq!(g.d_t[ROW_GROUP * b + i], q.row(i.min(len - 1)).d[b], "{isa:?} rows={rows} b={b} i={i}");
+                            }
+                        }
+                    } else {
+                        assert!(g.d_t.is_empty() && q.select(0).group(0, 1).d_t.is_empty());
+                    }
+                }
             }
         }
     }
