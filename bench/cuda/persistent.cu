@@ -144,10 +144,19 @@ __host__ __device__ constexpr Geo geo(int m) {
     return m == 0 ? Geo{QKV / 8, 8, D, (u32)(D / 256 * 144)}
          : m == 1 ? Geo{D / 8, 8, QD, (u32)(QD / 256 * 144)}
          : m == 2 ? Geo{FF / 4, 8, D, (u32)(D / 256 * 144)}
-         : DOWN4  ? Geo{D / 8 * 4, 8, FF / 4, (u32)(FF / 4 / 256 * 144)}
+         : DOWN4  ? Geo{D / 8 * GROUPS, 8, FF / GROUPS, (u32)(FF / GROUPS / 256 * 144)}
                   : Geo{D / 2, 2, FF, (u32)(FF / 256 * 144)};
 }
-constexpr int DRB = D / 8;  // DOWN4: the down projection's 8-row blocks
+// DOWN4: the down projection's 8-row blocks (each a tile per group: its column share), and the
+// most a block takes (its partial sums' slots in shared memory; main checks the grid).
+constexpr int DRB = D / 8, DRB_MAX = 8;
+// The tiles of matrix m that block b of a grid of G takes (b, b + G, ...; DOWN4's down projection:
+// 8-row blocks b, b + G, ..., each as GROUPS tiles).
+__host__ __device__ constexpr int block_tiles(int m, int b, int G) {
+    const bool split = DOWN4 && m == 3;
+    const int units = split ? DRB : geo(m).tiles;
+    return (split ? GROUPS : 1) * (b < units ? (units - 1 - b) / G + 1 : 0);
+}
 
 // The block's tiles of each matrix in a layer (block b: tiles b, b + gridDim.x, ...): its tile
 // sequence, the same every layer, is what the ring streams.
@@ -158,8 +167,7 @@ __device__ Order order() {
     Order o;
     o.per = 0;
     for (int m = 0; m < 4; m++) {
-        const int tiles = DOWN4 && m == 3 ? DRB : geo(m).tiles, per = DOWN4 && m == 3 ? 4 : 1;
-        o.n[m] = per * ((int)blockIdx.x < tiles ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0);
+        o.n[m] = block_tiles(m, blockIdx.x, gridDim.x);
         o.per += o.n[m];
     }
     return o;
@@ -183,9 +191,9 @@ __device__ void issue(const Prm& p, const Order& o, u8* ring, u64* full, u32 sq)
     if (blockIdx.x == 0) p.trace[4 * sq] = clock64();
     bar_expect(&full[slot], bytes);
     if (DOWN4 && m == 3) {
-        // 8-row block b + (j / 4) G, column quarter sq mod 4 (the group that takes it).
-        const u64 row0 = (u64)(blockIdx.x + (j / 4) * gridDim.x) * 8, rbf = FF / 256 * 144;
-        for (int r = 0; r < 8; r++) bulk_copy(dst + r * g.rb, y.wd + (row0 + r) * rbf + (sq % 4) * g.rb, g.rb, &full[slot]);
+        // 8-row block b + (j / GROUPS) G, column share sq mod GROUPS (the group that takes it).
+        const u64 row0 = (u64)(blockIdx.x + (j / GROUPS) * gridDim.x) * 8, rbf = FF / 256 * 144;
+        for (int r = 0; r < 8; r++) bulk_copy(dst + r * g.rb, y.wd + (row0 + r) * rbf + (sq % GROUPS) * g.rb, g.rb, &full[slot]);
     } else if (m == 2) {
         bulk_copy(dst, y.wg + (u64)t * 4 * g.rb, 4 * g.rb, &full[slot]);
         bulk_copy(dst + 4 * g.rb, y.wu + (u64)t * 4 * g.rb, 4 * g.rb, &full[slot]);
@@ -206,7 +214,7 @@ __device__ void issue(const Prm& p, const Order& o, u8* ring, u64* full, u32 sq)
 // their arrivals per kv head on qcnt (tile t: rows 8t..8t+7, kv head t / 128).
 template <int NS, int M>
 __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* empty, u32& seq, const u8* xq, float* out, float (*red)[2][GW][8],
-                        bool compute, u32* qcnt, float (*dpart)[4][8] = nullptr, u32* dcnt = nullptr) {
+                        bool compute, u32* qcnt, float (*dpart)[GROUPS][8] = nullptr, u32* dcnt = nullptr) {
     constexpr Geo g = geo(M);
     // The activations' row length and the group's first column (DOWN4: its quarter).
     constexpr bool QUARTER = DOWN4 && M == 3;
@@ -279,18 +287,23 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
             return s;
         };
         if constexpr (QUARTER) {
-            // The block's 8-row block j / 4: this quarter's sums, then the last quarter adds all 4.
-            const int k = j / 4;
+            // The block's 8-row block j / GROUPS: this share's sums, then the last share to finish
+            // adds them all, in share order.
+            const int k = j / GROUPS;
             if (lane < 8) dpart[k][gi][lane] = sum(lane);
             __syncwarp();
             bool last = false;
             if (lane == 0) {
                 __threadfence_block();
-                last = atomicAdd(&dcnt[k], 1u) % 4 == 3;
+                last = atomicAdd(&dcnt[k], 1u) % GROUPS == GROUPS - 1;
                 if (last) __threadfence_block();
             }
-            if (__shfl_sync(0xffffffffu, last, 0) && lane < 8)
-                out[(blockIdx.x + k * gridDim.x) * 8 + lane] = dpart[k][0][lane] + dpart[k][1][lane] + dpart[k][2][lane] + dpart[k][3][lane];
+            if (__shfl_sync(0xffffffffu, last, 0) && lane < 8) {
+                float v = 0.f;
+#pragma unroll
+                for (int q = 0; q < GROUPS; q++) v += dpart[k][q][lane];
+                out[(blockIdx.x + k * gridDim.x) * 8 + lane] = v;
+            }
         } else if (M == 2) {
             if (lane < 4) out[t * 4 + lane] = gelu_tanh(sum(lane)) * sum(lane + 4);
         } else if (lane < g.tr)
@@ -494,14 +507,14 @@ __global__ void __launch_bounds__(BT, 1) layers(const __grid_constant__ Prm p) {
     __shared__ __align__(8) u64 full[NS], empty[NS];
     __shared__ float red[GROUPS][2][GW][8], scr[32];
     __shared__ __align__(16) float resid[D];
-    __shared__ u32 flag, dcnt[4];
-    __shared__ float dpart[4][4][8];  // DOWN4: partial sums [8-row block][quarter][row]
+    __shared__ u32 flag, dcnt[DRB_MAX];
+    __shared__ float dpart[DRB_MAX][GROUPS][8];  // DOWN4: partial sums [8-row block][share][row]
     u8* ring = dyn;
     u8* xq = dyn + NS * SLOT;  // also attention's scratch (NC x 2 x (HD + 2) floats)
     const Order o = order();
     if (threadIdx.x == 0) {
         for (int s = 0; s < NS; s++) bar_init(&full[s], 1), bar_init(&empty[s], 1);
-        for (int k = 0; k < 4; k++) dcnt[k] = 0;
+        for (int k = 0; k < DRB_MAX; k++) dcnt[k] = 0;
         bar_init_fence();
     }
     __syncthreads();
@@ -632,6 +645,10 @@ int main(int argc, char** argv) {
     cudaDeviceProp dp;
     CK(cudaGetDeviceProperties(&dp, 0));
     const int sms = dp.multiProcessorCount;
+    if (DOWN4 && (DRB + sms - 1) / sms > DRB_MAX) {
+        fprintf(stderr, "DOWN4 needs at least %d multiprocessors (this card has %d)\n", (DRB + DRB_MAX - 1) / DRB_MAX, sms);
+        return 2;
+    }
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     const double bw = read_bandwidth(sms, st);
@@ -670,13 +687,9 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&p.cnt, 4 * ncnt));
     CK(cudaMalloc(&p.stamps, 8 * 16 * L));
     CK(cudaMemset(p.stamps, 0, 8 * 16 * L));
-    // Block 0's tiles of each matrix (as order() counts them) and of a layer.
+    // Block 0's tiles of each matrix and of a layer.
     int n0[4], per0 = 0;
-    for (int m = 0; m < 4; m++) {
-        const int tiles = DOWN4 && m == 3 ? DRB : geo(m).tiles;
-        n0[m] = (DOWN4 && m == 3 ? 4 : 1) * ((tiles - 1) / sms + 1);
-        per0 += n0[m];
-    }
+    for (int m = 0; m < 4; m++) per0 += n0[m] = block_tiles(m, 0, sms);
     CK(cudaMalloc(&p.trace, 8 * 4 * (size_t)per0 * L));
     CK(cudaDeviceSynchronize());
 
