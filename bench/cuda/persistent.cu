@@ -27,8 +27,8 @@
 // against a chain of plain kernels (kiln's norm_row, quantize32 and chunk decoders); block 0's
 // clock at 13 points of each layer shows where a layer goes, and at 4 points of each of its tiles
 // (asked for, its group at the wait, past it, the stage freed) what the tiles wait for. Switches
-// (-D): PRODUCER, DOWN4 (see each). Results: bench/RESULTS.md, 2026-12-02, issue 4q,
-// 2026-12-05, issue 4ag (the first design), issues 4ba and 4bb (this one). Build and run on the
+// (-D): PRODUCER, DOWN4, OSPLIT, KVPF, DFEED (see each). Results: bench/RESULTS.md, 2026-12-02, issue 4q,
+// 2026-12-05, issue 4ag (the first design), issues 4ba, 4bb and 4bc (this one). Build and run on the
 // device machine from the checkout's root (arguments: layers, past):
 //   bench/cuda/prep.sh /tmp/pk && nvcc -O3 -arch=sm_90 -std=c++17 -I/tmp/pk -o /tmp/pk/persistent bench/cuda/persistent.cu && /tmp/pk/persistent 8 512
 #include "common.cuh"
@@ -59,9 +59,31 @@ constexpr int BT = CT + 32 * PRODUCER;
 #ifndef DOWN4
 #define DOWN4 0
 #endif
+// o's tiles: 0 eight whole rows (every tile waits for all 8 kv heads' attention), 1 64 rows by one
+// kv head's 512 columns (its two query heads; W_o laid out tile by tile, each tile one stage), each
+// waiting for its own kv head only; the 8 heads' partial sums of a 64-row block added in head order
+// by the last of its tiles to finish (deterministic).
+#ifndef OSPLIT
+#define OSPLIT 0
+#endif
+// 1: each attention block asks the copy engine to bring its share of the layer's cached keys and
+// values into L2 at the start of the layer (the loads in attention then hit L2).
+#ifndef KVPF
+#define KVPF 0
+#endif
+// 1 (with DOWN4): no meeting of the blocks between gate/up and down: gate/up's tiles count their
+// arrivals per quarter of the glu rows, and each group, once its quarter is complete, quantizes it
+// into the block's shared memory itself and goes on with its down tiles (the other groups' wait
+// and work do not hold it).
+#ifndef DFEED
+#define DFEED 0
+#endif
+static_assert(!DFEED || DOWN4, "DFEED feeds DOWN4's quarter-column tiles");
 // Arrival counters of a layer: o, gate/up, down (blocks), merged kv heads, then q/k/v tiles per kv
-// head, then attention shares per kv head.
-constexpr int C_O = 0, C_GU = 1, C_DN = 2, C_ATT = 3, C_QKV = 4, C_SH = 4 + NKV, NCNT = 4 + 2 * NKV;
+// head, attention shares per kv head, merged kv heads one by one (OSPLIT), o's tiles per 64-row
+// block (OSPLIT), gate/up's tiles per quarter of glu (DFEED).
+constexpr int C_O = 0, C_GU = 1, C_DN = 2, C_ATT = 3, C_QKV = 4, C_SH = 4 + NKV, C_HD = 4 + 2 * NKV, C_ORB = C_HD + NKV, C_GQ = C_ORB + D / 64,
+              NCNT = C_GQ + 4;
 
 struct Layer {
     const u8 *wqkv, *wo, *wg, *wu, *wd;
@@ -72,6 +94,7 @@ struct Prm {
     Layer ly[MAXL];
     const float* x0;
     float *qkv, *att, *o, *glu, *dn, *res, *part;  // per layer (res: the residual after the last layer)
+    float* opart;                                 // per layer: o's partial sums per kv head [NKV][D] (OSPLIT)
     u8* xqa;                                      // per layer: attention's output quantized for o
     u32* cnt;                                     // [L][NCNT]
     long long* stamps;                            // block 0's clock at 13 points a layer
@@ -82,6 +105,10 @@ struct Prm {
 // One arrival on a shared-memory barrier.
 __device__ __forceinline__ void bar_arrive(u64* bar) {
     asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(smem_addr(bar)) : "memory");
+}
+// Asks the copy engine to bring `bytes` (a multiple of 16) at p (16-byte aligned) into L2.
+__device__ __forceinline__ void l2_prefetch(const void* p, u32 bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void cbar() { asm volatile("bar.sync 1, %0;" ::"n"(CT) : "memory"); }
 // Consumer groups (each takes one tile at a time and owns NS / GROUPS stages: 4; 2 and 1 measured
@@ -116,10 +143,11 @@ __device__ __forceinline__ float csum(float v, float* scr) {
     return warp_sum((threadIdx.x & 31) < NC ? scr[threadIdx.x & 31] : 0.f);
 }
 
-// Sums each of N values (a power of two, at most 32) over the warp's lanes: lane l gets the sum of
-// a[l / (32 / N)], the values halved at each exchange (N = 8: kiln's rows_sum8).
-template <int N> __device__ __forceinline__ float rows_sum(float (&a)[N], int lane) {
-    int sh = 16;
+// Sums each of N values (a power of two, at most W) over each W lanes of the warp (W a power of two
+// up to 32): lane l gets the sum of a[(l % W) / (W / N)] over its W lanes, the values halved at
+// each exchange (N = 8, W = 32: kiln's rows_sum8).
+template <int N, int W = 32> __device__ __forceinline__ float rows_sum(float (&a)[N], int lane) {
+    int sh = W / 2;
 #pragma unroll
     for (int n = N; n > 1; n /= 2, sh /= 2) {
         const bool b = (lane & sh) != 0;
@@ -142,7 +170,7 @@ struct Geo {
 };
 __host__ __device__ constexpr Geo geo(int m) {
     return m == 0 ? Geo{QKV / 8, 8, D, (u32)(D / 256 * 144)}
-         : m == 1 ? Geo{D / 8, 8, QD, (u32)(QD / 256 * 144)}
+         : m == 1 ? (OSPLIT ? Geo{D / 64 * NKV, 64, QD / NKV, (u32)(QD / NKV / 256 * 144)} : Geo{D / 8, 8, QD, (u32)(QD / 256 * 144)})
          : m == 2 ? Geo{FF / 4, 8, D, (u32)(D / 256 * 144)}
          : DOWN4  ? Geo{D / 8 * GROUPS, 8, FF / GROUPS, (u32)(FF / GROUPS / 256 * 144)}
                   : Geo{D / 2, 2, FF, (u32)(FF / 256 * 144)};
@@ -217,20 +245,44 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
                         bool compute, u32* qcnt, float (*dpart)[GROUPS][8] = nullptr, u32* dcnt = nullptr) {
     constexpr Geo g = geo(M);
     // The activations' row length and the group's first column (DOWN4: its quarter).
-    constexpr bool QUARTER = DOWN4 && M == 3;
-    constexpr int XK = QUARTER ? FF : g.k;
+    constexpr bool QUARTER = DOWN4 && M == 3, OHEAD = OSPLIT && M == 1;
+    constexpr int XK = QUARTER ? FF : OHEAD ? QD : g.k;
     constexpr int CHUNKS = g.k / 64, SETS = sets_of(CHUNKS, g.tr), ROWS = g.tr / SETS, LANES = GT / SETS;
     constexpr int CH = (CHUNKS + LANES - 1) / LANES;
-    constexpr bool HOLD = M != 3 || QUARTER;
+    constexpr bool HOLD = (M != 3 || QUARTER) && !OHEAD;  // OSPLIT: o's activations per tile (its head's)
+    static_assert(!OHEAD || LANES <= 32, "a set's lanes in one warp");
+    __shared__ u32 olast[GROUPS];  // OSPLIT: whether the group's o tile was its 64-row block's last
     const int gi = threadIdx.x / GT, tig = threadIdx.x % GT, wg = tig >> 5, lane = threadIdx.x & 31;
     const int set = tig / LANES, li = tig % LANES, x0 = QUARTER ? gi * g.k : 0;
     XGroup xg[HOLD ? CH : 1][4];
+    if constexpr (DFEED && M == 3) {
+        // The group's quarter of glu: complete (every gate/up tile of it counted), then quantized
+        // into its quarter of xq.
+        if (compute) {
+            if ((p.mode == 0 || p.mode == 3) && tig == 0)
+                while (ld_acquire(qcnt + gi) < FF / 16) {
+                }
+            gbar(gi);
+            const float4* a = (const float4*)(p.glu + (u64)(seq / o.per) * FF);
+            constexpr int PQ = (FF / 16 + GT - 1) / GT;
+            float4 v[PQ];
+#pragma unroll
+            for (int j = 0; j < PQ; j++) v[j] = tig + j * GT < FF / 16 ? __ldcg(a + gi * (FF / 16) + tig + j * GT) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int j = 0; j < PQ; j++)
+                if (tig + j * GT - lane < FF / 16) quantize32x4(v[j], (u8*)xq, FF, 4 * (gi * (FF / 16) + tig + j * GT));
+            gbar(gi);
+        }
+    }
     if (HOLD && compute)
 #pragma unroll
         for (int q = 0; q < CH; q++)
             if (li + q * LANES < CHUNKS)
 #pragma unroll
                 for (int e = 0; e < 4; e++) xg[HOLD ? q : 0][e] = xgroup(xq, XK, x0 + 64 * (li + q * LANES) + 16 * e);
+    // DFEED: xq is free once every group holds gate/up's activations (the groups quantize down's
+    // quarters into it as they come).
+    if (DFEED && M == 2) cbar();
     const u32 s0 = seq;
     const int mine = o.n[M];
     int par = 0;
@@ -240,6 +292,14 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
         // Block 0's trace of the tile: asked for (issue), its group at the wait, past the wait
         // (landed), its stage freed.
         const long long at = clock64();
+        // OSPLIT: the tile's kv head merged (its attention output written).
+        const int head = OHEAD ? t / (D / 64) : 0, xo = OHEAD ? head * (QD / NKV) : x0;
+        if (OHEAD && (p.mode == 0 || p.mode == 3)) {
+            if (tig == 0)
+                while (ld_acquire(qcnt + head) < 1) {
+                }
+            gbar(gi);
+        }
         if (p.mode != 3) bar_wait(&full[slot], phase_of<NS>(sq));
         if (blockIdx.x == 0 && tig == 0) p.trace[4 * sq + 1] = at, p.trace[4 * sq + 2] = clock64();
         float acc[ROWS];
@@ -259,14 +319,22 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
                     const int qh = HOLD ? q : 0;
                     if (!HOLD)
 #pragma unroll
-                        for (int e = 0; e < 4; e++) xg[0][e] = xgroup(xq, XK, x0 + 64 * c + 16 * e);
+                        for (int e = 0; e < 4; e++) xg[0][e] = xgroup(xq, XK, xo + 64 * c + 16 * e);
                     load(q);
 #pragma unroll
                     for (int r = 0; r < ROWS; r++) acc[r] += RingChunk<F_Q4_K>::dot(st, raw[q][r], c, xg[qh]);
                 }
             }
-            const float v = rows_sum<ROWS>(acc, lane);
-            if (lane % (32 / ROWS) == 0) red[gi][par][wg][lane / (32 / ROWS)] = v;
+            if constexpr (OHEAD) {
+                // A set's rows are whole (its lanes took all the head's columns): straight to the
+                // layer's partial sums of the head.
+                const float v = rows_sum<ROWS, LANES>(acc, lane);
+                const int row = (t % (D / 64)) * 64 + set * ROWS + (lane % LANES) / (LANES / ROWS);
+                if (lane % (LANES / ROWS) == 0) p.opart[((u64)(sq / o.per) * NKV + head) * D + row] = v;
+            } else {
+                const float v = rows_sum<ROWS>(acc, lane);
+                if (lane % (32 / ROWS) == 0) red[gi][par][wg][lane / (32 / ROWS)] = v;
+            }
         }
         gbar(gi);
         // The stage back to the ring: to the producer, or asked for again with the group's tile
@@ -277,6 +345,25 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
                 bar_arrive(&empty[slot]);
             else if (p.mode != 3)
                 issue<NS>(p, o, ring, full, sq + NS);
+        }
+        if constexpr (OHEAD) {
+            // The 64-row block's last tile to finish adds its 8 heads' sums, in head order.
+            if (!compute) continue;
+            const int rbk = t % (D / 64);
+            if (tig == 0) {
+                const bool z = arrive(qcnt + (C_ORB - C_HD) + rbk, 1) == NKV - 1;
+                if (z) acquire();
+                olast[gi] = z;
+            }
+            gbar(gi);
+            if (olast[gi] && tig < 64) {
+                const float* op = p.opart + (u64)(sq / o.per) * NKV * D + rbk * 64 + tig;
+                float v = 0.f;
+#pragma unroll
+                for (int h = 0; h < NKV; h++) v += __ldcg(op + h * D);
+                out[rbk * 64 + tig] = v;
+            }
+            continue;
         }
         if (!compute || wg != 0) continue;
         // Row r of the tile: set r / ROWS, the sums of that set's warps.
@@ -308,9 +395,9 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
             if (lane < 4) out[t * 4 + lane] = gelu_tanh(sum(lane)) * sum(lane + 4);
         } else if (lane < g.tr)
             out[t * g.tr + lane] = sum(lane);
-        if (M == 0) {
+        if (M == 0 || (DFEED && M == 2)) {
             __syncwarp();
-            if (lane == 0) arrive(qcnt + t * 8 / GROWS, 1);
+            if (lane == 0) arrive(qcnt + (M == 0 ? t * 8 / GROWS : t * 4 / (FF / 4)), 1);
         }
     }
     seq = s0 + mine;
@@ -498,7 +585,7 @@ __device__ void attention(const Prm& p, int l, float* scr, u32* flag, bool waits
     p.att[(u64)l * QD + head * HD + d] = out;
     quantize32(out, p.xqa + (u64)l * (QD * 5 / 2), QD, head * HD + d);
     cbar();
-    if (threadIdx.x == 0) arrive(cnt + C_ATT, 1);
+    if (threadIdx.x == 0) arrive(cnt + (OSPLIT ? C_HD + g : C_ATT), 1);
 }
 
 template <int NS>
@@ -553,6 +640,12 @@ __global__ void __launch_bounds__(BT, 1) layers(const __grid_constant__ Prm p) {
         // q/k/v: the residual into the layer (the last layer's down projection after its norm),
         // its input norm.
         stamp(0);
+        if (KVPF && threadIdx.x == 0 && blockIdx.x < NKV * SHARES) {
+            const int np = p.P / SHARES;
+            const u64 row = ((u64)(blockIdx.x % NKV) * p.P + blockIdx.x / NKV * np) * HD;
+            l2_prefetch(y.kc + row, np * HD * 4);
+            l2_prefetch(y.vc + row, np * HD * 4);
+        }
         if (l == 0) {
             stamp(1);
             if (compute) norm_pair<true>(p.x0, resid, norm_weights(nullptr, y.n_in), xq, keep, scr);
@@ -568,9 +661,9 @@ __global__ void __launch_bounds__(BT, 1) layers(const __grid_constant__ Prm p) {
         stamp(3);
         if (compute && blockIdx.x < NKV * SHARES) attention(p, l, (float*)xq, &flag, waits);
         stamp(4);
-        wait_count(cnt + C_ATT, NKV, waits);
+        wait_count(cnt + C_ATT, NKV, waits && !OSPLIT);
         stamp(5);
-        consume<NS, 1>(p, o, ring, full, empty, seq, p.xqa + (u64)l * (QD * 5 / 2), p.o + (u64)l * D, red, compute, nullptr);
+        consume<NS, 1>(p, o, ring, full, empty, seq, p.xqa + (u64)l * (QD * 5 / 2), p.o + (u64)l * D, red, compute, cnt + C_HD);
         done(cnt + C_O);
         stamp(6);
         {
@@ -580,14 +673,14 @@ __global__ void __launch_bounds__(BT, 1) layers(const __grid_constant__ Prm p) {
             if (compute) norm_pair<false>(p.o + (u64)l * D, resid, nw, xq, nullptr, scr);
         }
         stamp(8);
-        consume<NS, 2>(p, o, ring, full, empty, seq, xq, p.glu + (u64)l * FF, red, compute, nullptr);
-        done(cnt + C_GU);
+        consume<NS, 2>(p, o, ring, full, empty, seq, xq, p.glu + (u64)l * FF, red, compute, cnt + C_GQ);
+        if (!DFEED) done(cnt + C_GU);
         stamp(9);
-        wait_count(cnt + C_GU, G, waits);
+        if (!DFEED) wait_count(cnt + C_GU, G, waits);
         stamp(10);
-        if (compute) quantize_ff(p.glu + (u64)l * FF, xq);
+        if (compute && !DFEED) quantize_ff(p.glu + (u64)l * FF, xq);
         stamp(11);
-        consume<NS, 3>(p, o, ring, full, empty, seq, xq, p.dn + (u64)l * D, red, compute, nullptr, dpart, dcnt);
+        consume<NS, 3>(p, o, ring, full, empty, seq, xq, p.dn + (u64)l * D, red, compute, cnt + C_GQ, dpart, dcnt);
         done(cnt + C_DN);
         stamp(12);
     }
@@ -664,12 +757,25 @@ int main(int argc, char** argv) {
         return v;
     };
     std::vector<Matrix> keep;
+    std::vector<const u8*> wo_rows;  // each layer's W_o, row-major
     for (int l = 0; l < L; l++) {
         Layer& y = p.ly[l];
         Matrix m[5] = {make_matrix(QKV, D, false), make_matrix(D, QD, false), make_matrix(FF, D, false), make_matrix(FF, D, false),
                        make_matrix(D, FF, false)};
         for (auto& x : m) wbytes += x.bytes, keep.push_back(x);
         y.wqkv = m[0].w, y.wo = m[1].w, y.wg = m[2].w, y.wu = m[3].w, y.wd = m[4].w;
+        if (OSPLIT) {
+            // W_o tile by tile (tile kv head h * 60 + 64-row block b: rows 64b.., the head's 512
+            // columns), the row-major original kept for the reference.
+            constexpr u64 rbo = QD / 256 * 144, rbt = rbo / NKV;
+            u8* tiled;
+            CK(cudaMalloc(&tiled, m[1].bytes));
+            for (int h = 0; h < NKV; h++)
+                for (int b = 0; b < D / 64; b++)
+                    CK(cudaMemcpy2D(tiled + (u64)(h * (D / 64) + b) * 64 * rbt, rbt, m[1].w + (u64)b * 64 * rbo + h * rbt, rbo, rbt, 64, cudaMemcpyDeviceToDevice));
+            y.wo = tiled;
+        }
+        wo_rows.push_back(m[1].w);
         y.n_in = vec(D, 1.f, 0.5f), y.n_pa = vec(D, 1.f, 0.5f), y.n_pf = vec(D, 1.f, 0.5f), y.n_po = vec(D, 1.f, 0.5f);
         y.kc = vec(NKV * P * HD, 0.f, 2.f), y.vc = vec(NKV * P * HD, 0.f, 2.f);
     }
@@ -681,7 +787,7 @@ int main(int argc, char** argv) {
         return v;
     };
     p.qkv = buf((u64)L * QKV), p.att = buf((u64)L * QD), p.o = buf((u64)L * D), p.glu = buf((u64)L * FF), p.dn = buf((u64)L * D);
-    p.res = buf(D), p.part = buf((u64)L * NH * SHARES * (HD + 2));
+    p.res = buf(D), p.part = buf((u64)L * NH * SHARES * (HD + 2)), p.opart = buf((u64)L * NKV * D);
     CK(cudaMalloc(&p.xqa, (size_t)L * QD * 5 / 2));
     const size_t ncnt = (size_t)L * NCNT;
     CK(cudaMalloc(&p.cnt, 4 * ncnt));
@@ -717,7 +823,7 @@ int main(int argc, char** argv) {
         ref_mv<F_Q4_K><<<QKV / 4, 128>>>(y.wqkv, rb3840, QKV, r_xq, D, r_qkv);
         r_attn<<<NH, HD, 4 * P>>>(r_qkv, y.kc, y.vc, P, r_att);
         quant_x<<<QD / 256, 256>>>(r_att, r_xq, QD);
-        ref_mv<F_Q4_K><<<D / 4, 128>>>(y.wo, rb4096, D, r_xq, QD, r_o);
+        ref_mv<F_Q4_K><<<D / 4, 128>>>(wo_rows[l], rb4096, D, r_xq, QD, r_o);
         r_norm<<<1, 512>>>(r_o, y.n_pa, r_x, y.n_pf, D, r_xq, r_h);
         ref_mv<F_Q4_K><<<FF / 4, 128>>>(y.wg, rb3840, FF, r_xq, D, r_g);
         ref_mv<F_Q4_K><<<FF / 4, 128>>>(y.wu, rb3840, FF, r_xq, D, r_u);
@@ -787,7 +893,7 @@ int main(int argc, char** argv) {
                         std::vector<long long> tr(4 * (size_t)per0 * L);
                         CK(cudaMemcpy(tr.data(), p.trace, 8 * tr.size(), cudaMemcpyDeviceToHost));
                         const char* mat[4] = {"q/k/v", "o", "gate/up", "down"};
-                        printf("    block 0's tiles (µs: asked -> landed where waited, wait, work; in flight when asked):");
+                        printf("    block 0's tiles (µs: asked -> landed where waited, wait, work; in flight when asked; sums over a group's tiles):");
                         for (int m = 0, off = 0; m < 4; off += n0[m++]) {
                             std::vector<double> lat, wt, wk, fl;
                             for (int l = 1; l < L; l++)
@@ -802,8 +908,12 @@ int main(int argc, char** argv) {
                                         if (tr[4 * s2] <= q[0] && tr[4 * s2 + 2] > q[0]) n++;
                                     fl.push_back(n);
                                 }
-                            printf(" %s %.1f (%zu of %zu waited), %.2f, %.2f; %.1f%s", mat[m], lat.empty() ? 0.0 : median(lat), lat.size(), wt.size(),
-                                   median(wt), median(wk), median(fl), m == 3 ? "\n" : " |");
+                            double swt = 0, swk = 0;
+                            for (size_t i = 0; i < wt.size(); i++) swt += wt[i], swk += wk[i];
+                            const double per = (double)(L - 1) * GROUPS;  // a group's share of a layer
+                            printf(" %s %.1f (%zu of %zu waited), %.2f, %.2f; %.1f; a group's layer: wait %.1f, work %.1f%s", mat[m],
+                                   lat.empty() ? 0.0 : median(lat), lat.size(), wt.size(), median(wt), median(wk), median(fl), swt / per, swk / per,
+                                   m == 3 ? "\n" : " |");
                         }
                     }
                 }
