@@ -27,8 +27,9 @@
 // against a chain of plain kernels (kiln's norm_row, quantize32 and chunk decoders); block 0's
 // clock at 13 points of each layer shows where a layer goes, and at 4 points of each of its tiles
 // (asked for, its group at the wait, past it, the stage freed) what the tiles wait for. Switches
-// (-D): PRODUCER, DOWN4, OSPLIT, KVPF, DFEED (see each). Results: bench/RESULTS.md, 2026-12-02, issue 4q,
-// 2026-12-05, issue 4ag (the first design), issues 4ba, 4bb and 4bc (this one). Build and run on the
+// (-D): PRODUCER, DOWN4, OSPLIT, KVPF, DFEED (see each). Results: bench/RESULTS.md, 2026-12-02,
+// issue 4q, 2026-12-05, issue 4ag (the first design), issues 4ba and 4bb (this one; its OSPLIT,
+// KVPF and DFEED switches not yet run on a GPU). Build and run on the
 // device machine from the checkout's root (arguments: layers, past):
 //   bench/cuda/prep.sh /tmp/pk && nvcc -O3 -arch=sm_90 -std=c++17 -I/tmp/pk -o /tmp/pk/persistent bench/cuda/persistent.cu && /tmp/pk/persistent 8 512
 #include "common.cuh"
