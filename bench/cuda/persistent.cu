@@ -43,7 +43,7 @@ constexpr int NC = 16, CT = NC * 32;    // consumer warps and threads
 constexpr int SHARES = 16;              // attention: position shares per kv head (blocks 0..127)
 constexpr int SLOT = 18432;             // ring stage bytes (8 rows of o's 4096 Q4_K columns)
 constexpr int XQ_MAX = FF * 5 / 2;      // quantized input of the down projection
-constexpr int PD = (D / 4 + CT - 1) / CT, PF = (FF / 4 + CT - 1) / CT;  // float4 a thread: rows of D, FF
+constexpr int PD = (D / 4 + CT - 1) / CT;  // float4 a thread: rows of D
 constexpr int MAXL = 8;
 // A producer warp asks for every tile (1), or each consumer group's thread 0 refills the stage its
 // group has just left (0: no 17th warp, so 128 registers a thread where the producer's warp
@@ -164,6 +164,25 @@ template <int N, int W = 32> __device__ __forceinline__ float rows_sum(float (&a
     return v;
 }
 
+// xq = quantize(a) over N4 float4 of the down projection's input (FF elements) from float4 first4
+// on, by NT threads (this one: t of them), every element loaded at once: the whole row by the
+// consumers, or (DFEED) a quarter by a group. The caller meets its threads after.
+template <int NT, int N4>
+__device__ void quantize_ff(const float* a, u8* xq, int first4, int t) {
+    constexpr int PER = (N4 + NT - 1) / NT;
+    float4 v[PER];
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int i = t + j * NT;
+        v[j] = i < N4 ? __ldcg((const float4*)a + first4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        const int i = t + j * NT;
+        if (i - (t & 31) < N4) quantize32x4(v[j], xq, FF, 4 * (first4 + i));
+    }
+}
+
 // Matrix m of a layer: 0 q/k/v, 1 o, 2 gate/up (tiles of 4 gate rows then the same 4 up rows), 3 down.
 struct Geo {
     int tiles, tr, k;
@@ -264,14 +283,7 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
                 while (ld_acquire(qcnt + gi) < FF / 16) {
                 }
             gbar(gi);
-            const float4* a = (const float4*)(p.glu + (u64)(seq / o.per) * FF);
-            constexpr int PQ = (FF / 16 + GT - 1) / GT;
-            float4 v[PQ];
-#pragma unroll
-            for (int j = 0; j < PQ; j++) v[j] = tig + j * GT < FF / 16 ? __ldcg(a + gi * (FF / 16) + tig + j * GT) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int j = 0; j < PQ; j++)
-                if (tig + j * GT - lane < FF / 16) quantize32x4(v[j], (u8*)xq, FF, 4 * (gi * (FF / 16) + tig + j * GT));
+            quantize_ff<GT, FF / 16>(p.glu + (u64)(seq / o.per) * FF, (u8*)xq, gi * (FF / 16), tig);
             gbar(gi);
         }
     }
@@ -462,22 +474,6 @@ __device__ void norm_pair(const float* a, float* resid, const NormW& nw, u8* xq,
     for (int j = 0; j < PD; j++) {
         const int i4 = threadIdx.x + j * CT;
         if (i4 - (threadIdx.x & 31) < D / 4) quantize32x4(fma4(v[j], inv, nw.w2[j], make_float4(0.f, 0.f, 0.f, 0.f)), xq, D, 4 * i4);
-    }
-    cbar();
-}
-
-// xq = quantize(a) over FF elements (the down projection's input), every element loaded at once.
-__device__ void quantize_ff(const float* a, u8* xq) {
-    float4 v[PF];
-#pragma unroll
-    for (int j = 0; j < PF; j++) {
-        const int i4 = threadIdx.x + j * CT;
-        v[j] = i4 < FF / 4 ? __ldcg((const float4*)a + i4) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-#pragma unroll
-    for (int j = 0; j < PF; j++) {
-        const int i4 = threadIdx.x + j * CT;
-        if (i4 - (threadIdx.x & 31) < FF / 4) quantize32x4(v[j], xq, FF, 4 * i4);
     }
     cbar();
 }
@@ -679,7 +675,10 @@ __global__ void __launch_bounds__(BT, 1) layers(const __grid_constant__ Prm p) {
         stamp(9);
         if (!DFEED) wait_count(cnt + C_GU, G, waits);
         stamp(10);
-        if (compute && !DFEED) quantize_ff(p.glu + (u64)l * FF, xq);
+        if (compute && !DFEED) {
+            quantize_ff<CT, FF / 4>(p.glu + (u64)l * FF, xq, 0, threadIdx.x);
+            cbar();
+        }
         stamp(11);
         consume<NS, 3>(p, o, ring, full, empty, seq, xq, p.dn + (u64)l * D, red, compute, cnt + C_GQ, dpart, dcnt);
         done(cnt + C_DN);
