@@ -103,6 +103,9 @@ struct Prm {
     int L, P, mode, lim;                          // lim: most tiles in flight per block
 };
 
+// Whether the run's mode waits at the dependencies (full and no copies; read from the launch's
+// parameters where needed, not held in a register).
+__device__ __forceinline__ bool dependency_waits(const Prm& p) { return p.mode == 0 || p.mode == 3; }
 // One arrival on a shared-memory barrier.
 __device__ __forceinline__ void bar_arrive(u64* bar) {
     asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(smem_addr(bar)) : "memory");
@@ -128,12 +131,16 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-// The consumers wait until *c reaches n (thread 0 polls, with acquire; `waits` false: the barrier only).
-__device__ __forceinline__ void wait_count(const u32* c, u32 n, bool waits) {
-    if (waits && threadIdx.x == 0)
+// The consumers (gi < 0) or consumer group gi wait until *c reaches n (their first thread polls,
+// with acquire; `waits` false: the barrier only).
+__device__ __forceinline__ void wait_count(const u32* c, u32 n, bool waits, int gi = -1) {
+    if (waits && threadIdx.x == (gi < 0 ? 0 : gi * GT))
         while (ld_acquire(c) < n) {
         }
-    cbar();
+    if (gi < 0)
+        cbar();
+    else
+        gbar(gi);
 }
 // Sum over the consumer threads (every one gets it).
 __device__ __forceinline__ float csum(float v, float* scr) {
@@ -258,8 +265,11 @@ __device__ void issue(const Prm& p, const Order& o, u8* ring, u64* full, u32 sq)
 // (Freeing it before the arithmetic, the tile loaded into registers first, was slower: spills,
 // issue 4bb.) The activations xq (shared or global memory) are held in registers for the whole
 // matrix, except the down projection's without DOWN4 (15,360 columns: read from shared memory per
-// tile). Each warp's row sums go out in one butterfly (rows_sum). q/k/v's tiles count
-// their arrivals per kv head on qcnt (tile t: rows 8t..8t+7, kv head t / 128).
+// tile, and o's with OSPLIT: its tile's head). Each warp's row sums go out in one butterfly
+// (rows_sum). The layer's counters at qcnt: q/k/v's tiles count their arrivals there per kv head
+// (tile t: rows 8t..8t+7, kv head t / 128); OSPLIT: o's tiles wait there for their merged head
+// (C_HD); DFEED: gate/up's tiles count there per quarter of glu, down's groups wait for theirs
+// (C_GQ).
 template <int NS, int M>
 __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* empty, u32& seq, const u8* xq, float* out, float (*red)[2][GW][8],
                         bool compute, u32* qcnt, float (*dpart)[GROUPS][8] = nullptr, u32* dcnt = nullptr) {
@@ -274,18 +284,15 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
     __shared__ u32 olast[GROUPS];  // OSPLIT: whether the group's o tile was its 64-row block's last
     const int gi = threadIdx.x / GT, tig = threadIdx.x % GT, wg = tig >> 5, lane = threadIdx.x & 31;
     const int set = tig / LANES, li = tig % LANES, x0 = QUARTER ? gi * g.k : 0;
+    const int l = seq / o.per;  // the layer
+    const bool waits = dependency_waits(p);
     XGroup xg[HOLD ? CH : 1][4];
-    if constexpr (DFEED && M == 3) {
+    if (DFEED && M == 3 && compute) {
         // The group's quarter of glu: complete (every gate/up tile of it counted), then quantized
         // into its quarter of xq.
-        if (compute) {
-            if ((p.mode == 0 || p.mode == 3) && tig == 0)
-                while (ld_acquire(qcnt + gi) < FF / 16) {
-                }
-            gbar(gi);
-            quantize_ff<GT, FF / 16>(p.glu + (u64)(seq / o.per) * FF, (u8*)xq, gi * (FF / 16), tig);
-            gbar(gi);
-        }
+        wait_count(qcnt + gi, FF / 16, waits, gi);
+        quantize_ff<GT, FF / 16>(p.glu + (u64)l * FF, (u8*)xq, gi * (FF / 16), tig);
+        gbar(gi);
     }
     if (HOLD && compute)
 #pragma unroll
@@ -305,14 +312,10 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
         // Block 0's trace of the tile: asked for (issue), its group at the wait, past the wait
         // (landed), its stage freed.
         const long long at = clock64();
-        // OSPLIT: the tile's kv head merged (its attention output written).
-        const int head = OHEAD ? t / (D / 64) : 0, xo = OHEAD ? head * (QD / NKV) : x0;
-        if (OHEAD && (p.mode == 0 || p.mode == 3)) {
-            if (tig == 0)
-                while (ld_acquire(qcnt + head) < 1) {
-                }
-            gbar(gi);
-        }
+        // OSPLIT: tile t is 64-row block rbk of kv head `head`; it waits for that head merged
+        // (its attention output written).
+        const int head = OHEAD ? t / (D / 64) : 0, rbk = OHEAD ? t % (D / 64) : 0, xo = OHEAD ? head * (QD / NKV) : x0;
+        if (OHEAD && waits) wait_count(qcnt + head, 1, true, gi);
         if (p.mode != 3) bar_wait(&full[slot], phase_of<NS>(sq));
         if (blockIdx.x == 0 && tig == 0) p.trace[4 * sq + 1] = at, p.trace[4 * sq + 2] = clock64();
         float acc[ROWS];
@@ -342,8 +345,8 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
                 // A set's rows are whole (its lanes took all the head's columns): straight to the
                 // layer's partial sums of the head.
                 const float v = rows_sum<ROWS, LANES>(acc, lane);
-                const int row = (t % (D / 64)) * 64 + set * ROWS + (lane % LANES) / (LANES / ROWS);
-                if (lane % (LANES / ROWS) == 0) p.opart[((u64)(sq / o.per) * NKV + head) * D + row] = v;
+                const int row = rbk * g.tr + set * ROWS + (lane % LANES) / (LANES / ROWS);
+                if (lane % (LANES / ROWS) == 0) p.opart[((u64)l * NKV + head) * D + row] = v;
             } else {
                 const float v = rows_sum<ROWS>(acc, lane);
                 if (lane % (32 / ROWS) == 0) red[gi][par][wg][lane / (32 / ROWS)] = v;
@@ -362,19 +365,17 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
         if constexpr (OHEAD) {
             // The 64-row block's last tile to finish adds its 8 heads' sums, in head order.
             if (!compute) continue;
-            const int rbk = t % (D / 64);
             if (tig == 0) {
                 const bool z = arrive(qcnt + (C_ORB - C_HD) + rbk, 1) == NKV - 1;
                 if (z) acquire();
                 olast[gi] = z;
             }
             gbar(gi);
-            if (olast[gi] && tig < 64) {
-                const float* op = p.opart + (u64)(sq / o.per) * NKV * D + rbk * 64 + tig;
+            if (olast[gi] && tig < g.tr) {
                 float v = 0.f;
 #pragma unroll
-                for (int h = 0; h < NKV; h++) v += __ldcg(op + h * D);
-                out[rbk * 64 + tig] = v;
+                for (int h = 0; h < NKV; h++) v += __ldcg(p.opart + ((u64)l * NKV + h) * D + rbk * g.tr + tig);
+                out[rbk * g.tr + tig] = v;
             }
             continue;
         }
@@ -620,7 +621,7 @@ __global__ void __launch_bounds__(BT, 1) layers(const __grid_constant__ Prm p) {
     // each stage as the group leaves it, in consume).
     if (!PRODUCER && p.mode != 3 && threadIdx.x % GT == 0)
         for (u32 sq = threadIdx.x / GT; sq < NS; sq += GROUPS) issue<NS>(p, o, ring, full, sq);
-    const bool compute = p.mode != 2, waits = p.mode == 0 || p.mode == 3;
+    const bool compute = p.mode != 2, waits = dependency_waits(p);
     const u32 G = gridDim.x;
     auto done = [&](u32* c) {
         cbar();
