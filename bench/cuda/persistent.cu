@@ -10,8 +10,8 @@
 //
 // Dependencies (the second design, issue 4ba; the first, 4q/4ag, spent most of a layer in its
 // dependent steps, each a chain of round trips): q/k/v's rows are grouped by kv head (the two
-// query heads, the key, the value: 1,024 rows), and each tile's group counts its arrival, so a
-// kv head's attention starts once its own rows are done; attention is split into 16 shares of the
+// query heads, the key, the value: 1,024 rows), and each block counts its tiles per kv head after
+// its last one, so a kv head's attention starts once its own rows are done; attention is split into 16 shares of the
 // past per kv head (blocks 0..127), every cached row of a share loaded in one round trip, the
 // share's partial softmax merged over the block's warps in shared memory; the last share of a kv
 // head merges the shares and writes its two heads' output quantized for o, whose consumers load
@@ -26,10 +26,11 @@
 // dependency waits: what the work costs without the stream beside it). The full mode is checked
 // against a chain of plain kernels (kiln's norm_row, quantize32 and chunk decoders); block 0's
 // clock at 13 points of each layer shows where a layer goes, and at 4 points of each of its tiles
-// (asked for, its group at the wait, past it, the stage freed) what the tiles wait for. Switches
-// (-D): PRODUCER, DOWN4, OSPLIT, KVPF, DFEED (see each). Results: bench/RESULTS.md, 2026-12-02,
-// issue 4q, 2026-12-05, issue 4ag (the first design), issues 4ba and 4bb (this one; its OSPLIT,
-// KVPF and DFEED switches not yet run on a GPU). Build and run on the
+// (asked for, its group at the wait, past it, the stage freed) what the tiles wait for and what a
+// group does between its tiles (the refill it asks for, its sums written out). Switches
+// (-D): PRODUCER, DOWN4 (see each). Results: bench/RESULTS.md, 2026-12-02, issue 4q,
+// 2026-12-05, issue 4ag (the first design), issues 4ba, 4bb and 4bc (this one; 4bc measured and
+// dropped three switches that took meetings of the blocks out of a layer). Build and run on the
 // device machine from the checkout's root (arguments: layers, past):
 //   bench/cuda/prep.sh /tmp/pk && nvcc -O3 -arch=sm_90 -std=c++17 -I/tmp/pk -o /tmp/pk/persistent bench/cuda/persistent.cu && /tmp/pk/persistent 8 512
 #include "common.cuh"
@@ -60,31 +61,9 @@ constexpr int BT = CT + 32 * PRODUCER;
 #ifndef DOWN4
 #define DOWN4 0
 #endif
-// o's tiles: 0 eight whole rows (every tile waits for all 8 kv heads' attention), 1 64 rows by one
-// kv head's 512 columns (its two query heads; W_o laid out tile by tile, each tile one stage), each
-// waiting for its own kv head only; the 8 heads' partial sums of a 64-row block added in head order
-// by the last of its tiles to finish (deterministic).
-#ifndef OSPLIT
-#define OSPLIT 0
-#endif
-// 1: each attention block asks the copy engine to bring its share of the layer's cached keys and
-// values into L2 at the start of the layer (the loads in attention then hit L2).
-#ifndef KVPF
-#define KVPF 0
-#endif
-// 1 (with DOWN4): no meeting of the blocks between gate/up and down: gate/up's tiles count their
-// arrivals per quarter of the glu rows, and each group, once its quarter is complete, quantizes it
-// into the block's shared memory itself and goes on with its down tiles (the other groups' wait
-// and work do not hold it).
-#ifndef DFEED
-#define DFEED 0
-#endif
-static_assert(!DFEED || DOWN4, "DFEED feeds DOWN4's quarter-column tiles");
 // Arrival counters of a layer: o, gate/up, down (blocks), merged kv heads, then q/k/v tiles per kv
-// head, attention shares per kv head, merged kv heads one by one (OSPLIT), o's tiles per 64-row
-// block (OSPLIT), gate/up's tiles per quarter of glu (DFEED).
-constexpr int C_O = 0, C_GU = 1, C_DN = 2, C_ATT = 3, C_QKV = 4, C_SH = 4 + NKV, C_HD = 4 + 2 * NKV, C_ORB = C_HD + NKV, C_GQ = C_ORB + D / 64,
-              NCNT = C_GQ + 4;
+// head, then attention shares per kv head.
+constexpr int C_O = 0, C_GU = 1, C_DN = 2, C_ATT = 3, C_QKV = 4, C_SH = 4 + NKV, NCNT = 4 + 2 * NKV;
 
 struct Layer {
     const u8 *wqkv, *wo, *wg, *wu, *wd;
@@ -95,7 +74,6 @@ struct Prm {
     Layer ly[MAXL];
     const float* x0;
     float *qkv, *att, *o, *glu, *dn, *res, *part;  // per layer (res: the residual after the last layer)
-    float* opart;                                 // per layer: o's partial sums per kv head [NKV][D] (OSPLIT)
     u8* xqa;                                      // per layer: attention's output quantized for o
     u32* cnt;                                     // [L][NCNT]
     long long* stamps;                            // block 0's clock at 13 points a layer
@@ -103,16 +81,9 @@ struct Prm {
     int L, P, mode, lim;                          // lim: most tiles in flight per block
 };
 
-// Whether the run's mode waits at the dependencies (full and no copies; read from the launch's
-// parameters where needed, not held in a register).
-__device__ __forceinline__ bool dependency_waits(const Prm& p) { return p.mode == 0 || p.mode == 3; }
 // One arrival on a shared-memory barrier.
 __device__ __forceinline__ void bar_arrive(u64* bar) {
     asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(smem_addr(bar)) : "memory");
-}
-// Asks the copy engine to bring `bytes` (a multiple of 16) at p (16-byte aligned) into L2.
-__device__ __forceinline__ void l2_prefetch(const void* p, u32 bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void cbar() { asm volatile("bar.sync 1, %0;" ::"n"(CT) : "memory"); }
 // Consumer groups (each takes one tile at a time and owns NS / GROUPS stages: 4; 2 and 1 measured
@@ -131,16 +102,12 @@ __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-// The consumers (gi < 0) or consumer group gi wait until *c reaches n (their first thread polls,
-// with acquire; `waits` false: the barrier only).
-__device__ __forceinline__ void wait_count(const u32* c, u32 n, bool waits, int gi = -1) {
-    if (waits && threadIdx.x == (gi < 0 ? 0 : gi * GT))
+// The consumers wait until *c reaches n (thread 0 polls, with acquire; `waits` false: the barrier only).
+__device__ __forceinline__ void wait_count(const u32* c, u32 n, bool waits) {
+    if (waits && threadIdx.x == 0)
         while (ld_acquire(c) < n) {
         }
-    if (gi < 0)
-        cbar();
-    else
-        gbar(gi);
+    cbar();
 }
 // Sum over the consumer threads (every one gets it).
 __device__ __forceinline__ float csum(float v, float* scr) {
@@ -151,11 +118,10 @@ __device__ __forceinline__ float csum(float v, float* scr) {
     return warp_sum((threadIdx.x & 31) < NC ? scr[threadIdx.x & 31] : 0.f);
 }
 
-// Sums each of N values (a power of two, at most W) over each W lanes of the warp (W a power of two
-// up to 32): lane l gets the sum of a[(l % W) / (W / N)] over its W lanes, the values halved at
-// each exchange (N = 8, W = 32: kiln's rows_sum8).
-template <int N, int W = 32> __device__ __forceinline__ float rows_sum(float (&a)[N], int lane) {
-    int sh = W / 2;
+// Sums each of N values (a power of two, at most 32) over the warp's lanes: lane l gets the sum of
+// a[l / (32 / N)], the values halved at each exchange (N = 8: kiln's rows_sum8).
+template <int N> __device__ __forceinline__ float rows_sum(float (&a)[N], int lane) {
+    int sh = 16;
 #pragma unroll
     for (int n = N; n > 1; n /= 2, sh /= 2) {
         const bool b = (lane & sh) != 0;
@@ -171,23 +137,21 @@ template <int N, int W = 32> __device__ __forceinline__ float rows_sum(float (&a
     return v;
 }
 
-// xq = quantize(a) over N4 float4 of the down projection's input (FF elements) from float4 first4
-// on, by NT threads (this one: t of them), every element loaded at once: the whole row by the
-// consumers, or (DFEED) a quarter by a group. The caller meets its threads after.
-template <int NT, int N4>
-__device__ void quantize_ff(const float* a, u8* xq, int first4, int t) {
-    constexpr int PER = (N4 + NT - 1) / NT;
-    float4 v[PER];
+// xq = quantize(a) over FF elements (the down projection's input), every element loaded at once.
+__device__ void quantize_ff(const float* a, u8* xq) {
+    constexpr int PF = (FF / 4 + CT - 1) / CT;
+    float4 v[PF];
 #pragma unroll
-    for (int j = 0; j < PER; j++) {
-        const int i = t + j * NT;
-        v[j] = i < N4 ? __ldcg((const float4*)a + first4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j = 0; j < PF; j++) {
+        const int i4 = threadIdx.x + j * CT;
+        v[j] = i4 < FF / 4 ? __ldcg((const float4*)a + i4) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 #pragma unroll
-    for (int j = 0; j < PER; j++) {
-        const int i = t + j * NT;
-        if (i - (t & 31) < N4) quantize32x4(v[j], xq, FF, 4 * (first4 + i));
+    for (int j = 0; j < PF; j++) {
+        const int i4 = threadIdx.x + j * CT;
+        if (i4 - (threadIdx.x & 31) < FF / 4) quantize32x4(v[j], xq, FF, 4 * i4);
     }
+    cbar();
 }
 
 // Matrix m of a layer: 0 q/k/v, 1 o, 2 gate/up (tiles of 4 gate rows then the same 4 up rows), 3 down.
@@ -197,7 +161,7 @@ struct Geo {
 };
 __host__ __device__ constexpr Geo geo(int m) {
     return m == 0 ? Geo{QKV / 8, 8, D, (u32)(D / 256 * 144)}
-         : m == 1 ? (OSPLIT ? Geo{D / 64 * NKV, 64, QD / NKV, (u32)(QD / NKV / 256 * 144)} : Geo{D / 8, 8, QD, (u32)(QD / 256 * 144)})
+         : m == 1 ? Geo{D / 8, 8, QD, (u32)(QD / 256 * 144)}
          : m == 2 ? Geo{FF / 4, 8, D, (u32)(D / 256 * 144)}
          : DOWN4  ? Geo{D / 8 * GROUPS, 8, FF / GROUPS, (u32)(FF / GROUPS / 256 * 144)}
                   : Geo{D / 2, 2, FF, (u32)(FF / 256 * 144)};
@@ -265,44 +229,26 @@ __device__ void issue(const Prm& p, const Order& o, u8* ring, u64* full, u32 sq)
 // (Freeing it before the arithmetic, the tile loaded into registers first, was slower: spills,
 // issue 4bb.) The activations xq (shared or global memory) are held in registers for the whole
 // matrix, except the down projection's without DOWN4 (15,360 columns: read from shared memory per
-// tile, and o's with OSPLIT: its tile's head). Each warp's row sums go out in one butterfly
-// (rows_sum). The layer's counters at qcnt: q/k/v's tiles count their arrivals there per kv head
-// (tile t: rows 8t..8t+7, kv head t / 128); OSPLIT: o's tiles wait there for their merged head
-// (C_HD); DFEED: gate/up's tiles count there per quarter of glu, down's groups wait for theirs
-// (C_GQ).
+// tile). Each warp's row sums go out in one butterfly (rows_sum).
 template <int NS, int M>
 __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* empty, u32& seq, const u8* xq, float* out, float (*red)[2][GW][8],
-                        bool compute, u32* qcnt, float (*dpart)[GROUPS][8] = nullptr, u32* dcnt = nullptr) {
+                        bool compute, float (*dpart)[GROUPS][8] = nullptr, u32* dcnt = nullptr) {
     constexpr Geo g = geo(M);
     // The activations' row length and the group's first column (DOWN4: its quarter).
-    constexpr bool QUARTER = DOWN4 && M == 3, OHEAD = OSPLIT && M == 1;
-    constexpr int XK = QUARTER ? FF : OHEAD ? QD : g.k;
+    constexpr bool QUARTER = DOWN4 && M == 3;
+    constexpr int XK = QUARTER ? FF : g.k;
     constexpr int CHUNKS = g.k / 64, SETS = sets_of(CHUNKS, g.tr), ROWS = g.tr / SETS, LANES = GT / SETS;
     constexpr int CH = (CHUNKS + LANES - 1) / LANES;
-    constexpr bool HOLD = (M != 3 || QUARTER) && !OHEAD;  // OSPLIT: o's activations per tile (its head's)
-    static_assert(!OHEAD || LANES <= 32, "a set's lanes in one warp");
-    __shared__ u32 olast[GROUPS];  // OSPLIT: whether the group's o tile was its 64-row block's last
+    constexpr bool HOLD = M != 3 || QUARTER;
     const int gi = threadIdx.x / GT, tig = threadIdx.x % GT, wg = tig >> 5, lane = threadIdx.x & 31;
     const int set = tig / LANES, li = tig % LANES, x0 = QUARTER ? gi * g.k : 0;
-    const int l = seq / o.per;  // the layer
-    const bool waits = dependency_waits(p);
     XGroup xg[HOLD ? CH : 1][4];
-    if (DFEED && M == 3 && compute) {
-        // The group's quarter of glu: complete (every gate/up tile of it counted), then quantized
-        // into its quarter of xq.
-        wait_count(qcnt + gi, FF / 16, waits, gi);
-        quantize_ff<GT, FF / 16>(p.glu + (u64)l * FF, (u8*)xq, gi * (FF / 16), tig);
-        gbar(gi);
-    }
     if (HOLD && compute)
 #pragma unroll
         for (int q = 0; q < CH; q++)
             if (li + q * LANES < CHUNKS)
 #pragma unroll
                 for (int e = 0; e < 4; e++) xg[HOLD ? q : 0][e] = xgroup(xq, XK, x0 + 64 * (li + q * LANES) + 16 * e);
-    // DFEED: xq is free once every group holds gate/up's activations (the groups quantize down's
-    // quarters into it as they come).
-    if (DFEED && M == 2) cbar();
     const u32 s0 = seq;
     const int mine = o.n[M];
     int par = 0;
@@ -312,10 +258,6 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
         // Block 0's trace of the tile: asked for (issue), its group at the wait, past the wait
         // (landed), its stage freed.
         const long long at = clock64();
-        // OSPLIT: tile t is 64-row block rbk of kv head `head`; it waits for that head merged
-        // (its attention output written).
-        const int head = OHEAD ? t / (D / 64) : 0, rbk = OHEAD ? t % (D / 64) : 0, xo = OHEAD ? head * (QD / NKV) : x0;
-        if (OHEAD && waits) wait_count(qcnt + head, 1, true, gi);
         if (p.mode != 3) bar_wait(&full[slot], phase_of<NS>(sq));
         if (blockIdx.x == 0 && tig == 0) p.trace[4 * sq + 1] = at, p.trace[4 * sq + 2] = clock64();
         float acc[ROWS];
@@ -335,22 +277,14 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
                     const int qh = HOLD ? q : 0;
                     if (!HOLD)
 #pragma unroll
-                        for (int e = 0; e < 4; e++) xg[0][e] = xgroup(xq, XK, xo + 64 * c + 16 * e);
+                        for (int e = 0; e < 4; e++) xg[0][e] = xgroup(xq, XK, x0 + 64 * c + 16 * e);
                     load(q);
 #pragma unroll
                     for (int r = 0; r < ROWS; r++) acc[r] += RingChunk<F_Q4_K>::dot(st, raw[q][r], c, xg[qh]);
                 }
             }
-            if constexpr (OHEAD) {
-                // A set's rows are whole (its lanes took all the head's columns): straight to the
-                // layer's partial sums of the head.
-                const float v = rows_sum<ROWS, LANES>(acc, lane);
-                const int row = rbk * g.tr + set * ROWS + (lane % LANES) / (LANES / ROWS);
-                if (lane % (LANES / ROWS) == 0) p.opart[((u64)l * NKV + head) * D + row] = v;
-            } else {
-                const float v = rows_sum<ROWS>(acc, lane);
-                if (lane % (32 / ROWS) == 0) red[gi][par][wg][lane / (32 / ROWS)] = v;
-            }
+            const float v = rows_sum<ROWS>(acc, lane);
+            if (lane % (32 / ROWS) == 0) red[gi][par][wg][lane / (32 / ROWS)] = v;
         }
         gbar(gi);
         // The stage back to the ring: to the producer, or asked for again with the group's tile
@@ -361,23 +295,6 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
                 bar_arrive(&empty[slot]);
             else if (p.mode != 3)
                 issue<NS>(p, o, ring, full, sq + NS);
-        }
-        if constexpr (OHEAD) {
-            // The 64-row block's last tile to finish adds its 8 heads' sums, in head order.
-            if (!compute) continue;
-            if (tig == 0) {
-                const bool z = arrive(qcnt + (C_ORB - C_HD) + rbk, 1) == NKV - 1;
-                if (z) acquire();
-                olast[gi] = z;
-            }
-            gbar(gi);
-            if (olast[gi] && tig < g.tr) {
-                float v = 0.f;
-#pragma unroll
-                for (int h = 0; h < NKV; h++) v += __ldcg(p.opart + ((u64)l * NKV + h) * D + rbk * g.tr + tig);
-                out[rbk * g.tr + tig] = v;
-            }
-            continue;
         }
         if (!compute || wg != 0) continue;
         // Row r of the tile: set r / ROWS, the sums of that set's warps.
@@ -409,10 +326,6 @@ __device__ void consume(const Prm& p, const Order& o, u8* ring, u64* full, u64* 
             if (lane < 4) out[t * 4 + lane] = gelu_tanh(sum(lane)) * sum(lane + 4);
         } else if (lane < g.tr)
             out[t * g.tr + lane] = sum(lane);
-        if (M == 0 || (DFEED && M == 2)) {
-            __syncwarp();
-            if (lane == 0) arrive(qcnt + (M == 0 ? t * 8 / GROWS : t * 4 / (FF / 4)), 1);
-        }
     }
     seq = s0 + mine;
 }
@@ -583,7 +496,7 @@ __device__ void attention(const Prm& p, int l, float* scr, u32* flag, bool waits
     p.att[(u64)l * QD + head * HD + d] = out;
     quantize32(out, p.xqa + (u64)l * (QD * 5 / 2), QD, head * HD + d);
     cbar();
-    if (threadIdx.x == 0) arrive(cnt + (OSPLIT ? C_HD + g : C_ATT), 1);
+    if (threadIdx.x == 0) arrive(cnt + C_ATT, 1);
 }
 
 template <int NS>
@@ -621,7 +534,7 @@ __global__ void __launch_bounds__(BT, 1) layers(const __grid_constant__ Prm p) {
     // each stage as the group leaves it, in consume).
     if (!PRODUCER && p.mode != 3 && threadIdx.x % GT == 0)
         for (u32 sq = threadIdx.x / GT; sq < NS; sq += GROUPS) issue<NS>(p, o, ring, full, sq);
-    const bool compute = p.mode != 2, waits = dependency_waits(p);
+    const bool compute = p.mode != 2, waits = p.mode == 0 || p.mode == 3;
     const u32 G = gridDim.x;
     auto done = [&](u32* c) {
         cbar();
@@ -638,12 +551,6 @@ __global__ void __launch_bounds__(BT, 1) layers(const __grid_constant__ Prm p) {
         // q/k/v: the residual into the layer (the last layer's down projection after its norm),
         // its input norm.
         stamp(0);
-        if (KVPF && threadIdx.x == 0 && blockIdx.x < NKV * SHARES) {
-            const int np = p.P / SHARES;
-            const u64 row = ((u64)(blockIdx.x % NKV) * p.P + blockIdx.x / NKV * np) * HD;
-            l2_prefetch(y.kc + row, np * HD * 4);
-            l2_prefetch(y.vc + row, np * HD * 4);
-        }
         if (l == 0) {
             stamp(1);
             if (compute) norm_pair<true>(p.x0, resid, norm_weights(nullptr, y.n_in), xq, keep, scr);
@@ -654,14 +561,29 @@ __global__ void __launch_bounds__(BT, 1) layers(const __grid_constant__ Prm p) {
             if (compute) norm_pair<false>(p.dn + (u64)(l - 1) * D, resid, nw, xq, keep, scr);
         }
         stamp(2);
-        consume<NS, 0>(p, o, ring, full, empty, seq, xq, p.qkv + (u64)l * QKV, red, compute, cnt + C_QKV);
+        consume<NS, 0>(p, o, ring, full, empty, seq, xq, p.qkv + (u64)l * QKV, red, compute);
         cbar();
+        if (compute && threadIdx.x == 0) {
+            // q/k/v's arrivals: the block's tiles b, b + G, ... counted per kv head (tile t: rows
+            // 8t..8t+7, kv head t / 128) after the last of them, one release and then a relaxed
+            // addition a head (a release per tile held its group 0.5-2 µs under the stream, and
+            // the block's attention starts only here anyway; issue 4bc).
+            __threadfence();
+            for (int j = 0, n = 0; j < o.n[0]; j++) {
+                const int h = (blockIdx.x + j * G) * 8 / GROWS;
+                n++;
+                if (j + 1 == o.n[0] || (blockIdx.x + (j + 1) * G) * 8 / GROWS != h) {
+                    asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(cnt + C_QKV + h), "r"(n) : "memory");
+                    n = 0;
+                }
+            }
+        }
         stamp(3);
         if (compute && blockIdx.x < NKV * SHARES) attention(p, l, (float*)xq, &flag, waits);
         stamp(4);
-        wait_count(cnt + C_ATT, NKV, waits && !OSPLIT);
+        wait_count(cnt + C_ATT, NKV, waits);
         stamp(5);
-        consume<NS, 1>(p, o, ring, full, empty, seq, p.xqa + (u64)l * (QD * 5 / 2), p.o + (u64)l * D, red, compute, cnt + C_HD);
+        consume<NS, 1>(p, o, ring, full, empty, seq, p.xqa + (u64)l * (QD * 5 / 2), p.o + (u64)l * D, red, compute);
         done(cnt + C_O);
         stamp(6);
         {
@@ -671,17 +593,14 @@ __global__ void __launch_bounds__(BT, 1) layers(const __grid_constant__ Prm p) {
             if (compute) norm_pair<false>(p.o + (u64)l * D, resid, nw, xq, nullptr, scr);
         }
         stamp(8);
-        consume<NS, 2>(p, o, ring, full, empty, seq, xq, p.glu + (u64)l * FF, red, compute, cnt + C_GQ);
-        if (!DFEED) done(cnt + C_GU);
+        consume<NS, 2>(p, o, ring, full, empty, seq, xq, p.glu + (u64)l * FF, red, compute);
+        done(cnt + C_GU);
         stamp(9);
-        if (!DFEED) wait_count(cnt + C_GU, G, waits);
+        wait_count(cnt + C_GU, G, waits);
         stamp(10);
-        if (compute && !DFEED) {
-            quantize_ff<CT, FF / 4>(p.glu + (u64)l * FF, xq, 0, threadIdx.x);
-            cbar();
-        }
+        if (compute) quantize_ff(p.glu + (u64)l * FF, xq);
         stamp(11);
-        consume<NS, 3>(p, o, ring, full, empty, seq, xq, p.dn + (u64)l * D, red, compute, cnt + C_GQ, dpart, dcnt);
+        consume<NS, 3>(p, o, ring, full, empty, seq, xq, p.dn + (u64)l * D, red, compute, dpart, dcnt);
         done(cnt + C_DN);
         stamp(12);
     }
@@ -758,25 +677,12 @@ int main(int argc, char** argv) {
         return v;
     };
     std::vector<Matrix> keep;
-    std::vector<const u8*> wo_rows;  // each layer's W_o, row-major
     for (int l = 0; l < L; l++) {
         Layer& y = p.ly[l];
         Matrix m[5] = {make_matrix(QKV, D, false), make_matrix(D, QD, false), make_matrix(FF, D, false), make_matrix(FF, D, false),
                        make_matrix(D, FF, false)};
         for (auto& x : m) wbytes += x.bytes, keep.push_back(x);
         y.wqkv = m[0].w, y.wo = m[1].w, y.wg = m[2].w, y.wu = m[3].w, y.wd = m[4].w;
-        if (OSPLIT) {
-            // W_o tile by tile (tile kv head h * 60 + 64-row block b: rows 64b.., the head's 512
-            // columns), the row-major original kept for the reference.
-            constexpr u64 rbo = QD / 256 * 144, rbt = rbo / NKV;
-            u8* tiled;
-            CK(cudaMalloc(&tiled, m[1].bytes));
-            for (int h = 0; h < NKV; h++)
-                for (int b = 0; b < D / 64; b++)
-                    CK(cudaMemcpy2D(tiled + (u64)(h * (D / 64) + b) * 64 * rbt, rbt, m[1].w + (u64)b * 64 * rbo + h * rbt, rbo, rbt, 64, cudaMemcpyDeviceToDevice));
-            y.wo = tiled;
-        }
-        wo_rows.push_back(m[1].w);
         y.n_in = vec(D, 1.f, 0.5f), y.n_pa = vec(D, 1.f, 0.5f), y.n_pf = vec(D, 1.f, 0.5f), y.n_po = vec(D, 1.f, 0.5f);
         y.kc = vec(NKV * P * HD, 0.f, 2.f), y.vc = vec(NKV * P * HD, 0.f, 2.f);
     }
@@ -788,7 +694,7 @@ int main(int argc, char** argv) {
         return v;
     };
     p.qkv = buf((u64)L * QKV), p.att = buf((u64)L * QD), p.o = buf((u64)L * D), p.glu = buf((u64)L * FF), p.dn = buf((u64)L * D);
-    p.res = buf(D), p.part = buf((u64)L * NH * SHARES * (HD + 2)), p.opart = buf((u64)L * NKV * D);
+    p.res = buf(D), p.part = buf((u64)L * NH * SHARES * (HD + 2));
     CK(cudaMalloc(&p.xqa, (size_t)L * QD * 5 / 2));
     const size_t ncnt = (size_t)L * NCNT;
     CK(cudaMalloc(&p.cnt, 4 * ncnt));
@@ -824,7 +730,7 @@ int main(int argc, char** argv) {
         ref_mv<F_Q4_K><<<QKV / 4, 128>>>(y.wqkv, rb3840, QKV, r_xq, D, r_qkv);
         r_attn<<<NH, HD, 4 * P>>>(r_qkv, y.kc, y.vc, P, r_att);
         quant_x<<<QD / 256, 256>>>(r_att, r_xq, QD);
-        ref_mv<F_Q4_K><<<D / 4, 128>>>(wo_rows[l], rb4096, D, r_xq, QD, r_o);
+        ref_mv<F_Q4_K><<<D / 4, 128>>>(p.ly[l].wo, rb4096, D, r_xq, QD, r_o);
         r_norm<<<1, 512>>>(r_o, y.n_pa, r_x, y.n_pf, D, r_xq, r_h);
         ref_mv<F_Q4_K><<<FF / 4, 128>>>(y.wg, rb3840, FF, r_xq, D, r_g);
         ref_mv<F_Q4_K><<<FF / 4, 128>>>(y.wu, rb3840, FF, r_xq, D, r_u);
@@ -847,7 +753,7 @@ int main(int argc, char** argv) {
     const char* names[4] = {"full", "no dependency waits", "stream only", "no copies (smem as found)"};
     const int ns = 8;
     for (int pass = 0; pass < 2; pass++)
-        for (int lim : {8, 2})
+        for (int lim : {8, 4, 3, 2})
             for (int mode : {0, 1, 2, 3}) {
                 if (!PRODUCER && lim != ns) continue;
                 auto k = layers<8>;
@@ -889,7 +795,9 @@ int main(int argc, char** argv) {
                     // Block 0's tiles, layers 1..L-1, per matrix, µs: asked for -> past the wait
                     // (the bytes' latency where the group waited), the group's wait, its work
                     // (past the wait -> stage freed), tiles of the block in flight when one is
-                    // asked for (asked for, not yet past their wait).
+                    // asked for (asked for, not yet past their wait); summed over a group's tiles
+                    // of a layer: wait, work, and what its first warp did between freeing a stage
+                    // and reaching its next tile of the matrix (the sums written out, arrivals).
                     if (mode == 0) {
                         std::vector<long long> tr(4 * (size_t)per0 * L);
                         CK(cudaMemcpy(tr.data(), p.trace, 8 * tr.size(), cudaMemcpyDeviceToHost));
@@ -897,6 +805,7 @@ int main(int argc, char** argv) {
                         printf("    block 0's tiles (µs: asked -> landed where waited, wait, work; in flight when asked; sums over a group's tiles):");
                         for (int m = 0, off = 0; m < 4; off += n0[m++]) {
                             std::vector<double> lat, wt, wk, fl;
+                            double saf = 0;
                             for (int l = 1; l < L; l++)
                                 for (int j = 0; j < n0[m]; j++) {
                                     const size_t sq = (size_t)l * per0 + off + j;
@@ -908,12 +817,13 @@ int main(int argc, char** argv) {
                                     for (size_t s2 = sq > 16 ? sq - 16 : 0; s2 < sq; s2++)
                                         if (tr[4 * s2] <= q[0] && tr[4 * s2 + 2] > q[0]) n++;
                                     fl.push_back(n);
+                                    if (j + GROUPS < n0[m]) saf += (tr[4 * (sq + GROUPS) + 1] - q[3]) / clk;
                                 }
                             double swt = 0, swk = 0;
                             for (size_t i = 0; i < wt.size(); i++) swt += wt[i], swk += wk[i];
                             const double per = (double)(L - 1) * GROUPS;  // a group's share of a layer
-                            printf(" %s %.1f (%zu of %zu waited), %.2f, %.2f; %.1f; a group's layer: wait %.1f, work %.1f%s", mat[m],
-                                   lat.empty() ? 0.0 : median(lat), lat.size(), wt.size(), median(wt), median(wk), median(fl), swt / per, swk / per,
+                            printf(" %s %.1f (%zu of %zu waited), %.2f, %.2f; %.1f; a group's layer: wait %.1f, work %.1f, after %.1f%s", mat[m],
+                                   lat.empty() ? 0.0 : median(lat), lat.size(), wt.size(), median(wt), median(wk), median(fl), swt / per, swk / per, saf / per,
                                    m == 3 ? "\n" : " |");
                         }
                     }
