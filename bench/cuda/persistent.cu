@@ -9,17 +9,17 @@
 // of 4 consumer warps take alternate tiles (each its own stages).
 //
 // Dependencies (the second design, issue 4ba; the first, 4q/4ag, spent most of a layer in its
-// dependent steps, each a chain of round trips): q/k/v's rows are grouped by kv head (the two
-// query heads, the key, the value: 1,024 rows), and each block counts its tiles per kv head after
-// its last one, so a kv head's attention starts once its own rows are done; attention is split into 16 shares of the
-// past per kv head (blocks 0..127), every cached row of a share loaded in one round trip, the
-// share's partial softmax merged over the block's warps in shared memory; the last share of a kv
-// head merges the shares and writes its two heads' output quantized for o, whose consumers load
-// their activations from there (no per-block quantization); the blocks meet at arrival counters
-// after o, gate/up and down (the norms need whole rows), and each computes the norm pairs itself
-// with every input of a norm loaded in one round trip (its weights before the wait) and keeps its
-// own copy of the residual in shared memory; the down projection's activations are read from
-// shared memory per tile (not held in registers for the whole matrix).
+// dependent steps, each a chain of round trips): q/k/v's rows are grouped by kv head (the two query
+// heads, the key, the value: 1,024 rows), and each block counts its tiles per kv head after its
+// last one, so a kv head's attention starts once its own rows are done; attention is split into 16
+// shares of the past per kv head (blocks 0..127), every cached row of a share loaded in one round
+// trip, the share's partial softmax merged over the block's warps in shared memory; the last share
+// of a kv head merges the shares and writes its two heads' output quantized for o, whose consumers
+// load their activations from there (no per-block quantization); the blocks meet at arrival
+// counters after o, gate/up and down (the norms need whole rows), and each computes the norm pairs
+// itself with every input of a norm loaded in one round trip (its weights before the wait) and
+// keeps its own copy of the residual in shared memory; the down projection's activations are read
+// from shared memory per tile (not held in registers for the whole matrix).
 //
 // Modes: full; no dependency waits (what the same work costs without them; results wrong); stream
 // only (the copies alone); no copies (the consumers compute on the ring as they find it, with the
@@ -566,7 +566,7 @@ __global__ void __launch_bounds__(BT, 1) layers(const __grid_constant__ Prm p) {
         if (compute && threadIdx.x == 0) {
             // q/k/v's arrivals: the block's tiles b, b + G, ... counted per kv head (tile t: rows
             // 8t..8t+7, kv head t / 128) after the last of them, one release and then a relaxed
-            // addition a head (a release per tile held its group 0.5-2 µs under the stream, and
+            // addition a head (a release per tile held its group ~2 µs under the stream, and
             // the block's attention starts only here anyway; issue 4bc).
             __threadfence();
             for (int j = 0, n = 0; j < o.n[0]; j++) {
@@ -797,7 +797,8 @@ int main(int argc, char** argv) {
                     // (past the wait -> stage freed), tiles of the block in flight when one is
                     // asked for (asked for, not yet past their wait); summed over a group's tiles
                     // of a layer: wait, work, and what its first warp did between freeing a stage
-                    // and reaching its next tile of the matrix (the sums written out, arrivals).
+                    // and reaching its next tile of the matrix (asking for the refill, the sums
+                    // written out).
                     if (mode == 0) {
                         std::vector<long long> tr(4 * (size_t)per0 * L);
                         CK(cudaMemcpy(tr.data(), p.trace, 8 * tr.size(), cudaMemcpyDeviceToHost));
