@@ -568,15 +568,13 @@ __global__ void __launch_bounds__(BT, 1) layers(const __grid_constant__ Prm p) {
             // 8t..8t+7, kv head t / 128) after the last of them, one release and then a relaxed
             // addition a head (a release per tile held its group ~2 µs under the stream, and
             // the block's attention starts only here anyway; issue 4bc).
+            auto head = [&](int j) { return (blockIdx.x + j * G) * 8 / GROWS; };
             __threadfence();
-            for (int j = 0, n = 0; j < o.n[0]; j++) {
-                const int h = (blockIdx.x + j * G) * 8 / GROWS;
-                n++;
-                if (j + 1 == o.n[0] || (blockIdx.x + (j + 1) * G) * 8 / GROWS != h) {
-                    asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(cnt + C_QKV + h), "r"(n) : "memory");
+            for (int j = 0, n = 1; j < o.n[0]; j++, n++)
+                if (j + 1 == o.n[0] || head(j + 1) != head(j)) {
+                    asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(cnt + C_QKV + head(j)), "r"(n) : "memory");
                     n = 0;
                 }
-            }
         }
         stamp(3);
         if (compute && blockIdx.x < NKV * SHARES) attention(p, l, (float*)xq, &flag, waits);
@@ -730,7 +728,7 @@ int main(int argc, char** argv) {
         ref_mv<F_Q4_K><<<QKV / 4, 128>>>(y.wqkv, rb3840, QKV, r_xq, D, r_qkv);
         r_attn<<<NH, HD, 4 * P>>>(r_qkv, y.kc, y.vc, P, r_att);
         quant_x<<<QD / 256, 256>>>(r_att, r_xq, QD);
-        ref_mv<F_Q4_K><<<D / 4, 128>>>(p.ly[l].wo, rb4096, D, r_xq, QD, r_o);
+        ref_mv<F_Q4_K><<<D / 4, 128>>>(y.wo, rb4096, D, r_xq, QD, r_o);
         r_norm<<<1, 512>>>(r_o, y.n_pa, r_x, y.n_pf, D, r_xq, r_h);
         ref_mv<F_Q4_K><<<FF / 4, 128>>>(y.wg, rb3840, FF, r_xq, D, r_g);
         ref_mv<F_Q4_K><<<FF / 4, 128>>>(y.wu, rb3840, FF, r_xq, D, r_u);
@@ -806,13 +804,14 @@ int main(int argc, char** argv) {
                         printf("    block 0's tiles (µs: asked -> landed where waited, wait, work; in flight when asked; sums over a group's tiles):");
                         for (int m = 0, off = 0; m < 4; off += n0[m++]) {
                             std::vector<double> lat, wt, wk, fl;
-                            double saf = 0;
+                            double swt = 0, swk = 0, saf = 0;
                             for (int l = 1; l < L; l++)
                                 for (int j = 0; j < n0[m]; j++) {
                                     const size_t sq = (size_t)l * per0 + off + j;
                                     const long long* q = &tr[4 * sq];
                                     wt.push_back((q[2] - q[1]) / clk);
                                     wk.push_back((q[3] - q[2]) / clk);
+                                    swt += wt.back(), swk += wk.back();
                                     if (q[2] - q[1] > clk / 10) lat.push_back((q[2] - q[0]) / clk);
                                     int n = 0;
                                     for (size_t s2 = sq > 16 ? sq - 16 : 0; s2 < sq; s2++)
@@ -820,8 +819,6 @@ int main(int argc, char** argv) {
                                     fl.push_back(n);
                                     if (j + GROUPS < n0[m]) saf += (tr[4 * (sq + GROUPS) + 1] - q[3]) / clk;
                                 }
-                            double swt = 0, swk = 0;
-                            for (size_t i = 0; i < wt.size(); i++) swt += wt[i], swk += wk[i];
                             const double per = (double)(L - 1) * GROUPS;  // a group's share of a layer
                             printf(" %s %.1f (%zu of %zu waited), %.2f, %.2f; %.1f; a group's layer: wait %.1f, work %.1f, after %.1f%s", mat[m],
                                    lat.empty() ? 0.0 : median(lat), lat.size(), wt.size(), median(wt), median(wk), median(fl), swt / per, swk / per, saf / per,
